@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates ./.venv once and installs trl-dance (editable) with the extras given as $1 (e.g. "dev").
+# Re-running is a no-op unless pyproject.toml or the extras changed.
+#
+# torch: TORCH_SPEC overrides the requirement (e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA index>").
+# The default pins the release this project is tested with; pip then picks the build for your platform
+# (the CUDA build on Linux x86_64 GPU machines, a local CPU wheel on the project's CI machines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+venv="${TRL_DANCE_VENV:-.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+stamp="$venv/.trl-dance-install"
+want="$(sha1sum pyproject.toml | cut -d' ' -f1) [$extras] ${TORCH_SPEC:-torch==2.13.0}"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "Installing trl-dance[$extras] into $venv (about 2 minutes on a fresh machine)..."
+    export PIP_DISABLE_PIP_VERSION_CHECK=1
+    # shellcheck disable=SC2086
+    # (This machine's pip config lists local wheel folders that may be absent; drop those warnings only.)
+    "$venv/bin/pip" install -q ${TORCH_SPEC:-torch==2.13.0} 2> >(grep -v "^WARNING: Location" >&2)
+    "$venv/bin/pip" install -q -e ".${extras:+[$extras]}" 2> >(grep -v "^WARNING: Location" >&2)
+    "$venv/bin/python" -c "import trl_dance, torch, trl, diffusers" # fail loudly if the install did not work
+    echo "$want" > "$stamp"
+fi

@@ -1,0 +1,44 @@
+"""trl-dance: reinforcement learning and preference optimization for diffusion models, as TRL trainers."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0.dev0"
+
+# Public names, imported on first use so `import trl_dance` stays cheap (as in trl).
+_LAZY = {
+    "DanceGRPOConfig": "trl_dance.trainer.dance_grpo_config",
+    "DanceGRPOTrainer": "trl_dance.trainer.dance_grpo_trainer",
+    "SDEStepOutput": "trl_dance.sde",
+    "flow_sde_step": "trl_dance.sde",
+    "ddim_sde_step": "trl_dance.sde",
+    "dance_sigmas": "trl_dance.sde",
+    "patch_scheduler": "trl_dance.schedulers",
+    "get_reward_function": "trl_dance.rewards",
+}
+
+__all__ = [
+    "DanceGRPOConfig",
+    "DanceGRPOTrainer",
+    "SDEStepOutput",
+    "dance_sigmas",
+    "ddim_sde_step",
+    "flow_sde_step",
+    "get_reward_function",
+    "patch_scheduler",
+]
+
+if TYPE_CHECKING:
+    from .rewards import get_reward_function
+    from .schedulers import patch_scheduler
+    from .sde import SDEStepOutput, dance_sigmas, ddim_sde_step, flow_sde_step
+    from .trainer.dance_grpo_config import DanceGRPOConfig
+    from .trainer.dance_grpo_trainer import DanceGRPOTrainer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trl_dance' has no attribute {name!r}")

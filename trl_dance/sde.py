@@ -1,0 +1,202 @@
+"""Stochastic denoising steps with exact Gaussian log-probabilities.
+
+Pure tensor math, no model code. Conventions (see ALGORITHMS.md §2-3):
+
+* Rectified flow: ``x_σ = (1 − σ) x0 + σ ε``; ``σ = 1`` is pure noise, ``σ = 0`` is data. The network predicts the
+  velocity ``v ≈ ε − x0``. A step goes from ``σ`` to ``σ_next < σ``.
+* ε-prediction diffusion: ``x_t = sqrt(ᾱ_t) x0 + sqrt(1 − ᾱ_t) ε``; the network predicts ``ε``.
+
+Every function computes in float32 whatever the input dtype, and returns float32 tensors. Batch is the first
+dimension of ``sample``; ``log_prob`` is reduced over all the other dimensions (mean by default, which is the
+convention the published clip range 1e-4 is tuned for).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SDEType = Literal["dance", "flow_grpo", "cps"]
+Reduction = Literal["mean", "sum"]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class SDEStepOutput:
+    """Result of one stochastic step.
+
+    Attributes:
+        prev_sample: (B, ...) float32, the next, less noisy latent (sampled, or the one that was scored).
+        log_prob: (B,) float32 log-density of ``prev_sample`` under the step's Gaussian, reduced over non-batch
+            dims; ``None`` when not requested. For ``sde_type="cps"`` it is the published pseudo log-prob
+            ``−reduce((prev_sample − mean)²)``.
+        mean: (B, ...) float32 mean of the Gaussian transition.
+        std: (B,) float32 standard deviation of the transition (isotropic).
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor | None
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A float or (B,) tensor as a float32 tensor of shape (B, 1, ..., 1) broadcastable against ``like``."""
+    batch = like.shape[0]
+    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.ndim == 0:
+        value = value.expand(batch)
+    if value.shape != (batch,):
+        raise ValueError(f"expected a float or a tensor of shape ({batch},), got shape {tuple(value.shape)}")
+    return value.view(batch, *([1] * (like.ndim - 1)))
+
+
+def _gaussian_step(
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    prev_sample: torch.Tensor | None,
+    generator: torch.Generator | None,
+    compute_log_prob: bool,
+    reduction: Reduction,
+    pseudo_log_prob: bool = False,
+) -> SDEStepOutput:
+    """Sample (or score) ``prev_sample ~ N(mean, std² I)``; ``std`` has shape (B, 1, ..., 1)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if prev_sample is None:
+        noise = torch.randn(
+            mean.shape,
+            generator=generator,
+            dtype=torch.float32,
+            device=generator.device if generator is not None else mean.device,
+        ).to(mean.device)
+        prev_sample = mean + std * noise
+    else:
+        if prev_sample.shape != mean.shape:
+            raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}")
+        prev_sample = prev_sample.detach().to(torch.float32)
+
+    log_prob = None
+    if compute_log_prob:
+        if bool((std <= 0).any()):
+            raise ValueError(
+                "the step has zero standard deviation (noise level 0, or a step onto sigma = 0 with sde_type='cps'): "
+                "its log-probability is undefined. Use a positive noise level, or compute_log_prob=False for the "
+                "deterministic step."
+            )
+        if pseudo_log_prob:
+            per_element = -((prev_sample - mean) ** 2)
+        else:
+            per_element = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+        dims = tuple(range(1, mean.ndim))
+        log_prob = per_element.mean(dim=dims) if reduction == "mean" else per_element.sum(dim=dims)
+    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std.flatten())
+
+
+def flow_sde_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    sde_type: SDEType = "dance",
+    noise_level: float = 0.3,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sigma_max: float | torch.Tensor | None = None,
+    reduction: Reduction = "mean",
+    compute_log_prob: bool = True,
+) -> SDEStepOutput:
+    """One stochastic rectified-flow step from ``sigma`` to ``sigma_next`` with its log-probability.
+
+    Args:
+        model_output: (B, ...) predicted velocity ``v ≈ ε − x0``.
+        sample: (B, ...) current latent ``x_σ``.
+        sigma, sigma_next: noise levels in [0, 1], ``sigma > sigma_next``; floats or (B,) tensors.
+        sde_type: ``"dance"`` (constant diffusion ``s = noise_level``, DanceGRPO), ``"flow_grpo"``
+            (``s = noise_level · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), or ``"cps"``
+            (coefficients-preserving sampling, ``std = σ_next · sin(noise_level · π/2)``, pseudo log-prob).
+        noise_level: η for ``dance``, ``a`` for ``flow_grpo`` and ``cps``. 0 gives the deterministic Euler step.
+        prev_sample: if given, it is scored (detached) instead of sampling a new one.
+        generator: random generator for the sampled noise.
+        sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``.
+        reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
+        compute_log_prob: set False to skip the log-prob (required for a zero-noise step).
+
+    Returns:
+        :class:`SDEStepOutput` with float32 tensors.
+    """
+    v = model_output.to(torch.float32)
+    x = sample.to(torch.float32)
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    delta = s - s_next
+    x0_hat = x - s * v
+    eps_hat = x + (1 - s) * v
+
+    if sde_type == "cps":
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
+        return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, pseudo_log_prob=True)
+
+    if sde_type == "dance":
+        diffusion = torch.full_like(s, float(noise_level))
+    elif sde_type == "flow_grpo":
+        if sigma_max is None and bool((s >= 1).any()):
+            raise ValueError("sde_type='flow_grpo' at sigma = 1 needs sigma_max, the next value of the sigma grid")
+        s_tilde = torch.where(s >= 1, _per_sample(sigma_max if sigma_max is not None else 0.0, x), s)
+        diffusion = noise_level * torch.sqrt(s / (1 - s_tilde))
+    else:
+        raise ValueError(f"sde_type must be 'dance', 'flow_grpo' or 'cps', got {sde_type!r}")
+
+    mean = x - delta * (v + diffusion**2 / (2 * s) * eps_hat)
+    std = diffusion * torch.sqrt(delta)
+    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction)
+
+
+def ddim_sde_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    alpha_prod_t: float | torch.Tensor,
+    alpha_prod_t_prev: float | torch.Tensor,
+    *,
+    eta: float = 1.0,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    reduction: Reduction = "mean",
+    compute_log_prob: bool = True,
+) -> SDEStepOutput:
+    """One DDIM step with noise ``eta`` (DDPO) for ε-prediction models, with its log-probability.
+
+    Args:
+        model_output: (B, ...) predicted noise ε̂.
+        sample: (B, ...) current latent ``x_t``.
+        alpha_prod_t, alpha_prod_t_prev: cumulative alphas ``ᾱ_t`` and ``ᾱ_{t'}`` in (0, 1]; floats or (B,).
+        eta: DDIM η; 0 is the deterministic DDIM step, 1 the DDPM-like posterior variance.
+        prev_sample, generator, reduction, compute_log_prob: as in :func:`flow_sde_step`.
+    """
+    eps = model_output.to(torch.float32)
+    x = sample.to(torch.float32)
+    a_t = _per_sample(alpha_prod_t, x)
+    a_prev = _per_sample(alpha_prod_t_prev, x)
+    x0_hat = (x - torch.sqrt(1 - a_t) * eps) / torch.sqrt(a_t)
+    variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+    std = eta * torch.sqrt(variance.clamp_min(0))
+    mean = torch.sqrt(a_prev) * x0_hat + torch.sqrt((1 - a_prev - std**2).clamp_min(0)) * eps
+    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction)
+
+
+def dance_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """DanceGRPO's shifted schedule: ``σ_k = s·u / (1 + (s − 1)·u)``, ``u = 1 − k/N``, ``k = 0..N``.
+
+    Returns:
+        (num_steps + 1,) float32, from exactly 1 down to exactly 0.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return (shift * u / (1 + (shift - 1) * u)).to(torch.float32)

@@ -1,0 +1,300 @@
+"""Tiny, random-weight diffusers pipelines built fully offline, for tests, demos and CPU benchmarks.
+
+Each builder returns a real diffusers pipeline in float32 on CPU, in eval mode, deterministic for a given seed,
+with tokenizers built in memory. Saved with ``save_pretrained`` they load back through the ordinary
+``<Pipeline>.from_pretrained(path)``, the path users take with Hub ids::
+
+    python -m trl_dance.testing flux ./tiny-flux        # writes a FluxPipeline folder
+
+Images are 32×32 (the VAEs downsample by 2); one 8-step generation takes a fraction of a second on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from collections.abc import Callable
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+TINY_RESOLUTION = 32
+_CHARS = string.ascii_lowercase + string.digits + ".,!?'-"
+_CLIP_DIM = 32
+
+
+def _clip_tokenizer() -> CLIPTokenizer:
+    # Character-level BPE (no merges): every prompt tokenizes without any downloaded vocabulary.
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in _CHARS:
+        vocab[char] = len(vocab)
+        vocab[char + "</w>"] = len(vocab)
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=[],
+        model_max_length=77,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+def _t5_tokenizer() -> T5Tokenizer:
+    chars = _CHARS + string.ascii_uppercase
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in chars] + [("▁" + c, -2.5) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def _clip_text_encoder(tokenizer: CLIPTokenizer, with_projection: bool = False) -> CLIPTextModel:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=_CLIP_DIM,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        projection_dim=_CLIP_DIM,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_act="gelu",
+        attention_dropout=0.0,
+        dropout=0.0,
+    )
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return T5EncoderModel(config)
+
+
+def _vae(latent_channels: int, scaling_factor: float, shift_factor: float | None) -> AutoencoderKL:
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=TINY_RESOLUTION,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=shift_factor is None,
+        use_post_quant_conv=shift_factor is None,
+    )
+
+
+def _sd_scheduler() -> DDIMScheduler:
+    return DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
+def _build(factory: Callable[[], DiffusionPipeline], seed: int) -> DiffusionPipeline:
+    # Fork the global RNG so building a pipeline does not perturb the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipeline = factory()
+    for component in pipeline.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
+    """A FluxPipeline (guidance-embedded transformer, CLIP + T5 text encoders, 4-channel VAE), 32×32 images."""
+
+    def factory():
+        tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+        return FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                shift=3.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=1.15,
+                base_image_seq_len=256,
+                max_image_seq_len=4096,
+            ),
+            vae=_vae(latent_channels=4, scaling_factor=1.5035, shift_factor=0.0609),
+            text_encoder=_clip_text_encoder(tokenizer),
+            tokenizer=tokenizer,
+            text_encoder_2=_t5_encoder(tokenizer_2, d_model=32),
+            tokenizer_2=tokenizer_2,
+            transformer=FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=16,
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,
+                pooled_projection_dim=_CLIP_DIM,
+                guidance_embeds=True,
+                axes_dims_rope=(4, 4, 8),
+            ),
+        )
+
+    return _build(factory, seed)
+
+
+def tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
+    """A StableDiffusion3Pipeline (MMDiT, two CLIPs with projection + T5), 32×32 images."""
+
+    def factory():
+        tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+        return StableDiffusion3Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=_vae(latent_channels=4, scaling_factor=1.5305, shift_factor=0.0609),
+            text_encoder=_clip_text_encoder(tokenizer, with_projection=True),
+            tokenizer=tokenizer,
+            text_encoder_2=_clip_text_encoder(tokenizer_2, with_projection=True),
+            tokenizer_2=tokenizer_2,
+            text_encoder_3=_t5_encoder(tokenizer_3, d_model=2 * _CLIP_DIM),
+            tokenizer_3=tokenizer_3,
+            transformer=SD3Transformer2DModel(
+                sample_size=TINY_RESOLUTION // 2,
+                patch_size=2,
+                in_channels=4,
+                out_channels=4,
+                num_layers=2,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                joint_attention_dim=2 * _CLIP_DIM,
+                caption_projection_dim=32,
+                pooled_projection_dim=2 * _CLIP_DIM,
+                pos_embed_max_size=TINY_RESOLUTION // 2,
+            ),
+        )
+
+    return _build(factory, seed)
+
+
+def _unet(**kwargs) -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=TINY_RESOLUTION // 2,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=8,
+        **kwargs,
+    )
+
+
+def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
+    """A StableDiffusionPipeline (SD1.x layout: UNet, one CLIP, DDIM scheduler), 32×32 images, no safety checker."""
+
+    def factory():
+        tokenizer = _clip_tokenizer()
+        return StableDiffusionPipeline(
+            vae=_vae(latent_channels=4, scaling_factor=0.18215, shift_factor=None),
+            text_encoder=_clip_text_encoder(tokenizer),
+            tokenizer=tokenizer,
+            unet=_unet(cross_attention_dim=_CLIP_DIM),
+            scheduler=_sd_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    return _build(factory, seed)
+
+
+def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
+    """A StableDiffusionXLPipeline (two CLIPs, pooled embeddings, ``add_time_ids``), 32×32 images."""
+
+    def factory():
+        tokenizer, tokenizer_2 = _clip_tokenizer(), _clip_tokenizer()
+        addition_time_embed_dim = 8
+        return StableDiffusionXLPipeline(
+            vae=_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None),
+            text_encoder=_clip_text_encoder(tokenizer),
+            text_encoder_2=_clip_text_encoder(tokenizer_2, with_projection=True),
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer_2,
+            unet=_unet(
+                cross_attention_dim=2 * _CLIP_DIM,
+                addition_embed_type="text_time",
+                addition_time_embed_dim=addition_time_embed_dim,
+                projection_class_embeddings_input_dim=6 * addition_time_embed_dim + _CLIP_DIM,
+            ),
+            scheduler=_sd_scheduler(),
+        )
+
+    return _build(factory, seed)
+
+
+TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
+    "flux": tiny_flux_pipeline,
+    "sd3": tiny_sd3_pipeline,
+    "sd": tiny_sd_pipeline,
+    "sdxl": tiny_sdxl_pipeline,
+}
+
+
+def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
+    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl) and ``save_pretrained`` it to ``directory``."""
+    if kind not in TINY_PIPELINES:
+        raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
+    TINY_PIPELINES[kind](seed).save_pretrained(directory)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Save a tiny random-weight diffusers pipeline to a folder.")
+    parser.add_argument("kind", choices=sorted(TINY_PIPELINES))
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(save_tiny_pipeline(args.kind, args.directory, args.seed))
+
+
+if __name__ == "__main__":
+    main()
