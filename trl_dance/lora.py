@@ -1,0 +1,57 @@
+"""LoRA through diffusers' PEFT integration, saved in the format ``Pipeline.load_lora_weights`` reads."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+
+def add_lora(denoiser: torch.nn.Module, peft_config: LoraConfig) -> torch.nn.Module:
+    """Freeze ``denoiser`` and add a trainable LoRA adapter (diffusers' ``add_adapter``; stays a ``ModelMixin``)."""
+    if not isinstance(peft_config, LoraConfig):
+        raise TypeError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}")
+    if peft_config.lora_dropout:
+        # Dropout makes the policy itself random: the recomputed log-prob would differ from the rollout's, and
+        # the PPO ratio would not be 1 on-policy.
+        raise ValueError(f"lora_dropout must be 0 for policy-gradient training, got {peft_config.lora_dropout}")
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(peft_config)
+    return denoiser
+
+
+def has_lora(denoiser: torch.nn.Module) -> bool:
+    return bool(getattr(denoiser, "_hf_peft_config_loaded", False))
+
+
+def save_lora(
+    pipeline_class: type[DiffusionPipeline],
+    denoiser_name: str,
+    denoiser: torch.nn.Module,
+    output_dir: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``pytorch_lora_weights.safetensors`` (+ adapter metadata, so ``lora_alpha != r`` reloads at the right
+    scale) for ``pipeline_class.load_lora_weights(output_dir)``.
+
+    Args:
+        pipeline_class: e.g. ``FluxPipeline``; its ``save_lora_weights`` writes the file.
+        denoiser_name: ``"transformer"`` or ``"unet"``.
+        denoiser: the unwrapped denoiser carrying the adapter.
+        state_dict: a full state dict of the denoiser to take the LoRA weights from (e.g. gathered by DeepSpeed);
+            defaults to the denoiser's own.
+    """
+    layers = get_peft_model_state_dict(denoiser, state_dict=state_dict)
+    if denoiser_name == "unet":
+        layers = convert_state_dict_to_diffusers(layers)
+    layers = {key: value.detach().to("cpu").contiguous() for key, value in layers.items()}
+    pipeline_class.save_lora_weights(
+        output_dir,
+        **{
+            f"{denoiser_name}_lora_layers": layers,
+            f"{denoiser_name}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict(),
+        },
+        safe_serialization=True,
+    )

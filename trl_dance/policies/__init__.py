@@ -1,0 +1,35 @@
+"""Model-family adapters behind one interface, :class:`DiffusionPolicy`."""
+
+from __future__ import annotations
+
+from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .flow_matching import FlowMatchingPolicy
+from .flux import FluxPolicy
+from .sd3 import SD3Policy
+
+_POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
+    FluxPipeline: FluxPolicy,
+    StableDiffusion3Pipeline: SD3Policy,
+}
+
+
+def make_policy(pipeline: DiffusionPipeline, settings: SamplerSettings) -> DiffusionPolicy:
+    """The policy adapter for a pipeline instance (subclasses of a supported pipeline class included)."""
+    for pipeline_class, policy_class in _POLICIES.items():
+        if isinstance(pipeline, pipeline_class):
+            return policy_class(pipeline, settings)
+    supported = ", ".join(cls.__name__ for cls in _POLICIES)
+    raise TypeError(f"no policy for {type(pipeline).__name__}; supported pipelines: {supported}")
+
+
+__all__ = [
+    "Conditioning",
+    "DiffusionPolicy",
+    "FlowMatchingPolicy",
+    "FluxPolicy",
+    "SD3Policy",
+    "SamplerSettings",
+    "make_policy",
+]

@@ -1,0 +1,41 @@
+"""Rewards computed from pixels alone: brightness (the demo's reward) and DDPO's JPEG (in)compressibility."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def _check(images: torch.Tensor) -> None:
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}")
+
+
+def brightness(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """Mean pixel value of each image, in [0, 1]. A reward a randomly initialised model can always improve."""
+    _check(images)
+    return images.float().mean(dim=(1, 2, 3)).tolist()
+
+
+def _jpeg_kb(images: torch.Tensor) -> list[float]:
+    _check(images)
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    sizes = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(array)).save(buffer, format="JPEG", quality=95)
+        sizes.append(buffer.tell() / 1000)
+    return sizes
+
+
+def jpeg_compressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """DDPO's compressibility: minus the size in kB of the 8-bit image saved as JPEG at quality 95."""
+    return [-size for size in _jpeg_kb(images)]
+
+
+def jpeg_incompressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """DDPO's incompressibility: the size in kB of the 8-bit image saved as JPEG at quality 95."""
+    return _jpeg_kb(images)

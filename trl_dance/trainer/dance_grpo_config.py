@@ -1,0 +1,207 @@
+"""Configuration of :class:`~trl_dance.DanceGRPOTrainer`."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import _BaseConfig
+from ..advantages import DEFAULT_EPSILON
+
+_SDE_TYPES = ("dance", "flow_grpo", "cps")
+
+
+@dataclass
+class DanceGRPOConfig(_BaseConfig):
+    r"""
+    Configuration for [`DanceGRPOTrainer`]: GRPO on the denoising chain of diffusion / rectified-flow models.
+
+    Defaults follow the DanceGRPO FLUX.1-dev recipe (16 steps, shift 3, η 0.3, 12 generations per prompt, clip
+    range 1e-4, 60% of the first N−1 steps trained, guidance embedding 3.5, 720×720, no KL). Field names follow
+    [`trl.GRPOConfig`] where the meaning is the same.
+
+    Units. One *sample* is one generated image (a trajectory of N steps). One *transition* is one of its denoising
+    steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)`` transitions.
+    ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
+    ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
+    generation_batch_size / num_processes · K / per_device_train_batch_size`` micro-batches, each consumed by one
+    ``training_step``, and ``steps_per_generation · num_iterations / gradient_accumulation_steps`` optimizer updates.
+
+    Parameters:
+        > Generation
+
+        num_generations (`int`, defaults to `12`): Group size G: samples per prompt (>= 2).
+        generation_batch_size (`int` or `None`, defaults to `None`): Samples per round over all processes; a
+            multiple of `num_generations` and of the number of processes. `None`: one group per process.
+        rollout_batch_size (`int` or `None`, defaults to `None`): Samples denoised together per process (memory
+            knob; results do not depend on it beyond float rounding). `None`: the whole local generation batch.
+        num_inference_steps (`int`, defaults to `16`): Denoising steps N per sample.
+        height (`int`, defaults to `720`), width (`int`, defaults to `720`): Image size in pixels.
+        guidance_scale (`float`, defaults to `3.5`): FLUX: the guidance embedding (no CFG). SD3: CFG scale, the
+            loss then goes through the CFG-combined prediction (1 disables CFG).
+        max_sequence_length (`int`, defaults to `512`): T5 tokens of the prompt.
+        sde_type (`str`, defaults to `"dance"`): Stochastic step: `"dance"` (constant diffusion η),
+            `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
+        eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
+        sigma_schedule (`str`, defaults to `"dance"`): `"dance"`: σ_k = s·u/(1+(s−1)u) with `shift`; `"pipeline"`:
+            the pipeline scheduler's own sigmas (FLUX's resolution-dependent shift, SD3's static shift).
+        shift (`float`, defaults to `3.0`): Shift s of the `"dance"` schedule.
+        share_initial_noise (`str`, defaults to `"group"`): `"group"`: the G samples of a prompt start from the same
+            noise; `"none"`: every sample has its own.
+        log_prob_reduction (`str`, defaults to `"mean"`): Reduce per-element log-densities by `"mean"` (the
+            convention the clip range 1e-4 is tuned for) or `"sum"`.
+
+        > Optimization
+
+        num_iterations (`int`, defaults to `1`): Passes over each round's transitions (μ in GRPO).
+        epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio.
+        beta (`float`, defaults to `0.0`): KL coefficient to the reference (the model with LoRA disabled, or a
+            frozen copy for full fine-tuning). 0 disables the KL term and its extra forward pass.
+        timestep_fraction (`float`, defaults to `0.6`): Fraction of the first N−1 steps trained per sample, drawn
+            at random per sample; the last step is never trained.
+        scale_rewards (`str`, defaults to `"group"`): Advantage scaling: group std (DanceGRPO), `"batch"` std
+            (Flow-GRPO) or `"none"`. The mean is always the group mean.
+        advantage_epsilon (`float` or `None`, defaults to `None`): Added to the std; `None`: 1e-8 (group), 1e-4
+            (batch).
+        adv_clip_max (`float`, defaults to `5.0`): Advantages are clipped to ±this.
+        reward_weights (`list[float]` or `None`, defaults to `None`): Weights of the reward functions in the sum;
+            `None`: all 1.
+
+        > Model
+
+        model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
+            `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"torch_dtype": "bfloat16"}`.
+    """
+
+    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
+
+    # Overridden TrainingArguments defaults.
+    learning_rate: float = field(
+        default=1e-5, metadata={"help": "AdamW learning rate (DanceGRPO FLUX: 1e-5 full, 3e-4 LoRA)."}
+    )
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
+    per_device_train_batch_size: int = field(
+        default=1, metadata={"help": "Transitions (denoising steps) per micro-batch per process."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=36, metadata={"help": "Micro-batches per optimizer update (default: 3 updates per 12×9 transitions)."}
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer updates."})
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Deprecated alias of activation_checkpointing (diffusers' enable_gradient_checkpointing)."},
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep dataset columns besides `prompt`: they are passed to the rewards."}
+    )
+
+    # Generation
+    num_generations: int = field(default=12, metadata={"help": "Samples per prompt (group size G)."})
+    generation_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples per round over all processes (default: one group per process)."}
+    )
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "Derived: micro-batches per round. If set, must equal the derived value."}
+    )
+    rollout_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples denoised together per process (default: all local samples)."}
+    )
+    num_inference_steps: int = field(default=16, metadata={"help": "Denoising steps N."})
+    height: int = field(default=720, metadata={"help": "Image height in pixels."})
+    width: int = field(default=720, metadata={"help": "Image width in pixels."})
+    guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding; SD3 CFG scale."})
+    max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
+    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
+    eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
+    sigma_schedule: str = field(
+        default="dance", metadata={"help": "dance | pipeline.", "choices": ["dance", "pipeline"]}
+    )
+    shift: float = field(default=3.0, metadata={"help": "Shift of the dance sigma schedule."})
+    share_initial_noise: str = field(
+        default="group",
+        metadata={"help": "group | none: initial noise shared within a group.", "choices": ["group", "none"]},
+    )
+    log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
+
+    # Optimization
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each round's transitions."})
+    epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no KL)."})
+    timestep_fraction: float = field(default=0.6, metadata={"help": "Fraction of the first N-1 steps trained."})
+    scale_rewards: str = field(
+        default="group", metadata={"help": "group | batch | none.", "choices": list(DEFAULT_EPSILON)}
+    )
+    advantage_epsilon: float | None = field(default=None, metadata={"help": "Added to the std (default by mode)."})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice("sde_type", self.sde_type, _SDE_TYPES)
+        _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
+        _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
+        _choice("scale_rewards", self.scale_rewards, tuple(DEFAULT_EPSILON))
+        _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (group statistics), got {self.num_generations}")
+        if self.num_inference_steps < 2:
+            raise ValueError(
+                f"num_inference_steps must be >= 2 (the last step is never trained), got {self.num_inference_steps}"
+            )
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.eta <= 0:
+            raise ValueError(f"eta must be > 0: a deterministic step has no log-probability, got {self.eta}")
+        if self.epsilon <= 0 or self.beta < 0 or self.num_iterations < 1:
+            raise ValueError("need epsilon > 0, beta >= 0 and num_iterations >= 1")
+
+        num_processes = self.world_size
+        if self.generation_batch_size is None:
+            self.generation_batch_size = self.num_generations * num_processes
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be a multiple of num_generations "
+                f"({self.num_generations})"
+            )
+        if self.generation_batch_size % num_processes:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be divisible by the number of processes "
+                f"({num_processes})"
+            )
+        transitions = self.per_device_generation_batch_size * self.timesteps_per_sample
+        if transitions % self.per_device_train_batch_size:
+            raise ValueError(
+                f"each process trains {self.per_device_generation_batch_size} samples × {self.timesteps_per_sample} "
+                f"steps = {transitions} transitions per round, which per_device_train_batch_size "
+                f"({self.per_device_train_batch_size}) must divide"
+            )
+        derived = transitions // self.per_device_train_batch_size
+        if self.steps_per_generation is not None and self.steps_per_generation != derived:
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} contradicts the derived value {derived} "
+                f"(= {transitions} transitions per process per round / per_device_train_batch_size); leave it unset"
+            )
+        self.steps_per_generation = derived
+        if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
+            raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
+
+    @property
+    def per_device_generation_batch_size(self) -> int:
+        """Samples each process generates per round."""
+        return self.generation_batch_size // self.world_size
+
+    @property
+    def timesteps_per_sample(self) -> int:
+        """K: transitions trained per sample."""
+        # The tolerance keeps e.g. 15 × 0.6 at 9 whatever the float rounding.
+        return max(1, math.floor((self.num_inference_steps - 1) * self.timestep_fraction + 1e-9))
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,448 @@
+"""DanceGRPO: GRPO over the denoising chain of diffusion and rectified-flow models, on TRL's trainer base."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from datasets import Dataset
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+from torch.utils.data import Sampler
+from transformers import TrainerCallback
+
+from .._compat import RepeatSampler, _BaseTrainer
+from ..advantages import group_advantages
+from ..lora import add_lora, has_lora, save_lora
+from ..policies import DiffusionPolicy, SamplerSettings, make_policy
+from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
+from .dance_grpo_config import DanceGRPOConfig
+
+
+def _identity(rows: list[dict]) -> list[dict]:
+    return rows
+
+
+def load_pipeline(model: str | DiffusionPipeline, init_kwargs: dict[str, Any] | None = None) -> DiffusionPipeline:
+    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained``), or as given."""
+    if isinstance(model, DiffusionPipeline):
+        return model
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
+    kwargs = dict(init_kwargs or {})
+    dtype = kwargs.get("torch_dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["torch_dtype"] = getattr(torch, dtype)
+    pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
+    return SamplerSettings(
+        num_inference_steps=args.num_inference_steps,
+        height=args.height,
+        width=args.width,
+        guidance_scale=args.guidance_scale,
+        noise_level=args.eta,
+        sde_type=args.sde_type,
+        sigma_schedule=args.sigma_schedule,
+        shift=args.shift,
+        max_sequence_length=args.max_sequence_length,
+        log_prob_reduction=args.log_prob_reduction,
+    )
+
+
+def _seed(*parts: int) -> int:
+    """A deterministic 63-bit seed mixed from integers (same on every process and run)."""
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & 0x7FFFFFFFFFFFFFFF
+    return value
+
+
+class DanceGRPOTrainer(_BaseTrainer):
+    """GRPO for diffusion models (DanceGRPO, arXiv:2505.07818), with TRL's Trainer machinery.
+
+    Each round, every process denoises its share of ``generation_batch_size`` samples with the policy's SDE
+    sampler, storing each step's latent and log-probability; rewards are gathered across processes and turned into
+    group advantages; a random ``timestep_fraction`` of each trajectory's first N−1 steps become transitions, which
+    are shuffled into micro-batches of ``per_device_train_batch_size``. Each ``training_step`` recomputes one
+    micro-batch's log-probabilities and takes the PPO-clipped loss, so gradient accumulation, accelerate and
+    DeepSpeed work as in any Trainer.
+
+    Args:
+        model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance (FLUX, SD3).
+        reward_funcs: a reward or a list of rewards, each a callable
+            ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``, a registered
+            name (``"brightness"``) or ``"module.path:function"``. Extra dataset columns are passed as keyword lists.
+        args: the configuration.
+        train_dataset: a ``datasets.Dataset`` with a ``prompt`` column.
+        peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` trains the
+            whole denoiser.
+        callbacks, optimizers: as in ``transformers.Trainer``.
+    """
+
+    _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers", "text-to-image"]
+    _name = "DanceGRPO"
+    _paper = {
+        "title": "DanceGRPO: Unleashing GRPO on Visual Generation",
+        "id": "2505.07818",
+        "citation": "@article{xue2025dancegrpo,\n  title={DanceGRPO: Unleashing GRPO on Visual Generation},\n"
+        "  author={Xue, Zeyue and others},\n  journal={arXiv preprint arXiv:2505.07818},\n  year={2025}\n}",
+    }
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean; the Trainer divides by GA
+
+    def __init__(
+        self,
+        model: str | DiffusionPipeline,
+        reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
+        args: DanceGRPOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        peft_config: LoraConfig | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            args = DanceGRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DanceGRPO")
+        if not isinstance(args, DanceGRPOConfig):
+            raise TypeError(f"args must be a DanceGRPOConfig, got {type(args).__name__}")
+
+        self.reward_funcs = self._resolve_rewards(reward_funcs)
+        self.reward_names = [reward_name(func) for func in self.reward_funcs]
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_funcs)} reward functions")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self._check_dataset(train_dataset, args)
+
+        pipeline = load_pipeline(model, args.model_init_kwargs)
+        self.policy: DiffusionPolicy = make_policy(pipeline, sampler_settings(args))
+        denoiser = self.policy.denoiser
+        if peft_config is not None:
+            add_lora(denoiser, peft_config)
+        else:
+            denoiser.requires_grad_(True)
+        # Full fine-tuning with a KL term needs a frozen copy; with LoRA the reference is the adapter disabled.
+        self.ref_model = None
+        if args.beta > 0 and peft_config is None:
+            self.ref_model = copy.deepcopy(denoiser).requires_grad_(False).eval()
+        if args.activation_checkpointing:
+            # transformers' Trainer enables checkpointing by this name; diffusers models call it differently.
+            denoiser.activation_checkpointing_enable = lambda **_: denoiser.enable_gradient_checkpointing()
+        if args.ddp_find_unused_parameters is None:
+            args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
+
+        super().__init__(
+            model=denoiser,
+            args=args,
+            data_collator=_identity,
+            train_dataset=train_dataset,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.policy.to(self.accelerator.device)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._step = 0  # micro-steps taken, counts training_step calls as trl.GRPOTrainer does
+        self._generation_round = 0
+        self._rollout: dict[str, Any] | None = None
+        self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Distinct per process (SDE noise, timestep choice); the initial noise is seeded per sample instead.
+        process_seed = _seed(args.seed, self.accelerator.process_index)
+        self._sde_generator = torch.Generator(device=self.accelerator.device).manual_seed(process_seed)
+        self._cpu_generator = torch.Generator().manual_seed(process_seed)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Construction checks
+
+    @staticmethod
+    def _resolve_rewards(reward_funcs) -> list[RewardFunc]:
+        if reward_funcs is None or (
+            isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
+        ):
+            raise ValueError("at least one reward function is required")
+        if isinstance(reward_funcs, str) or callable(reward_funcs):
+            reward_funcs = [reward_funcs]
+        return [get_reward_function(func) for func in reward_funcs]
+
+    @staticmethod
+    def _check_dataset(dataset: Dataset | None, args: DanceGRPOConfig) -> None:
+        if dataset is None:
+            raise ValueError("DanceGRPOTrainer needs a train_dataset with a 'prompt' column")
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}")
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"train_dataset needs a 'prompt' column; it has {dataset.column_names}")
+        prompts_per_round = args.generation_batch_size // args.num_generations
+        if len(dataset) < prompts_per_round:
+            raise ValueError(
+                f"train_dataset has {len(dataset)} prompts but each round uses {prompts_per_round} "
+                f"(generation_batch_size / num_generations)"
+            )
+
+    def _send_telemetry(self):
+        # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
+        return
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Data: one generation batch of prompt rows per round, repeated for every micro-step of the round
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def get_train_dataloader(self):
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.args.per_device_generation_batch_size,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler:
+        # Every process draws the same global order (same seed); accelerate gives process p the p-th slice of each
+        # global generation batch. Groups are contiguous and may span processes: rewards are gathered before the
+        # advantages are computed.
+        return RepeatSampler(
+            data_source=dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
+            shuffle=True,
+            seed=self.args.seed,
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step += 1
+        return loss
+
+    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        if self._step % generate_every == 0 or self._rollout is None:
+            self._generate_and_score(generation_batch)
+        return self._microbatch(self._microbatches[self._step % generate_every])
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rollout
+
+    def _initial_noise_generators(self, batch: int) -> list[torch.Generator]:
+        """One generator per local sample, seeded by (seed, round, group or sample id): process-count invariant."""
+        offset = self.accelerator.process_index * batch
+        group = self.args.share_initial_noise == "group"
+        ids = [(offset + j) // self.args.num_generations if group else offset + j for j in range(batch)]
+        return [torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, i)) for i in ids]
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: list[str],
+        generators: list[torch.Generator],
+        model: torch.nn.Module | None = None,
+        cond: dict[str, torch.Tensor] | None = None,
+        noise_generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Denoise one batch with the SDE sampler.
+
+        Args:
+            prompts: B prompts (ignored when ``cond`` is given).
+            generators: B generators for the initial noise.
+            model: the denoiser to call (default: the Trainer's wrapped model).
+            cond: precomputed conditioning of the B samples.
+            noise_generator: generator of the SDE noise (default: this process's rollout generator).
+
+        Returns:
+            ``latents`` (B, N+1, ...) float32, ``log_probs`` (B, N−1) float32 of the trainable steps, ``images``
+            (B, 3, H, W) float32 in [0, 1].
+        """
+        model = self.model_wrapped if model is None else model
+        if cond is None:
+            cond = self.policy.encode_prompts(prompts)
+        generator = self._sde_generator if noise_generator is None else noise_generator
+        num_steps = self.policy.num_steps
+        with self.compute_loss_context_manager():
+            latents = self.policy.initial_noise(generators)
+            trajectory, log_probs = [latents], []
+            for i in range(num_steps):
+                step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
+                output = self.policy.predict(model, latents, step_index, cond)
+                # The last step is never trained (its Gaussian is very sharp): no log-prob needed.
+                result = self.policy.step(
+                    output, latents, step_index, generator=generator, compute_log_prob=i < num_steps - 1
+                )
+                latents = result.prev_sample
+                trajectory.append(latents)
+                if result.log_prob is not None:
+                    log_probs.append(result.log_prob)
+            images = self.policy.decode(latents)
+        return {"latents": torch.stack(trajectory, 1), "log_probs": torch.stack(log_probs, 1), "images": images}
+
+    def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        batch = len(prompts)
+
+        # Encode each distinct prompt once, not once per generation.
+        unique = list(dict.fromkeys(prompts))
+        prompt_index = torch.tensor([unique.index(p) for p in prompts], device=device)
+        cond_table = self.policy.encode_prompts(unique)
+
+        generators = self._initial_noise_generators(batch)
+        chunk = args.rollout_batch_size or batch
+        parts = []
+        for start in range(0, batch, chunk):
+            idx = prompt_index[start : start + chunk]
+            parts.append(
+                self.sample(
+                    prompts[start : start + chunk],
+                    generators[start : start + chunk],
+                    cond={key: value[idx] for key, value in cond_table.items()},
+                )
+            )
+        rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+        rewards = score_images(self.reward_funcs, prompts, rollout["images"], columns)
+        all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
+        total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
+        all_advantages = group_advantages(
+            total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
+        )
+        start = self.accelerator.process_index * batch
+        advantages = all_advantages[start : start + batch]
+        self._log_rollout_metrics(all_rewards, total, all_advantages)
+
+        self._rollout = {
+            "latents": rollout["latents"],
+            "log_probs": rollout["log_probs"],
+            "advantages": advantages,
+            "prompt_index": prompt_index,
+            "cond": cond_table,
+            "prompts": prompts,
+            "images": rollout["images"],
+            "rewards": total[start : start + batch],
+        }
+        self._microbatches = self._plan_microbatches(batch)
+        self._generation_round += 1
+
+    def _plan_microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration."""
+        args = self.args
+        num_trainable = self.policy.num_steps - 1
+        k = args.timesteps_per_sample
+        # Each sample independently draws K of its first N−1 steps.
+        steps = torch.rand(batch, num_trainable, generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
+        samples = torch.arange(batch).repeat_interleave(k)
+        plan = []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(samples.numel(), generator=self._cpu_generator)
+            plan.extend((samples[c], steps[c]) for c in order.split(args.per_device_train_batch_size))
+        return plan
+
+    def _microbatch(self, indices: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rollout, device = self._rollout, self.accelerator.device
+        sample, step = (index.to(device) for index in indices)
+        cond_rows = rollout["prompt_index"][sample]
+        return {
+            "latents": rollout["latents"][sample, step],
+            "next_latents": rollout["latents"][sample, step + 1],
+            "step_index": step,
+            "old_log_prob": rollout["log_probs"][sample, step],
+            "advantages": rollout["advantages"][sample],
+            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+        }
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        latents, step_index = inputs["latents"], inputs["step_index"]
+        output = self.policy.predict(model, latents, step_index, inputs["cond"])
+        step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
+
+        log_ratio = step.log_prob - inputs["old_log_prob"]
+        ratio = torch.exp(log_ratio)
+        advantages = inputs["advantages"]
+        eps = self.args.epsilon
+        per_transition = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
+
+        if self.args.beta > 0:
+            ref_mean = self._reference_mean(model, inputs)
+            dims = tuple(range(1, step.mean.ndim))
+            kl = ((step.mean - ref_mean) ** 2).mean(dim=dims) / (2 * step.std**2)
+            per_transition = per_transition + self.args.beta * kl
+            self._record("kl", kl)
+        loss = per_transition.mean()
+
+        with torch.no_grad():
+            clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
+            self._record("clip_ratio/region_mean", clipped.float())
+            self._record("ratio/mean", ratio)
+            self._record("approx_kl", 0.5 * log_ratio**2)
+        return (loss, output) if return_outputs else loss
+
+    @torch.no_grad()
+    def _reference_mean(self, model, inputs) -> torch.Tensor:
+        latents, step_index = inputs["latents"], inputs["step_index"]
+        if self.ref_model is not None:
+            output = self.policy.predict(self.ref_model, latents, step_index, inputs["cond"])
+        else:
+            unwrapped = self.accelerator.unwrap_model(model)
+            unwrapped.disable_adapters()
+            try:
+                output = self.policy.predict(unwrapped, latents, step_index, inputs["cond"])
+            finally:
+                unwrapped.enable_adapters()
+        return self.policy.step(
+            output, latents, step_index, prev_sample=inputs["next_latents"], compute_log_prob=False
+        ).mean
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Metrics
+
+    def _record(self, name: str, values: torch.Tensor) -> None:
+        """Append the all-process mean of ``values`` to the metric ``name``."""
+        self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean().item())
+
+    def _log_rollout_metrics(self, all_rewards: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> None:
+        for column, name in enumerate(self.reward_names):
+            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean().item())
+            self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std().item())
+        self._metrics["reward"].append(total.mean().item())
+        self._metrics["reward_std"].append(total.std().item())
+        group_std = total.view(-1, self.args.num_generations).std(dim=1)
+        self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean().item())
+        self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        metrics = {key: sum(values) / len(values) for key, values in self._metrics.items() if values}
+        logs.update(metrics)
+        super().log(logs, start_time)
+        self._metrics.clear()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Saving: a diffusers-format LoRA, or the full denoiser
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        denoiser = self.accelerator.unwrap_model(self.model)
+        if has_lora(denoiser):
+            save_lora(type(self.policy.pipeline), self.policy.denoiser_name, denoiser, output_dir, state_dict)
+        else:
+            denoiser.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+__all__ = ["DanceGRPOTrainer", "load_pipeline", "sampler_settings"]
