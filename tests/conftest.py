@@ -1,0 +1,56 @@
+import os
+
+import pytest
+import torch
+
+from trl_dance.testing import save_tiny_pipeline
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Two pytest-xdist workers share two cores: one intra-op thread each.
+torch.set_num_threads(1)
+
+PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out", "proj_mlp"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Saved tiny pipelines, loaded by the trainers through DiffusionPipeline.from_pretrained like a Hub id."""
+    root = tmp_path_factory.mktemp("tiny-pipelines")
+    cache = {}
+
+    def get(kind: str) -> str:
+        if kind not in cache:
+            cache[kind] = save_tiny_pipeline(kind, str(root / kind))
+        return cache[kind]
+
+    return get
+
+
+def tiny_grpo_config(output_dir, **overrides):
+    from trl_dance import DanceGRPOConfig
+
+    values = {
+        "output_dir": str(output_dir),
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "num_generations": 4,
+        "generation_batch_size": 8,
+        "num_inference_steps": 6,
+        "height": 32,
+        "width": 32,
+        "max_sequence_length": 16,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 3,
+        "timestep_fraction": 1.0,
+        "eta": 1.0,
+        "learning_rate": 3e-2,
+        "max_steps": 2,
+    }
+    values.update(overrides)
+    return DanceGRPOConfig(**values)
