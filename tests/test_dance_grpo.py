@@ -169,7 +169,7 @@ def test_groups_rounds_and_advantages(tiny_model_dir, tmp_path):
     trainer.train()
     assert len(calls) == 2
     seen = set()
-    for prompts, values in calls:
+    for prompts, _values in calls:
         groups = [prompts[i : i + 4] for i in range(0, 8, 4)]
         assert all(len(set(g)) == 1 for g in groups) and groups[0][0] != groups[1][0]
         seen.update(g[0] for g in groups)
