@@ -286,6 +286,15 @@ class DanceGRPOTrainer(_BaseTrainer):
             images = self.policy.decode(latents)
         return {"latents": torch.stack(trajectory, 1), "log_probs": torch.stack(log_probs, 1), "images": images}
 
+    def generate_images(self, prompts: list[str], seed: int = 0) -> torch.Tensor:
+        """One image per prompt from the current policy with the training sampler, reproducible for ``seed``.
+
+        Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1].
+        """
+        generators = [torch.Generator().manual_seed(_seed(seed, i)) for i in range(len(prompts))]
+        noise = torch.Generator(device=self.accelerator.device).manual_seed(seed)
+        return self.sample(prompts, generators, model=self.model, noise_generator=noise)["images"]
+
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in rows]
