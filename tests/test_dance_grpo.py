@@ -307,3 +307,36 @@ def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
     assert (args.epsilon, args.beta, args.adv_clip_max, args.timestep_fraction) == (1e-4, 0.0, 5.0, 0.6)
     assert (args.guidance_scale, args.height, args.sde_type, args.share_initial_noise) == (3.5, 720, "dance", "group")
     assert args.timesteps_per_sample == 9 and args.steps_per_generation == 12 * 9
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_checkpoints_resume(tiny_model_dir, tmp_path, use_lora):
+    """Checkpoints are diffusers-format and `resume_from_checkpoint` loads them back (weights, optimizer, step)."""
+    peft = _lora() if use_lora else None
+    args = tiny_grpo_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, learning_rate=1e-3)
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
+    )
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (
+        checkpoint / ("pytorch_lora_weights.safetensors" if use_lora else "diffusion_pytorch_model.safetensors")
+    ).exists()
+    trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    resumed = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
+    )
+    resumed._load_from_checkpoint(str(checkpoint))
+    for key, value in resumed.model.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+
+    # Interrupted after step 1: resuming restores weights, optimizer and step counter, and trains on to step 2.
+    again = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
+    )
+    again._load_from_checkpoint(str(tmp_path / "checkpoint-1"))
+    at_step_1 = {k: v.clone() for k, v in again.model.state_dict().items()}
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert again.state.global_step == 2
+    assert any(not torch.equal(v, at_step_1[k]) for k, v in again.model.state_dict().items())

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils import convert_state_dict_to_diffusers
+from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
 from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
 
 def add_lora(denoiser: torch.nn.Module, peft_config: LoraConfig) -> torch.nn.Module:
@@ -55,3 +60,25 @@ def save_lora(
         },
         safe_serialization=True,
     )
+
+
+def load_lora(denoiser_name: str, denoiser: torch.nn.Module, directory: str) -> None:
+    """Load weights written by :func:`save_lora` back into the adapter ``denoiser`` already carries (resuming).
+
+    Raises:
+        FileNotFoundError if ``directory`` has no LoRA file; ValueError if the adapter's keys do not match.
+    """
+    path = os.path.join(directory, LORA_WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {LORA_WEIGHTS_NAME} in {directory}")
+    prefix = f"{denoiser_name}."
+    layers = {k[len(prefix) :]: v for k, v in safetensors.torch.load_file(path).items() if k.startswith(prefix)}
+    if denoiser_name == "unet":
+        layers = convert_unet_state_dict_to_peft(layers)
+    expected = set(get_peft_model_state_dict(denoiser))
+    if set(layers) != expected:
+        missing, unexpected = sorted(expected - set(layers)), sorted(set(layers) - expected)
+        raise ValueError(
+            f"LoRA in {directory} does not match the adapter: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    set_peft_model_state_dict(denoiser, layers)

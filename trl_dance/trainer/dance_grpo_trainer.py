@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from .._compat import RepeatSampler, _BaseTrainer
 from ..advantages import group_advantages
-from ..lora import add_lora, has_lora, save_lora
+from ..lora import add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
@@ -452,6 +452,15 @@ class DanceGRPOTrainer(_BaseTrainer):
         else:
             denoiser.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
+        denoiser = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if has_lora(denoiser):
+            load_lora(self.policy.denoiser_name, denoiser, resume_from_checkpoint)
+        else:
+            trained = type(denoiser).from_pretrained(resume_from_checkpoint, torch_dtype=denoiser.dtype)
+            denoiser.load_state_dict(trained.state_dict())
 
 
 __all__ = ["DanceGRPOTrainer", "load_pipeline", "sampler_settings"]
