@@ -1,79 +1,9 @@
-"""DanceGRPO on FLUX (or SD3) with trl-dance.
+"""DanceGRPO on FLUX.1-dev: recipes/grpo.py with its config.
 
-    accelerate launch recipes/grpo_flux.py --config recipes/configs/grpo_flux.yaml
-
-Any field of DanceGRPOConfig, trl.ModelConfig (model_name_or_path, use_peft, lora_*) or ScriptArguments below can
-be given in the YAML file or on the command line. Writes to output_dir: the LoRA (pytorch_lora_weights.safetensors,
-for Pipeline.load_lora_weights) or the full denoiser, reward_curve.png, and samples.png (top row: before training,
-bottom row: after, same seeds).
+accelerate launch recipes/grpo_flux.py --config recipes/configs/grpo_flux.yaml
 """
 
-import os
-from dataclasses import dataclass, field
-
-from trl import ModelConfig, TrlParser, get_peft_config
-
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
-from trl_dance.data import load_prompt_dataset
-from trl_dance.visualization import save_image_grid, save_reward_curve
-
-
-@dataclass
-class ScriptArguments:
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["brightness"],
-        metadata={"help": "Registered reward names or 'module.path:function'; weights in reward_weights."},
-    )
-    prompts_file: str | None = field(
-        default=None, metadata={"help": "Local .txt (one prompt per line) or .jsonl/.csv."}
-    )
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset with prompts (if no prompts_file)."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
-    num_sample_images: int = field(default=4, metadata={"help": "Prompts in the before/after sample grid (0: none)."})
-
-
-def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_args: ModelConfig) -> DanceGRPOTrainer:
-    dataset = load_prompt_dataset(
-        script_args.prompts_file,
-        script_args.dataset_name,
-        script_args.dataset_config,
-        script_args.dataset_train_split,
-        script_args.prompt_column,
-    )
-    if model_args.dtype is not None:
-        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "torch_dtype": model_args.dtype}
-    trainer = DanceGRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=script_args.reward_funcs,
-        args=training_args,
-        train_dataset=dataset,
-        peft_config=get_peft_config(model_args),
-    )
-    sample_prompts = dataset["prompt"][: script_args.num_sample_images]
-    before = trainer.generate_images(sample_prompts) if sample_prompts else None
-
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-
-    after = trainer.generate_images(sample_prompts) if sample_prompts else None
-    if trainer.accelerator.is_main_process:
-        output_dir = training_args.output_dir
-        rewards = save_reward_curve(
-            trainer.state.log_history,
-            os.path.join(output_dir, "reward_curve.png"),
-            title=" + ".join(trainer.reward_names),
-        )
-        print(f"reward: first step {rewards[0]:.4f}, last step {rewards[-1]:.4f} ({len(rewards)} rollouts)")
-        if before is not None:
-            save_image_grid([before, after], os.path.join(output_dir, "samples.png"), size=128)
-        print(f"wrote {output_dir}: {sorted(os.listdir(output_dir))}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    return trainer
-
+from grpo import cli
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, DanceGRPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    cli()

@@ -11,7 +11,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(1)
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out", "proj_mlp"]
+# Attention plus output projections (FLUX proj_mlp, UNet conv_out); names a family lacks are skipped by peft.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out", "proj_mlp", "conv_out"]
 
 
 @pytest.fixture(scope="session")

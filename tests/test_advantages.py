@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trl_dance.advantages import group_advantages
+from trl_dance.advantages import PerPromptStatTracker, group_advantages
 
 
 def test_group_advantages_match_hand_computation():
@@ -31,3 +31,22 @@ def test_bad_inputs():
         group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="scale_rewards"):
         group_advantages(torch.zeros(4), 2, scale_rewards="global")
+
+
+def test_per_prompt_stat_tracker_matches_hand_computation():
+    tracker = PerPromptStatTracker(buffer_size=3, min_count=2, epsilon=0.0)
+    # Round 1: "a" has 1 reward (< min_count) -> batch statistics; "b" has 2 -> its own buffer.
+    rewards = torch.tensor([1.0, 2.0, 4.0])
+    adv = tracker(["a", "b", "b"], rewards, clip=None)
+    batch_mean, batch_std = 7 / 3, torch.tensor([1.0, 2.0, 4.0]).std(correction=0).item()
+    assert adv[0].item() == pytest.approx((1 - batch_mean) / batch_std, rel=1e-6)
+    torch.testing.assert_close(adv[1:], torch.tensor([-1.0, 1.0]))  # (2 - 3) / 1, (4 - 3) / 1
+    # Round 2: "a" now has [1, 3] -> mean 2, std 1; "b"'s buffer keeps the last 3: [2, 4, 6] -> mean 4, std sqrt(8/3).
+    adv = tracker(["a", "b"], torch.tensor([3.0, 6.0]), clip=None)
+    assert adv[0].item() == pytest.approx(1.0)
+    assert adv[1].item() == pytest.approx((6 - 4) / (8 / 3) ** 0.5, rel=1e-6)
+    assert list(tracker.buffers["b"]) == [2.0, 4.0, 6.0]
+    restored = PerPromptStatTracker()
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.buffers == tracker.buffers and restored.min_count == 2
+    assert tracker(["c", "c"], torch.tensor([0.0, 100.0]), clip=5.0).abs().max() <= 5.0

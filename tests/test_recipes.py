@@ -11,15 +11,23 @@ from trl_dance import DanceGRPOConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd3"])
-def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, kind):
+@pytest.mark.parametrize(
+    ("script", "config", "kind"),
+    [
+        ("grpo_flux", "grpo_flux_tiny", "flux"),
+        ("grpo_sd3", "grpo_sd3_tiny", "sd3"),
+        ("grpo_sd", "grpo_sd_tiny", "sd"),
+        ("ddpo_sd", "ddpo_sd_tiny", "sd"),
+    ],
+)
+def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
     """The README's main job, shortened: the real script, the shipped YAML, command-line overrides."""
     output_dir = tmp_path / "out"
     command = [
         sys.executable,
-        os.path.join(ROOT, "recipes", f"grpo_{kind if kind == 'sd3' else 'flux'}.py"),
+        os.path.join(ROOT, "recipes", f"{script}.py"),
         "--config",
-        os.path.join(ROOT, "recipes", "configs", f"grpo_{kind}_tiny.yaml"),
+        os.path.join(ROOT, "recipes", "configs", f"{config}.yaml"),
         "--model_name_or_path",
         tiny_model_dir(kind),
         "--output_dir",
@@ -38,7 +46,7 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
     assert Image.open(output_dir / "samples.png").size == (2 * 128, 2 * 128)
 
 
-@pytest.mark.parametrize("name", ["grpo_flux.yaml", "grpo_sd3.yaml", "grpo_flux_tiny.yaml", "grpo_sd3_tiny.yaml"])
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "recipes", "configs"))))
 def test_shipped_configs_are_valid(name, tmp_path):
     """Every training field of every shipped YAML is a DanceGRPOConfig field and passes its checks."""
     with open(os.path.join(ROOT, "recipes", "configs", name)) as handle:
@@ -60,7 +68,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.
     if not values.get("use_cpu") and "generation_batch_size" in training:
         training["generation_batch_size"] //= 8
-    training.update(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    training.update(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none")
     config = DanceGRPOConfig(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
     assert config.steps_per_generation >= 1

@@ -1,7 +1,11 @@
-"""Group-relative advantages (ALGORITHMS.md §4). Pure tensor math on the gathered, global batch of rewards."""
+"""Advantages from rewards (ALGORITHMS.md §4-5): group-relative (GRPO) and per-prompt running statistics (DDPO).
+
+Both act on the gathered, all-process batch of rewards, so every process computes the same values.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Literal
 
 import torch
@@ -49,3 +53,47 @@ def group_advantages(
         advantages = centered
     advantages = advantages.flatten()
     return advantages.clamp(-clip, clip) if clip is not None else advantages
+
+
+class PerPromptStatTracker:
+    """DDPO's per-prompt statistics: ``A = (r − mean_p) / (std_p + ε)`` over the last ``buffer_size`` rewards of
+    prompt ``p``, or over the current batch while the prompt has fewer than ``min_count`` rewards.
+
+    Stds are population stds (ddof 0), ε = 1e-6, as in ddpo-pytorch. The state is a dict of per-prompt buffers,
+    saved with :meth:`state_dict` in checkpoints.
+    """
+
+    def __init__(self, buffer_size: int = 16, min_count: int = 16, epsilon: float = 1e-6):
+        if buffer_size < 1 or min_count < 1:
+            raise ValueError("buffer_size and min_count must be >= 1")
+        self.buffer_size, self.min_count, self.epsilon = buffer_size, min_count, epsilon
+        self.buffers: dict[str, deque[float]] = {}
+
+    def __call__(self, prompts: list[str], rewards: torch.Tensor, clip: float | None = 5.0) -> torch.Tensor:
+        """(B,) advantages for B (prompt, reward) pairs, after adding the rewards to the buffers."""
+        if len(prompts) != rewards.numel():
+            raise ValueError(f"{len(prompts)} prompts for {rewards.numel()} rewards")
+        rewards = rewards.to(torch.float32).flatten()
+        advantages = torch.empty_like(rewards)
+        for prompt in dict.fromkeys(prompts):
+            mask = torch.tensor([p == prompt for p in prompts], device=rewards.device)
+            buffer = self.buffers.setdefault(prompt, deque(maxlen=self.buffer_size))
+            buffer.extend(rewards[mask].tolist())
+            if len(buffer) < self.min_count:
+                mean, std = rewards.mean(), rewards.std(correction=0)
+            else:
+                history = torch.tensor(list(buffer), dtype=torch.float32, device=rewards.device)
+                mean, std = history.mean(), history.std(correction=0)
+            advantages[mask] = (rewards[mask] - mean) / (std + self.epsilon)
+        return advantages.clamp(-clip, clip) if clip is not None else advantages
+
+    def state_dict(self) -> dict:
+        return {
+            "buffer_size": self.buffer_size,
+            "min_count": self.min_count,
+            "buffers": {p: list(b) for p, b in self.buffers.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer_size, self.min_count = state["buffer_size"], state["min_count"]
+        self.buffers = {p: deque(values, maxlen=self.buffer_size) for p, values in state["buffers"].items()}

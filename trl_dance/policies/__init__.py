@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+from diffusers import (
+    DiffusionPipeline,
+    FluxPipeline,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+)
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import FluxPolicy
 from .sd3 import SD3Policy
+from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 
 _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
     FluxPipeline: FluxPolicy,
     StableDiffusion3Pipeline: SD3Policy,
+    StableDiffusionXLPipeline: StableDiffusionXLPolicy,
+    StableDiffusionPipeline: StableDiffusionPolicy,
 }
 
 
@@ -31,5 +40,7 @@ __all__ = [
     "FluxPolicy",
     "SD3Policy",
     "SamplerSettings",
+    "StableDiffusionPolicy",
+    "StableDiffusionXLPolicy",
     "make_policy",
 ]

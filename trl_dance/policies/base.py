@@ -46,9 +46,13 @@ class DiffusionPolicy(ABC):
     denoiser_name: str = "transformer"
     """Attribute of the pipeline holding the trainable denoiser (also the LoRA prefix in ``save_lora_weights``)."""
 
+    supports_cfg: bool = True
+    """False for guidance-distilled families (FLUX), whose ``guidance_scale`` feeds an embedding instead."""
+
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         self.pipeline = pipeline
         self.settings = settings
+        self._negative: Conditioning | None = None
         vae_scale = getattr(pipeline, "vae_scale_factor", 8)
         for name, size in (("height", settings.height), ("width", settings.width)):
             if size % (2 * vae_scale):
@@ -88,14 +92,19 @@ class DiffusionPolicy(ABC):
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """(B, ...) float32 starting latents, sample ``b`` drawn from ``generators[b]``."""
 
-    @abstractmethod
+    @property
+    def use_cfg(self) -> bool:
+        return self.supports_cfg and self.settings.guidance_scale > 1.0
+
     def predict(
         self, model: torch.nn.Module, latents: torch.Tensor, step_index: torch.Tensor, cond: Conditioning
     ) -> torch.Tensor:
-        """The network output the step uses (velocity or ε; CFG-combined where the policy uses CFG).
+        """The network output the step uses (velocity or ε), CFG-combined ``u + w (c − u)`` when CFG is on.
+
+        Both CFG branches go through one batched forward, so the training loss differentiates through both.
 
         Args:
-            model: the denoiser, possibly wrapped (DDP, DeepSpeed); called once (CFG branches batched).
+            model: the denoiser, possibly wrapped (DDP, DeepSpeed); called exactly once.
             latents: (B, ...) float32 latents at ``step_index``.
             step_index: (B,) long, the step of each sample (samples may be at different steps).
             cond: conditioning of each of the B samples.
@@ -103,6 +112,35 @@ class DiffusionPolicy(ABC):
         Returns:
             (B, ...) float32.
         """
+        timestep = self.model_timestep(step_index)
+        if not self.use_cfg:
+            return self._forward(model, latents, timestep, cond).float()
+        negative = self._negative_cond(latents.shape[0])
+        both = {key: torch.cat([negative[key], cond[key]]) for key in cond}
+        output = self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both).float()
+        uncond, text = output.chunk(2)
+        return uncond + self.settings.guidance_scale * (text - uncond)
+
+    @abstractmethod
+    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
+        """(B,) the timestep each sample's step feeds the denoiser, in the model's own units."""
+
+    @abstractmethod
+    def _forward(
+        self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """One call of the denoiser on a batch (no CFG combination)."""
+
+    def negative_conditioning(self) -> Conditioning:
+        """Unconditional (empty-prompt) conditioning, first dimension 1. Needed by families that use CFG."""
+        raise NotImplementedError(f"{type(self).__name__} does not support classifier-free guidance")
+
+    def _negative_cond(self, batch: int) -> Conditioning:
+        # Encoded once, then expanded to the batch (no copy).
+        if self._negative is None or next(iter(self._negative.values())).device != self.device:
+            with torch.no_grad():
+                self._negative = self.negative_conditioning()
+        return {key: value.expand(batch, *value.shape[1:]) for key, value in self._negative.items()}
 
     @abstractmethod
     def step(
@@ -116,6 +154,15 @@ class DiffusionPolicy(ABC):
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
 
-    @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents to images: (B, 3, H, W) float32 in [0, 1]."""
+        vae = self.pipeline.vae
+        config = vae.config
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean, device=latents.device).view(1, -1, 1, 1)
+            std = torch.tensor(config.latents_std, device=latents.device).view(1, -1, 1, 1)
+            latents = latents * std / config.scaling_factor + mean
+        else:
+            latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(images, output_type="pt").float()

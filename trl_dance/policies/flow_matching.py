@@ -29,6 +29,10 @@ class FlowMatchingPolicy(DiffusionPolicy):
         """Extra ``set_timesteps`` arguments of the family (FLUX's resolution-dependent shift ``mu``)."""
         return {}
 
+    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
+        """``σ · T_train`` (diffusers' flow-matching timestep); FLUX rescales it to σ in its forward."""
+        return self.sigma(step_index) * self.pipeline.scheduler.config.num_train_timesteps
+
     def sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         """σ at each step index: (B,) float32 on the index's device."""
         return self.sigmas.to(step_index.device)[step_index]
@@ -56,9 +60,3 @@ class FlowMatchingPolicy(DiffusionPolicy):
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
         )
-
-    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self.pipeline.vae
-        latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipeline.image_processor.postprocess(images, output_type="pt").float()

@@ -11,7 +11,12 @@ from .flow_matching import FlowMatchingPolicy
 
 
 class FluxPolicy(FlowMatchingPolicy):
-    """Policy over a :class:`~diffusers.FluxPipeline`. Latents are packed tokens: (B, H/16 · W/16, 4 · C)."""
+    """Policy over a :class:`~diffusers.FluxPipeline`. Latents are packed tokens: (B, H/16 · W/16, 4 · C).
+
+    FLUX.1-dev is guidance-distilled: ``guidance_scale`` feeds its guidance embedding and sampling uses no CFG.
+    """
+
+    supports_cfg = False
 
     def __init__(self, pipeline: FluxPipeline, settings: SamplerSettings):
         scale = pipeline.vae_scale_factor
@@ -56,9 +61,10 @@ class FluxPolicy(FlowMatchingPolicy):
         )
         return latents
 
-    def predict(
-        self, model: torch.nn.Module, latents: torch.Tensor, step_index: torch.Tensor, cond: Conditioning
-    ) -> torch.Tensor:
+    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
+        return self.sigma(step_index)  # the FLUX transformer takes σ (= diffusers timestep / 1000)
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype
         h, w = self._latent_hw
         img_ids = self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
@@ -66,9 +72,9 @@ class FluxPolicy(FlowMatchingPolicy):
         guidance = None
         if self.denoiser.config.guidance_embeds:
             guidance = torch.full((batch,), self.settings.guidance_scale, device=device, dtype=torch.float32)
-        output = model(
+        return model(
             hidden_states=latents.to(dtype),
-            timestep=self.sigma(step_index).to(dtype),  # the FLUX transformer takes σ (= timestep / 1000)
+            timestep=timestep.to(dtype),
             guidance=guidance,
             pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
@@ -76,10 +82,9 @@ class FluxPolicy(FlowMatchingPolicy):
             img_ids=img_ids,
             return_dict=False,
         )[0]
-        return output.float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         unpacked = self.pipeline._unpack_latents(
             latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
         )
-        return self._vae_decode(unpacked)
+        return super().decode(unpacked)

@@ -58,8 +58,12 @@ class DanceGRPOConfig(_BaseConfig):
             frozen copy for full fine-tuning). 0 disables the KL term and its extra forward pass.
         timestep_fraction (`float`, defaults to `0.6`): Fraction of the first N−1 steps trained per sample, drawn
             at random per sample; the last step is never trained.
-        scale_rewards (`str`, defaults to `"group"`): Advantage scaling: group std (DanceGRPO), `"batch"` std
-            (Flow-GRPO) or `"none"`. The mean is always the group mean.
+        scale_rewards (`str`, defaults to `"group"`): Advantage statistics. `"group"`: group mean and std
+            (DanceGRPO); `"batch"`: group mean, batch std (Flow-GRPO); `"none"`: group mean only; `"per_prompt"`:
+            DDPO's running mean and std of each prompt's last `per_prompt_buffer_size` rewards, or of the whole batch
+            while a prompt has fewer than `per_prompt_min_count` (allows `num_generations=1`).
+        per_prompt_buffer_size (`int`, defaults to `16`), per_prompt_min_count (`int`, defaults to `16`): DDPO's
+            `per_prompt_stat_tracking.buffer_size` and `.min_count`.
         advantage_epsilon (`float` or `None`, defaults to `None`): Added to the std; `None`: 1e-8 (group), 1e-4
             (batch).
         adv_clip_max (`float`, defaults to `5.0`): Advantages are clipped to ±this.
@@ -87,8 +91,8 @@ class DanceGRPOConfig(_BaseConfig):
         default=36, metadata={"help": "Micro-batches per optimizer update (default: 3 updates per 12×9 transitions)."}
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer updates."})
-    gradient_checkpointing: bool = field(
-        default=False,
+    gradient_checkpointing: bool | None = field(
+        default=None,
         metadata={"help": "Deprecated alias of activation_checkpointing (diffusers' enable_gradient_checkpointing)."},
     )
     remove_unused_columns: bool = field(
@@ -129,8 +133,11 @@ class DanceGRPOConfig(_BaseConfig):
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no KL)."})
     timestep_fraction: float = field(default=0.6, metadata={"help": "Fraction of the first N-1 steps trained."})
     scale_rewards: str = field(
-        default="group", metadata={"help": "group | batch | none.", "choices": list(DEFAULT_EPSILON)}
+        default="group",
+        metadata={"help": "group | batch | none | per_prompt.", "choices": [*DEFAULT_EPSILON, "per_prompt"]},
     )
+    per_prompt_buffer_size: int = field(default=16, metadata={"help": "DDPO per-prompt stat tracking buffer."})
+    per_prompt_min_count: int = field(default=16, metadata={"help": "DDPO per-prompt stat tracking min count."})
     advantage_epsilon: float | None = field(default=None, metadata={"help": "Added to the std (default by mode)."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
@@ -145,10 +152,12 @@ class DanceGRPOConfig(_BaseConfig):
         _choice("sde_type", self.sde_type, _SDE_TYPES)
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
-        _choice("scale_rewards", self.scale_rewards, tuple(DEFAULT_EPSILON))
+        _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))
         _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (group statistics), got {self.num_generations}")
+        if self.num_generations < (1 if self.scale_rewards == "per_prompt" else 2):
+            raise ValueError(
+                f"num_generations must be >= 2 for group statistics (or scale_rewards='per_prompt'), got {self.num_generations}"
+            )
         if self.num_inference_steps < 2:
             raise ValueError(
                 f"num_inference_steps must be >= 2 (the last step is never trained), got {self.num_inference_steps}"

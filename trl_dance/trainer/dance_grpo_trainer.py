@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
@@ -16,11 +18,13 @@ from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
 from .._compat import RepeatSampler, _BaseTrainer
-from ..advantages import group_advantages
+from ..advantages import PerPromptStatTracker, group_advantages
 from ..lora import add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
+
+_TRACKER_FILE = "per_prompt_stats.json"
 
 
 def _identity(rows: list[dict]) -> list[dict]:
@@ -150,6 +154,9 @@ class DanceGRPOTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
 
+        self.stat_tracker = None
+        if args.scale_rewards == "per_prompt":
+            self.stat_tracker = PerPromptStatTracker(args.per_prompt_buffer_size, args.per_prompt_min_count)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step = 0  # micro-steps taken, counts training_step calls as trl.GRPOTrainer does
         self._generation_round = 0
@@ -323,9 +330,13 @@ class DanceGRPOTrainer(_BaseTrainer):
         rewards = score_images(self.reward_funcs, prompts, rollout["images"], columns)
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
         total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
-        all_advantages = group_advantages(
-            total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
-        )
+        if self.stat_tracker is not None:
+            # Every process updates an identical tracker with the same global (prompt, reward) list.
+            all_advantages = self.stat_tracker(gather_object(prompts), total, clip=args.adv_clip_max)
+        else:
+            all_advantages = group_advantages(
+                total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
+            )
         start = self.accelerator.process_index * batch
         advantages = all_advantages[start : start + batch]
         self._log_rollout_metrics(all_rewards, total, all_advantages)
@@ -428,8 +439,9 @@ class DanceGRPOTrainer(_BaseTrainer):
             self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std().item())
         self._metrics["reward"].append(total.mean().item())
         self._metrics["reward_std"].append(total.std().item())
-        group_std = total.view(-1, self.args.num_generations).std(dim=1)
-        self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean().item())
+        if self.args.num_generations > 1:
+            group_std = total.view(-1, self.args.num_generations).std(dim=1)
+            self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean().item())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -453,7 +465,20 @@ class DanceGRPOTrainer(_BaseTrainer):
             denoiser.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.stat_tracker is not None and self.args.should_save:
+            path = os.path.join(
+                self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", _TRACKER_FILE
+            )
+            with open(path, "w") as handle:
+                json.dump(self.stat_tracker.state_dict(), handle)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        tracker_path = os.path.join(resume_from_checkpoint, _TRACKER_FILE)
+        if self.stat_tracker is not None and os.path.isfile(tracker_path):
+            with open(tracker_path) as handle:
+                self.stat_tracker.load_state_dict(json.load(handle))
         # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
         denoiser = self.accelerator.unwrap_model(model if model is not None else self.model)
         if has_lora(denoiser):

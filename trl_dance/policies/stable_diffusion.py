@@ -1,0 +1,119 @@
+"""Stable Diffusion 1.x/2.x and SDXL (ε-prediction UNets) sampled with DDIM-η steps (DDPO), CFG in the loss."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+from ..schedulers import ddim_alpha_pairs
+from ..sde import SDEStepOutput, ddim_sde_step
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
+
+
+class StableDiffusionPolicy(DiffusionPolicy):
+    """Policy over a :class:`~diffusers.StableDiffusionPipeline`; latents are (B, 4, H/8, W/8).
+
+    Steps follow a ``DDIMScheduler`` built from the pipeline's scheduler config (whatever scheduler it ships),
+    with ``noise_level`` as DDIM's η (1.0 in DDPO). With ``guidance_scale > 1`` the ε used in sampling and in
+    the loss is the CFG combination of both branches.
+    """
+
+    denoiser_name = "unet"
+    pipeline: StableDiffusionPipeline
+
+    def __init__(self, pipeline: StableDiffusionPipeline, settings: SamplerSettings):
+        super().__init__(pipeline, settings)
+        scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
+        scheduler.set_timesteps(settings.num_inference_steps)
+        self.timesteps = scheduler.timesteps.to(torch.long).clone()
+        self.alpha_prod_t, self.alpha_prod_t_prev = ddim_alpha_pairs(scheduler)
+
+    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
+        return self.timesteps.to(step_index.device)[step_index]
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        latents: torch.Tensor,
+        step_index: torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        compute_log_prob: bool = True,
+    ) -> SDEStepOutput:
+        device = latents.device
+        return ddim_sde_step(
+            model_output,
+            latents,
+            self.alpha_prod_t.to(device)[step_index],
+            self.alpha_prod_t_prev.to(device)[step_index],
+            eta=self.settings.noise_level,
+            prev_sample=prev_sample,
+            generator=generator,
+            reduction=self.settings.log_prob_reduction,
+            compute_log_prob=compute_log_prob,
+        )
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        embeds, negative_embeds = self.pipeline.encode_prompt(prompts, self.device, 1, negative)
+        return {"prompt_embeds": negative_embeds if negative else embeds}
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        return self._encode(prompts)
+
+    def negative_conditioning(self) -> Conditioning:
+        return self._encode([""], negative=True)
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        return self.pipeline.prepare_latents(
+            len(generators),
+            self.denoiser.config.in_channels,
+            self.settings.height,
+            self.settings.width,
+            torch.float32,
+            self.device,
+            generators,
+        )
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        dtype = self.denoiser.dtype
+        return model(
+            latents.to(dtype), timestep, encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False
+        )[0]
+
+
+class StableDiffusionXLPolicy(StableDiffusionPolicy):
+    """Policy over a :class:`~diffusers.StableDiffusionXLPipeline`: two text encoders, pooled embeddings and the
+    micro-conditioning ``add_time_ids = (H, W, 0, 0, H, W)``."""
+
+    pipeline: StableDiffusionXLPipeline
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
+            prompt=prompts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=negative
+        )
+        if negative:  # zeros when the pipeline's config sets force_zeros_for_empty_prompt (SDXL base)
+            return {"prompt_embeds": negative_embeds, "pooled_prompt_embeds": negative_pooled}
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def _time_ids(self, batch: int, device: torch.device) -> torch.Tensor:
+        size = (self.settings.height, self.settings.width)
+        encoder_2 = self.pipeline.text_encoder_2
+        projection_dim = encoder_2.config.projection_dim if encoder_2 is not None else None
+        time_ids = self.pipeline._get_add_time_ids(size, (0, 0), size, torch.float32, projection_dim)
+        return time_ids.to(device).expand(batch, -1)
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        dtype = self.denoiser.dtype
+        added = {
+            "text_embeds": cond["pooled_prompt_embeds"].to(dtype),
+            "time_ids": self._time_ids(latents.shape[0], latents.device).to(dtype),
+        }
+        return model(
+            latents.to(dtype),
+            timestep,
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
