@@ -112,7 +112,12 @@ class DiffusionPolicy(ABC):
         Returns:
             (B, ...) float32.
         """
-        timestep = self.model_timestep(step_index)
+        return self.predict_at(model, latents, self.model_timestep(step_index), cond)
+
+    def predict_at(
+        self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """:meth:`predict` at explicit model timesteps (B,), in the units of :meth:`model_timestep`."""
         if not self.use_cfg:
             return self._forward(model, latents, timestep, cond).float()
         negative = self._negative_cond(latents.shape[0])

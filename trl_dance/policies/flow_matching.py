@@ -30,8 +30,11 @@ class FlowMatchingPolicy(DiffusionPolicy):
         return {}
 
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
-        """``σ · T_train`` (diffusers' flow-matching timestep); FLUX rescales it to σ in its forward."""
-        return self.sigma(step_index) * self.pipeline.scheduler.config.num_train_timesteps
+        return self.timestep_from_sigma(self.sigma(step_index))
+
+    def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The denoiser's timestep input for noise level σ: ``σ · T_train`` (diffusers' flow-matching convention)."""
+        return sigma * self.pipeline.scheduler.config.num_train_timesteps
 
     def sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         """σ at each step index: (B,) float32 on the index's device."""

@@ -61,8 +61,8 @@ class FluxPolicy(FlowMatchingPolicy):
         )
         return latents
 
-    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
-        return self.sigma(step_index)  # the FLUX transformer takes σ (= diffusers timestep / 1000)
+    def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
+        return sigma  # the FLUX transformer takes σ (= diffusers timestep / 1000)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,33 +15,18 @@ from peft import LoraConfig
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
-from .._compat import RepeatSampler, _BaseTrainer
+from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
-from ..lora import add_lora, has_lora, load_lora, save_lora
-from ..policies import DiffusionPolicy, SamplerSettings, make_policy
+from ..policies import SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
+from .diffusion_trainer import DiffusionTrainer, load_pipeline
 
 _TRACKER_FILE = "per_prompt_stats.json"
 
 
 def _identity(rows: list[dict]) -> list[dict]:
     return rows
-
-
-def load_pipeline(model: str | DiffusionPipeline, init_kwargs: dict[str, Any] | None = None) -> DiffusionPipeline:
-    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained``), or as given."""
-    if isinstance(model, DiffusionPipeline):
-        return model
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
-    kwargs = dict(init_kwargs or {})
-    dtype = kwargs.get("torch_dtype")
-    if isinstance(dtype, str) and dtype != "auto":
-        kwargs["torch_dtype"] = getattr(torch, dtype)
-    pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
 
 
 def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
@@ -69,7 +52,7 @@ def _seed(*parts: int) -> int:
     return value
 
 
-class DanceGRPOTrainer(_BaseTrainer):
+class DanceGRPOTrainer(DiffusionTrainer):
     """GRPO for diffusion models (DanceGRPO, arXiv:2505.07818), with TRL's Trainer machinery.
 
     Each round, every process denoises its share of ``generation_batch_size`` samples with the policy's SDE
@@ -99,7 +82,6 @@ class DanceGRPOTrainer(_BaseTrainer):
         "citation": "@article{xue2025dancegrpo,\n  title={DanceGRPO: Unleashing GRPO on Visual Generation},\n"
         "  author={Xue, Zeyue and others},\n  journal={arXiv preprint arXiv:2505.07818},\n  year={2025}\n}",
     }
-    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean; the Trainer divides by GA
 
     def __init__(
         self,
@@ -125,39 +107,20 @@ class DanceGRPOTrainer(_BaseTrainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self._check_dataset(train_dataset, args)
 
-        pipeline = load_pipeline(model, args.model_init_kwargs)
-        self.policy: DiffusionPolicy = make_policy(pipeline, sampler_settings(args))
-        denoiser = self.policy.denoiser
-        if peft_config is not None:
-            add_lora(denoiser, peft_config)
-        else:
-            denoiser.requires_grad_(True)
-        # Full fine-tuning with a KL term needs a frozen copy; with LoRA the reference is the adapter disabled.
-        self.ref_model = None
-        if args.beta > 0 and peft_config is None:
-            self.ref_model = copy.deepcopy(denoiser).requires_grad_(False).eval()
-        if args.activation_checkpointing:
-            # transformers' Trainer enables checkpointing by this name; diffusers models call it differently.
-            denoiser.activation_checkpointing_enable = lambda **_: denoiser.enable_gradient_checkpointing()
-        if args.ddp_find_unused_parameters is None:
-            args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
-
+        policy = make_policy(load_pipeline(model, args.model_init_kwargs), sampler_settings(args))
         super().__init__(
-            model=denoiser,
-            args=args,
+            policy,
+            args,
+            peft_config,
+            need_reference=args.beta > 0,  # full fine-tuning with a KL term needs a frozen copy
             data_collator=_identity,
             train_dataset=train_dataset,
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.policy.to(self.accelerator.device)
-        if self.ref_model is not None:
-            self.ref_model.to(self.accelerator.device)
-
         self.stat_tracker = None
         if args.scale_rewards == "per_prompt":
             self.stat_tracker = PerPromptStatTracker(args.per_prompt_buffer_size, args.per_prompt_min_count)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step = 0  # micro-steps taken, counts training_step calls as trl.GRPOTrainer does
         self._generation_round = 0
         self._rollout: dict[str, Any] | None = None
@@ -194,10 +157,6 @@ class DanceGRPOTrainer(_BaseTrainer):
                 f"train_dataset has {len(dataset)} prompts but each round uses {prompts_per_round} "
                 f"(generation_batch_size / num_generations)"
             )
-
-    def _send_telemetry(self):
-        # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
-        return
 
     # ----------------------------------------------------------------------------------------------------------
     # Data: one generation batch of prompt rows per round, repeated for every micro-step of the round
@@ -410,28 +369,15 @@ class DanceGRPOTrainer(_BaseTrainer):
             self._record("approx_kl", 0.5 * log_ratio**2)
         return (loss, output) if return_outputs else loss
 
-    @torch.no_grad()
     def _reference_mean(self, model, inputs) -> torch.Tensor:
         latents, step_index = inputs["latents"], inputs["step_index"]
-        if self.ref_model is not None:
-            output = self.policy.predict(self.ref_model, latents, step_index, inputs["cond"])
-        else:
-            unwrapped = self.accelerator.unwrap_model(model)
-            unwrapped.disable_adapters()
-            try:
-                output = self.policy.predict(unwrapped, latents, step_index, inputs["cond"])
-            finally:
-                unwrapped.enable_adapters()
+        output = self.reference_prediction(model, latents, self.policy.model_timestep(step_index), inputs["cond"])
         return self.policy.step(
             output, latents, step_index, prev_sample=inputs["next_latents"], compute_log_prob=False
         ).mean
 
     # ----------------------------------------------------------------------------------------------------------
     # Metrics
-
-    def _record(self, name: str, values: torch.Tensor) -> None:
-        """Append the all-process mean of ``values`` to the metric ``name``."""
-        self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean().item())
 
     def _log_rollout_metrics(self, all_rewards: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> None:
         for column, name in enumerate(self.reward_names):
@@ -444,26 +390,8 @@ class DanceGRPOTrainer(_BaseTrainer):
             self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean().item())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        metrics = {key: sum(values) / len(values) for key, values in self._metrics.items() if values}
-        logs.update(metrics)
-        super().log(logs, start_time)
-        self._metrics.clear()
-
     # ----------------------------------------------------------------------------------------------------------
-    # Saving: a diffusers-format LoRA, or the full denoiser
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        denoiser = self.accelerator.unwrap_model(self.model)
-        if has_lora(denoiser):
-            save_lora(type(self.policy.pipeline), self.policy.denoiser_name, denoiser, output_dir, state_dict)
-        else:
-            denoiser.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    # Checkpoints: the per-prompt statistics travel with them
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -479,13 +407,7 @@ class DanceGRPOTrainer(_BaseTrainer):
         if self.stat_tracker is not None and os.path.isfile(tracker_path):
             with open(tracker_path) as handle:
                 self.stat_tracker.load_state_dict(json.load(handle))
-        # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
-        denoiser = self.accelerator.unwrap_model(model if model is not None else self.model)
-        if has_lora(denoiser):
-            load_lora(self.policy.denoiser_name, denoiser, resume_from_checkpoint)
-        else:
-            trained = type(denoiser).from_pretrained(resume_from_checkpoint, torch_dtype=denoiser.dtype)
-            denoiser.load_state_dict(trained.state_dict())
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
-__all__ = ["DanceGRPOTrainer", "load_pipeline", "sampler_settings"]
+__all__ = ["DanceGRPOTrainer", "sampler_settings"]

@@ -1,0 +1,129 @@
+"""What a diffusers denoiser needs from TRL's trainer base, shared by every trainer of this package.
+
+The Trainer sees only the trainable denoiser (transformer or UNet, possibly with a LoRA adapter); the rest of the
+pipeline lives in a :class:`~trl_dance.policies.DiffusionPolicy`. The overrides here are the integration points a
+diffusers model hits inside ``transformers.Trainer``/``trl``'s ``_BaseTrainer``: telemetry, gradient
+checkpointing's name, DDP defaults, diffusers-format saving and resuming, and metric logging.
+"""
+
+import copy
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+
+from .._compat import _BaseTrainer
+from ..lora import add_lora, has_lora, load_lora, save_lora
+from ..policies import DiffusionPolicy
+
+
+def load_pipeline(model: str | DiffusionPipeline, init_kwargs: dict[str, Any] | None = None) -> DiffusionPipeline:
+    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained``), or as given."""
+    if isinstance(model, DiffusionPipeline):
+        return model
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
+    kwargs = dict(init_kwargs or {})
+    dtype = kwargs.get("torch_dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["torch_dtype"] = getattr(torch, dtype)
+    pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+class DiffusionTrainer(_BaseTrainer):
+    """Base of the trainers of trl-dance: a policy's denoiser trained with TRL's Trainer machinery.
+
+    Args:
+        policy: the pipeline adapter; its denoiser becomes the Trainer's ``model``.
+        args: a config derived from ``_BaseConfig``.
+        peft_config: a LoRA to add (then the reference model is the adapter disabled), or None (full fine-tuning).
+        need_reference: keep a frozen copy of the denoiser as reference when training without LoRA.
+        **trainer_kwargs: ``train_dataset``, ``data_collator``, ``callbacks``, ``optimizers``.
+    """
+
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean; the Trainer divides by GA
+
+    def __init__(
+        self,
+        policy: DiffusionPolicy,
+        args,
+        peft_config: LoraConfig | None,
+        need_reference: bool,
+        **trainer_kwargs,
+    ):
+        self.policy = policy
+        denoiser = policy.denoiser
+        if peft_config is not None:
+            add_lora(denoiser, peft_config)
+        else:
+            denoiser.requires_grad_(True)
+        self.ref_model = None
+        if need_reference and peft_config is None:
+            self.ref_model = copy.deepcopy(denoiser).requires_grad_(False).eval()
+        if args.activation_checkpointing:
+            # transformers' Trainer enables checkpointing by this name; diffusers models call it differently.
+            denoiser.activation_checkpointing_enable = lambda **_: denoiser.enable_gradient_checkpointing()
+        if args.ddp_find_unused_parameters is None:
+            args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
+
+        super().__init__(model=denoiser, args=args, **trainer_kwargs)
+        policy.to(self.accelerator.device)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+
+    def _send_telemetry(self):
+        # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
+        return
+
+    def reference_prediction(self, model, latents, timestep, cond) -> torch.Tensor:
+        """The reference model's prediction, without gradients: the LoRA disabled, or the frozen copy."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self.policy.predict_at(self.ref_model, latents, timestep, cond)
+            unwrapped = self.accelerator.unwrap_model(model)
+            unwrapped.disable_adapters()
+            try:
+                return self.policy.predict_at(unwrapped, latents, timestep, cond)
+            finally:
+                unwrapped.enable_adapters()
+
+    # Metrics: averaged over the micro-steps since the last log, then handed to the Trainer's log.
+
+    def _record(self, name: str, values: torch.Tensor) -> None:
+        """Append the all-process mean of ``values`` to the metric ``name``."""
+        self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean().item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        metrics = {key: sum(values) / len(values) for key, values in self._metrics.items() if values}
+        logs.update(metrics)
+        super().log(logs, start_time)
+        self._metrics.clear()
+
+    # Saving: a diffusers-format LoRA, or the full denoiser.
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        denoiser = self.accelerator.unwrap_model(self.model)
+        if has_lora(denoiser):
+            save_lora(type(self.policy.pipeline), self.policy.denoiser_name, denoiser, output_dir, state_dict)
+        else:
+            denoiser.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
+        denoiser = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if has_lora(denoiser):
+            load_lora(self.policy.denoiser_name, denoiser, resume_from_checkpoint)
+        else:
+            trained = type(denoiser).from_pretrained(resume_from_checkpoint, torch_dtype=denoiser.dtype)
+            denoiser.load_state_dict(trained.state_dict())
