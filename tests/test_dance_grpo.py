@@ -375,3 +375,29 @@ def test_checkpoints_resume(tiny_model_dir, tmp_path, use_lora):
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert again.state.global_step == 2
     assert any(not torch.equal(v, at_step_1[k]) for k, v in again.model.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3"])
+def test_lora_export_round_trips_for_every_family(tiny_model_dir, tmp_path, kind):
+    """A LoRA on attention, output projections and conv_out reloads with load_lora_weights to identical outputs."""
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir(kind),
+        "brightness",
+        args=tiny_grpo_config(tmp_path),
+        train_dataset=_dataset(),
+        peft_config=_lora(init_lora_weights="gaussian", lora_alpha=16),
+    )
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    trainer.save_model(str(tmp_path / "lora"))
+    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir(kind))
+    reloaded.load_lora_weights(str(tmp_path / "lora"))
+    latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    steps = torch.tensor([0, 3])
+    cond = trainer.policy.encode_prompts(["a cat", "a dog"])
+    with torch.no_grad():
+        expected = trainer.policy.predict(trainer.model, latents, steps, cond)
+        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, steps, cond)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from trl_dance import DanceGRPOConfig
+from trl_dance import DanceGRPOConfig, DiffusionDPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,11 +64,36 @@ def test_shipped_configs_are_valid(name, tmp_path):
         "dataset_name",
         "num_sample_images",
     }
+    config_class = DiffusionDPOConfig if name.startswith("dpo") else DanceGRPOConfig
     training = {k: v for k, v in values.items() if k not in script_and_model_keys}
     # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.
     if not values.get("use_cpu") and "generation_batch_size" in training:
         training["generation_batch_size"] //= 8
     training.update(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none")
-    config = DanceGRPOConfig(**training)
+    config = config_class(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
-    assert config.steps_per_generation >= 1
+    assert config_class is DiffusionDPOConfig or config.steps_per_generation >= 1
+
+
+def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
+    from trl_dance.testing import main as testing_main
+
+    testing_main(["sd", str(tmp_path / "tiny-sd"), "--preferences", str(tmp_path / "prefs")])
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "dpo_sd.py"),
+        "--config",
+        os.path.join(ROOT, "recipes", "configs", "dpo_sd_tiny.yaml"),
+        "--model_name_or_path",
+        str(tmp_path / "tiny-sd"),
+        "--dataset_name",
+        str(tmp_path / "prefs"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "2",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()

@@ -11,6 +11,8 @@ __version__ = "0.1.0.dev0"
 _LAZY = {
     "DanceGRPOConfig": "trl_dance.trainer.dance_grpo_config",
     "DanceGRPOTrainer": "trl_dance.trainer.dance_grpo_trainer",
+    "DiffusionDPOConfig": "trl_dance.trainer.diffusion_dpo_config",
+    "DiffusionDPOTrainer": "trl_dance.trainer.diffusion_dpo_trainer",
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -22,6 +24,8 @@ _LAZY = {
 __all__ = [
     "DanceGRPOConfig",
     "DanceGRPOTrainer",
+    "DiffusionDPOConfig",
+    "DiffusionDPOTrainer",
     "SDEStepOutput",
     "dance_sigmas",
     "ddim_sde_step",
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from .sde import SDEStepOutput, dance_sigmas, ddim_sde_step, flow_sde_step
     from .trainer.dance_grpo_config import DanceGRPOConfig
     from .trainer.dance_grpo_trainer import DanceGRPOTrainer
+    from .trainer.diffusion_dpo_config import DiffusionDPOConfig
+    from .trainer.diffusion_dpo_trainer import DiffusionDPOTrainer
 
 
 def __getattr__(name: str):

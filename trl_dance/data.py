@@ -1,10 +1,25 @@
-"""Prompt datasets for the GRPO trainers: a local file or a Hub dataset, as a ``datasets.Dataset`` with ``prompt``."""
+"""Datasets for the recipes: prompts for GRPO, preference pairs for DPO, from local files, folders or the Hub."""
 
 from __future__ import annotations
 
 import os
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, load_dataset, load_from_disk
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_any_dataset(name_or_path: str, config: str | None = None, split: str = "train") -> Dataset:
+    """A map-style (memory-mapped) dataset from a data file (.json/.jsonl/.csv/.parquet), a ``save_to_disk``
+    folder, or a Hub id / script folder for ``datasets.load_dataset``."""
+    extension = os.path.splitext(name_or_path)[1].lower()
+    if os.path.isfile(name_or_path):
+        if extension not in _FILE_BUILDERS:
+            raise ValueError(f"unsupported data file type {extension!r}: use {sorted(_FILE_BUILDERS)}")
+        return load_dataset(_FILE_BUILDERS[extension], data_files=name_or_path, split="train")
+    if os.path.isfile(os.path.join(name_or_path, "dataset_info.json")):
+        return load_from_disk(name_or_path)
+    return load_dataset(name_or_path, config, split=split)
 
 
 def load_prompt_dataset(
@@ -25,20 +40,12 @@ def load_prompt_dataset(
     """
     if (prompts_file is None) == (dataset_name is None):
         raise ValueError("give exactly one of prompts_file or dataset_name")
-    if prompts_file is not None:
-        if not os.path.isfile(prompts_file):
-            raise FileNotFoundError(f"prompts_file {prompts_file!r} does not exist")
-        extension = os.path.splitext(prompts_file)[1].lower()
-        if extension == ".txt":
-            with open(prompts_file, encoding="utf-8") as handle:
-                prompts = [line.strip() for line in handle if line.strip()]
-            return Dataset.from_dict({"prompt": prompts})
-        builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(extension)
-        if builder is None:
-            raise ValueError(f"unsupported prompts_file type {extension!r}: use .txt, .json, .jsonl, .csv or .parquet")
-        dataset = load_dataset(builder, data_files=prompts_file, split="train")
-    else:
-        dataset = load_dataset(dataset_name, dataset_config, split=split)
+    if prompts_file is not None and not os.path.isfile(prompts_file):
+        raise FileNotFoundError(f"prompts_file {prompts_file!r} does not exist")
+    if prompts_file is not None and prompts_file.lower().endswith(".txt"):
+        with open(prompts_file, encoding="utf-8") as handle:
+            return Dataset.from_dict({"prompt": [line.strip() for line in handle if line.strip()]})
+    dataset = load_any_dataset(prompts_file or dataset_name, dataset_config, split)
     if prompt_column not in dataset.column_names:
         raise ValueError(f"no column {prompt_column!r} in the prompts dataset; columns: {dataset.column_names}")
     if prompt_column != "prompt":

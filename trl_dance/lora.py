@@ -7,7 +7,6 @@ import os
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils import convert_state_dict_to_diffusers, convert_unet_state_dict_to_peft
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -41,6 +40,9 @@ def save_lora(
     """Write ``pytorch_lora_weights.safetensors`` (+ adapter metadata, so ``lora_alpha != r`` reloads at the right
     scale) for ``pipeline_class.load_lora_weights(output_dir)``.
 
+    Keys stay in PEFT's naming under the ``<denoiser_name>.`` prefix, which ``load_lora_weights`` reads for UNets and
+    transformers alike; converting a UNet's keys to the old diffusers naming loses ``proj_out`` layers on reload.
+
     Args:
         pipeline_class: e.g. ``FluxPipeline``; its ``save_lora_weights`` writes the file.
         denoiser_name: ``"transformer"`` or ``"unet"``.
@@ -49,8 +51,6 @@ def save_lora(
             defaults to the denoiser's own.
     """
     layers = get_peft_model_state_dict(denoiser, state_dict=state_dict)
-    if denoiser_name == "unet":
-        layers = convert_state_dict_to_diffusers(layers)
     layers = {key: value.detach().to("cpu").contiguous() for key, value in layers.items()}
     pipeline_class.save_lora_weights(
         output_dir,
@@ -73,8 +73,6 @@ def load_lora(denoiser_name: str, denoiser: torch.nn.Module, directory: str) -> 
         raise FileNotFoundError(f"no {LORA_WEIGHTS_NAME} in {directory}")
     prefix = f"{denoiser_name}."
     layers = {k[len(prefix) :]: v for k, v in safetensors.torch.load_file(path).items() if k.startswith(prefix)}
-    if denoiser_name == "unet":
-        layers = convert_unet_state_dict_to_peft(layers)
     expected = set(get_peft_model_state_dict(denoiser))
     if set(layers) != expected:
         missing, unexpected = sorted(expected - set(layers)), sorted(set(layers) - expected)

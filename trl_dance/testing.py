@@ -42,6 +42,10 @@ from transformers import (
 TINY_RESOLUTION = 32
 _CHARS = string.ascii_lowercase + string.digits + ".,!?'-"
 _CLIP_DIM = 32
+# SD's 0.18215 (SDXL's 0.13025) gives its trained VAE unit-variance latents; on these random VAEs it would shrink the
+# latents to std ~0.04, ten times below the flow pipelines', and drown image differences in the noise. 1.5 puts
+# every tiny pipeline's scaled latents at std ~0.4.
+_UNET_VAE_SCALING = 1.5
 
 
 def _clip_tokenizer() -> CLIPTokenizer:
@@ -236,7 +240,7 @@ def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
     def factory():
         tokenizer = _clip_tokenizer()
         return StableDiffusionPipeline(
-            vae=_vae(latent_channels=4, scaling_factor=0.18215, shift_factor=None),
+            vae=_vae(latent_channels=4, scaling_factor=_UNET_VAE_SCALING, shift_factor=None),
             text_encoder=_clip_text_encoder(tokenizer),
             tokenizer=tokenizer,
             unet=_unet(cross_attention_dim=_CLIP_DIM),
@@ -256,7 +260,7 @@ def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
         tokenizer, tokenizer_2 = _clip_tokenizer(), _clip_tokenizer()
         addition_time_embed_dim = 8
         return StableDiffusionXLPipeline(
-            vae=_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None),
+            vae=_vae(latent_channels=4, scaling_factor=_UNET_VAE_SCALING, shift_factor=None),
             text_encoder=_clip_text_encoder(tokenizer),
             text_encoder_2=_clip_text_encoder(tokenizer_2, with_projection=True),
             tokenizer=tokenizer,
@@ -289,13 +293,51 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
     return directory
 
 
+def tiny_preference_dataset(kind: str, count: int = 32, offset: float = 0.2, seed: int = 0):
+    """Synthetic preference pairs from the tiny pipeline's own samples: the brightened image (+``offset``) is chosen
+    over the darkened one (−``offset``). A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (PIL)."""
+    from datasets import Dataset
+
+    from .visualization import to_pil
+
+    prompts = [_PREFERENCE_PROMPTS[i % len(_PREFERENCE_PROMPTS)] for i in range(count)]
+    extra = {"max_sequence_length": 32} if kind == "flux" else {}
+    with torch.no_grad():
+        images = TINY_PIPELINES[kind](seed)(
+            prompts,
+            num_inference_steps=6,
+            height=TINY_RESOLUTION,
+            width=TINY_RESOLUTION,
+            output_type="pt",
+            guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(seed),
+            **extra,
+        ).images
+    return Dataset.from_dict(
+        {
+            "prompt": prompts,
+            "chosen": to_pil((images + offset).clamp(0, 1)),
+            "rejected": to_pil((images - offset).clamp(0, 1)),
+        }
+    )
+
+
+_PREFERENCE_PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Save a tiny random-weight diffusers pipeline to a folder.")
     parser.add_argument("kind", choices=sorted(TINY_PIPELINES))
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preferences", metavar="DIR", help="also save synthetic preference pairs (save_to_disk) for Diffusion-DPO"
+    )
     args = parser.parse_args(argv)
     print(save_tiny_pipeline(args.kind, args.directory, args.seed))
+    if args.preferences:
+        tiny_preference_dataset(args.kind, seed=args.seed).save_to_disk(args.preferences)
+        print(args.preferences)
 
 
 if __name__ == "__main__":

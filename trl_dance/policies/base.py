@@ -121,7 +121,8 @@ class DiffusionPolicy(ABC):
         if not self.use_cfg:
             return self._forward(model, latents, timestep, cond).float()
         negative = self._negative_cond(latents.shape[0])
-        both = {key: torch.cat([negative[key], cond[key]]) for key in cond}
+        # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches.
+        both = {key: torch.cat([negative.get(key, cond[key]), cond[key]]) for key in cond}
         output = self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both).float()
         uncond, text = output.chunk(2)
         return uncond + self.settings.guidance_scale * (text - uncond)
@@ -158,6 +159,18 @@ class DiffusionPolicy(ABC):
         compute_log_prob: bool = True,
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`."""
+        vae = self.pipeline.vae
+        config = vae.config
+        latents = vae.encode(images.to(device=self.device, dtype=vae.dtype)).latent_dist.sample(generator).float()
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean, device=latents.device).view(1, -1, 1, 1)
+            std = torch.tensor(config.latents_std, device=latents.device).view(1, -1, 1, 1)
+            return (latents - mean) * config.scaling_factor / std
+        return (latents - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents to images: (B, 3, H, W) float32 in [0, 1]."""

@@ -83,6 +83,11 @@ class FluxPolicy(FlowMatchingPolicy):
             return_dict=False,
         )[0]
 
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        latents = super().encode_images(images, generator)
+        batch, channels, height, width = latents.shape
+        return self.pipeline._pack_latents(latents, batch, channels, height, width)
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         unpacked = self.pipeline._unpack_latents(
             latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor

@@ -84,7 +84,8 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
 class StableDiffusionXLPolicy(StableDiffusionPolicy):
     """Policy over a :class:`~diffusers.StableDiffusionXLPipeline`: two text encoders, pooled embeddings and the
-    micro-conditioning ``add_time_ids = (H, W, 0, 0, H, W)``."""
+    micro-conditioning ``add_time_ids`` = (original H, W, crop top, left, target H, W): ``(H, W, 0, 0, H, W)`` for
+    generated samples, or per sample from ``cond["time_ids"]`` (B, 6) when given (Diffusion-DPO's crops)."""
 
     pipeline: StableDiffusionXLPipeline
 
@@ -108,7 +109,9 @@ class StableDiffusionXLPolicy(StableDiffusionPolicy):
         dtype = self.denoiser.dtype
         added = {
             "text_embeds": cond["pooled_prompt_embeds"].to(dtype),
-            "time_ids": self._time_ids(latents.shape[0], latents.device).to(dtype),
+            "time_ids": (
+                cond["time_ids"] if "time_ids" in cond else self._time_ids(latents.shape[0], latents.device)
+            ).to(dtype),
         }
         return model(
             latents.to(dtype),

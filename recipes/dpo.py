@@ -1,0 +1,52 @@
+"""Diffusion-DPO with trl-dance on image preference pairs, for SD1.x/2.x, SDXL, SD3 and FLUX.
+
+    accelerate launch recipes/dpo.py --config recipes/configs/dpo_sdxl.yaml
+
+Data: a Hub dataset or local folder (dataset_name) in TRL's preference format (prompt, chosen, rejected images) or
+Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Writes the LoRA
+(pytorch_lora_weights.safetensors, for Pipeline.load_lora_weights) or the full denoiser to output_dir.
+"""
+
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance.data import load_any_dataset
+
+
+@dataclass
+class ScriptArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub id, save_to_disk folder or data file."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
+
+
+def main(
+    script_args: ScriptArguments, training_args: DiffusionDPOConfig, model_args: ModelConfig
+) -> DiffusionDPOTrainer:
+    if script_args.dataset_name is None:
+        raise ValueError("--dataset_name is required")
+    # Arrow-backed and memory-mapped: a large dataset such as Pick-a-Pic is not loaded into memory.
+    dataset = load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+    if model_args.dtype is not None:
+        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "torch_dtype": model_args.dtype}
+    trainer = DiffusionDPOTrainer(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return trainer
+
+
+def cli() -> DiffusionDPOTrainer:
+    return main(*TrlParser((ScriptArguments, DiffusionDPOConfig, ModelConfig)).parse_args_and_config())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,149 @@
+"""Image preference pairs for Diffusion-DPO: column formats, ties, and a collator that transforms a pair jointly.
+
+Two row formats are accepted:
+
+* TRL's preference format: ``prompt``, ``chosen``, ``rejected`` (images as PIL images, bytes, file paths, or
+  ``{"bytes": ..., "path": ...}`` dicts as stored by ``datasets.Image(decode=False)``).
+* Pick-a-Pic: ``caption``, ``jpg_0``, ``jpg_1``, ``label_0`` (1: ``jpg_0`` preferred, 0: ``jpg_1`` preferred,
+  0.5: tie). Rows are mapped when a batch is collated, so nothing is converted or copied up front.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import Dataset
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+PICKAPIC_COLUMNS = ("caption", "jpg_0", "jpg_1", "label_0")
+
+
+def preference_format(column_names: list[str]) -> str:
+    """``"preference"`` or ``"pickapic"`` from a dataset's columns; a clear error for anything else."""
+    if all(c in column_names for c in PREFERENCE_COLUMNS):
+        return "preference"
+    if all(c in column_names for c in PICKAPIC_COLUMNS):
+        return "pickapic"
+    raise ValueError(
+        f"a preference dataset needs the columns {list(PREFERENCE_COLUMNS)} (TRL's preference format) or "
+        f"{list(PICKAPIC_COLUMNS)} (Pick-a-Pic); it has {column_names}"
+    )
+
+
+def drop_ties(dataset: Dataset) -> tuple[Dataset, int]:
+    """Drop Pick-a-Pic ties (``label_0 == 0.5``). Reads only the label column; the result is an index mapping."""
+    kept = dataset.filter(lambda label: label != 0.5, input_columns="label_0")
+    return kept, len(dataset) - len(kept)
+
+
+def load_image(value: Any) -> Image.Image | None:
+    """A PIL RGB image from a PIL image, bytes, a path or a ``{"bytes", "path"}`` dict; None if missing."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+        if value is None:
+            return None
+    if isinstance(value, (bytes, bytearray)):
+        value = Image.open(io.BytesIO(value))
+    elif isinstance(value, str):
+        if not os.path.isfile(value):
+            return None
+        value = Image.open(value)
+    if not isinstance(value, Image.Image):
+        raise TypeError(f"cannot read an image from {type(value).__name__}")
+    return value.convert("RGB")
+
+
+def pair_from_row(row: dict[str, Any]) -> tuple[str, Any, Any, float]:
+    """``(prompt, chosen, rejected, weight)`` of a row in either format; weight 0.5 for a (kept) tie."""
+    if "jpg_0" in row:
+        label = float(row["label_0"])
+        chosen, rejected = (row["jpg_0"], row["jpg_1"]) if label >= 0.5 else (row["jpg_1"], row["jpg_0"])
+        return row["caption"], chosen, rejected, 0.5 if label == 0.5 else 1.0
+    return row["prompt"], row["chosen"], row["rejected"], 1.0
+
+
+class PreferenceCollator:
+    """Turn rows into a batch of jointly transformed pairs.
+
+    Both images of a pair are resized so the shorter side is ``resolution``, then cropped at the same place
+    (random or centred) and flipped together. Rows with a missing image are skipped and counted.
+
+    Returns a dict with ``pixel_values`` (B, 2, 3, R, R) float32 in [-1, 1] (chosen first), ``prompts`` (B strings,
+    "" with probability ``proportion_empty_prompts``), ``weights`` (B,) (0.5 for ties), ``time_ids`` (B, 6) the SDXL
+    micro-conditioning (original H, W of the chosen image, crop top, left, R, R), and ``num_missing``.
+    """
+
+    def __init__(
+        self,
+        resolution: int,
+        random_crop: bool = False,
+        random_flip: bool = True,
+        proportion_empty_prompts: float = 0.0,
+        seed: int = 0,
+    ):
+        self.resolution = resolution
+        self.random_crop = random_crop
+        self.random_flip = random_flip
+        self.proportion_empty_prompts = proportion_empty_prompts
+        self.rng = random.Random(seed)
+
+    def _resize(self, image: Image.Image, size: tuple[int, int] | None = None) -> Image.Image:
+        if size is None:
+            scale = self.resolution / min(image.size)
+            size = (
+                max(self.resolution, round(image.width * scale)),
+                max(self.resolution, round(image.height * scale)),
+            )
+        return image.resize(size, Image.BILINEAR)
+
+    def _to_tensor(self, image: Image.Image) -> torch.Tensor:
+        array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+        return torch.from_numpy(array).permute(2, 0, 1)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        pixels, prompts, weights, time_ids, missing = [], [], [], [], 0
+        r = self.resolution
+        for row in rows:
+            prompt, chosen, rejected, weight = pair_from_row(row)
+            chosen, rejected = load_image(chosen), load_image(rejected)
+            if chosen is None or rejected is None:
+                missing += 1
+                continue
+            original = (chosen.height, chosen.width)
+            chosen = self._resize(chosen)
+            rejected = self._resize(rejected, chosen.size)  # same size, so the same crop box fits both
+            if self.random_crop:
+                top, left = self.rng.randint(0, chosen.height - r), self.rng.randint(0, chosen.width - r)
+            else:
+                top, left = (chosen.height - r) // 2, (chosen.width - r) // 2
+            flip = self.random_flip and self.rng.random() < 0.5
+            pair = []
+            for image in (chosen, rejected):
+                image = image.crop((left, top, left + r, top + r))
+                if flip:
+                    image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                pair.append(self._to_tensor(image))
+            pixels.append(torch.stack(pair))
+            prompts.append("" if self.rng.random() < self.proportion_empty_prompts else prompt)
+            weights.append(weight)
+            time_ids.append([*original, top, left, r, r])
+        if not pixels:
+            raise ValueError(f"every row of the batch ({len(rows)}) has a missing image")
+        return {
+            "pixel_values": torch.stack(pixels),
+            "prompts": prompts,
+            "weights": torch.tensor(weights, dtype=torch.float32),
+            "time_ids": torch.tensor(time_ids, dtype=torch.float32),
+            "num_missing": missing,
+        }

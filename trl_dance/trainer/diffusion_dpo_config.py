@@ -1,0 +1,89 @@
+"""Configuration of :class:`~trl_dance.DiffusionDPOTrainer`."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import _BaseConfig
+
+_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+
+
+@dataclass
+class DiffusionDPOConfig(_BaseConfig):
+    r"""
+    Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
+
+    Per pair, one timestep and one noise are shared by the chosen (w) and rejected (l) image. With per-sample
+    denoising errors ``e = mean((pred − target)²)`` (float32, over C, H, W) of the policy and the reference,
+    ``z = −β/2 · ((e_θ^w − e_θ^l) − (e_ref^w − e_ref^l))`` and the loss is ``−log σ(z)`` (sigmoid), ``relu(1 − z)``
+    (hinge) or ``(z/β − 1/(2β))²`` (ipo). Targets: ε for ε-prediction models (SD1.x, SDXL), the velocity ``ε − x0``
+    for rectified flow (SD3, FLUX).
+
+    Parameters:
+        beta (`float`, defaults to `5000.0`): β in the units above: 2000–5000 for SD1.5/SDXL; flow-matching ports use
+            much smaller values (e.g. 100).
+        loss_type (`str`, defaults to `"sigmoid"`): `"sigmoid"`, `"hinge"` or `"ipo"`.
+        sft (`bool`, defaults to `False`): Train the plain denoising loss on the chosen images only (no reference).
+        timestep_sampling (`str`, defaults to `"uniform"`): Flow models: σ ~ U(0, 1) or `"logit_normal"`
+            (σ = sigmoid(N(logit_mean, logit_std))). ε models always draw t uniformly in [0, T_train).
+        logit_mean (`float`, defaults to `0.0`), logit_std (`float`, defaults to `1.0`): of the logit-normal.
+        resolution (`int`, defaults to `512`): Training images are resized (shorter side) and cropped to this.
+        random_crop (`bool`, defaults to `False`): Random instead of centre crop (the same box for both images).
+        random_flip (`bool`, defaults to `True`): Flip a pair horizontally with probability ½ (both images).
+        proportion_empty_prompts (`float`, defaults to `0.0`): Caption dropout (the paper's recipe: 0.2).
+        ties (`str`, defaults to `"drop"`): Pick-a-Pic ties (`label_0 = 0.5`): `"drop"` them (counted in the log), or
+            `"keep"` them with the loss averaged over both orders (they count ½ in `implicit_acc`).
+        guidance_scale (`float`, defaults to `3.5`): FLUX's guidance-embedding value during training; unused by
+            families with CFG.
+        max_sequence_length (`int`, defaults to `512`): T5 tokens (SD3, FLUX).
+        model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
+            `DiffusionPipeline.from_pretrained` when `model` is a string.
+    """
+
+    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
+
+    learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper, full: 1e-8 × batch)."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X optimizer updates."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (diffusers' enable_gradient_checkpointing)."},
+    )
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the image columns."})
+
+    beta: float = field(default=5000.0, metadata={"help": "DPO β (5000 for SD1.5/SDXL; ~100 for flow models)."})
+    loss_type: str = field(
+        default="sigmoid", metadata={"help": "sigmoid | hinge | ipo.", "choices": list(_LOSS_TYPES)}
+    )
+    sft: bool = field(default=False, metadata={"help": "Plain denoising loss on the chosen images only."})
+    timestep_sampling: str = field(
+        default="uniform",
+        metadata={"help": "uniform | logit_normal (flow models).", "choices": ["uniform", "logit_normal"]},
+    )
+    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal σ sampling."})
+    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal σ sampling."})
+    resolution: int = field(default=512, metadata={"help": "Training resolution in pixels."})
+    random_crop: bool = field(default=False, metadata={"help": "Random crop (same box for both images)."})
+    random_flip: bool = field(default=True, metadata={"help": "Random horizontal flip of both images."})
+    proportion_empty_prompts: float = field(default=0.0, metadata={"help": "Caption dropout probability."})
+    ties: str = field(default="drop", metadata={"help": "drop | keep Pick-a-Pic ties.", "choices": ["drop", "keep"]})
+    guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding during training."})
+    max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in _LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {list(_LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.timestep_sampling not in ("uniform", "logit_normal"):
+            raise ValueError(f"timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
+        if self.ties not in ("drop", "keep"):
+            raise ValueError(f"ties must be 'drop' or 'keep', got {self.ties!r}")
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ValueError(f"beta must be a positive number, got {self.beta}")
+        if not 0 <= self.proportion_empty_prompts <= 1:
+            raise ValueError(f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}")
+        if self.resolution < 8:
+            raise ValueError(f"resolution must be >= 8, got {self.resolution}")
