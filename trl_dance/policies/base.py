@@ -84,13 +84,25 @@ class DiffusionPolicy(ABC):
     def device(self) -> torch.device:
         return next(self.denoiser.parameters()).device
 
-    @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Text conditioning of each prompt (computed without gradients), first dimension ``len(prompts)``."""
+        return self._encode(prompts)
 
     @abstractmethod
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        """The pipeline's ``encode_prompt`` on ``prompts``; with ``negative``, its unconditional embeddings instead."""
+
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """(B, ...) float32 starting latents, sample ``b`` drawn from ``generators[b]``."""
+        return self.pipeline.prepare_latents(
+            len(generators),
+            self.denoiser.config.in_channels,
+            self.settings.height,
+            self.settings.width,
+            torch.float32,
+            self.device,
+            generators,
+        )
 
     @property
     def use_cfg(self) -> bool:
@@ -139,7 +151,9 @@ class DiffusionPolicy(ABC):
 
     def negative_conditioning(self) -> Conditioning:
         """Unconditional (empty-prompt) conditioning, first dimension 1. Needed by families that use CFG."""
-        raise NotImplementedError(f"{type(self).__name__} does not support classifier-free guidance")
+        if not self.supports_cfg:
+            raise NotImplementedError(f"{type(self).__name__} does not use classifier-free guidance")
+        return self._encode([""], negative=True)
 
     def _negative_cond(self, batch: int) -> Conditioning:
         # Encoded once, then expanded to the batch (no copy).

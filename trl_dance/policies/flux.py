@@ -40,7 +40,7 @@ class FluxPolicy(FlowMatchingPolicy):
         return {"mu": mu}
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
         prompt_embeds, pooled, _ = self.pipeline.encode_prompt(
             prompt=prompts,
             prompt_2=prompts,

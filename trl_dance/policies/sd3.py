@@ -28,23 +28,6 @@ class SD3Policy(FlowMatchingPolicy):
             return {"prompt_embeds": negative_embeds, "pooled_prompt_embeds": negative_pooled}
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        return self._encode(prompts)
-
-    def negative_conditioning(self) -> Conditioning:
-        return self._encode([""], negative=True)
-
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        return self.pipeline.prepare_latents(
-            len(generators),
-            self.denoiser.config.in_channels,
-            self.settings.height,
-            self.settings.width,
-            torch.float32,
-            self.device,
-            generators,
-        )
-
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
         return model(

@@ -58,23 +58,6 @@ class StableDiffusionPolicy(DiffusionPolicy):
         embeds, negative_embeds = self.pipeline.encode_prompt(prompts, self.device, 1, negative)
         return {"prompt_embeds": negative_embeds if negative else embeds}
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        return self._encode(prompts)
-
-    def negative_conditioning(self) -> Conditioning:
-        return self._encode([""], negative=True)
-
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        return self.pipeline.prepare_latents(
-            len(generators),
-            self.denoiser.config.in_channels,
-            self.settings.height,
-            self.settings.width,
-            torch.float32,
-            self.device,
-            generators,
-        )
-
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
         return model(

@@ -93,11 +93,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = DanceGRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DanceGRPO")
-        if not isinstance(args, DanceGRPOConfig):
-            raise TypeError(f"args must be a DanceGRPOConfig, got {type(args).__name__}")
+        args = self._resolve_args(model, args, DanceGRPOConfig, "DanceGRPO")
 
         self.reward_funcs = self._resolve_rewards(reward_funcs)
         self.reward_names = [reward_name(func) for func in self.reward_funcs]

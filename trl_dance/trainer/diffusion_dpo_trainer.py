@@ -83,11 +83,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
     ):
-        if args is None:
-            name = model if isinstance(model, str) else type(model).__name__
-            args = DiffusionDPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-DiffusionDPO")
-        if not isinstance(args, DiffusionDPOConfig):
-            raise TypeError(f"args must be a DiffusionDPOConfig, got {type(args).__name__}")
+        args = self._resolve_args(model, args, DiffusionDPOConfig, "DiffusionDPO")
         if not isinstance(train_dataset, Dataset):
             raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(train_dataset).__name__}")
         self.data_format = preference_format(train_dataset.column_names)

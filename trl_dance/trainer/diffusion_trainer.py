@@ -77,6 +77,16 @@ class DiffusionTrainer(_BaseTrainer):
             self.ref_model.to(self.accelerator.device)
         self._metrics: dict[str, list[float]] = defaultdict(list)
 
+    @staticmethod
+    def _resolve_args(model, args, config_class, suffix: str):
+        """``args`` checked against ``config_class``, or its defaults with an output_dir named after the model."""
+        if args is None:
+            name = model if isinstance(model, str) else type(model).__name__
+            return config_class(output_dir=f"{name.rstrip('/').split('/')[-1]}-{suffix}")
+        if not isinstance(args, config_class):
+            raise TypeError(f"args must be a {config_class.__name__}, got {type(args).__name__}")
+        return args
+
     def _send_telemetry(self):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
         return
