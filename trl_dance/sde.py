@@ -63,18 +63,22 @@ def _gaussian_step(
     compute_log_prob: bool,
     reduction: Reduction,
     pseudo_log_prob: bool = False,
+    noise: torch.Tensor | None = None,
 ) -> SDEStepOutput:
     """Sample (or score) ``prev_sample ~ N(mean, std² I)``; ``std`` has shape (B, 1, ..., 1)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if prev_sample is None:
-        noise = torch.randn(
-            mean.shape,
-            generator=generator,
-            dtype=torch.float32,
-            device=generator.device if generator is not None else mean.device,
-        ).to(mean.device)
-        prev_sample = mean + std * noise
+        if noise is None:
+            noise = torch.randn(
+                mean.shape,
+                generator=generator,
+                dtype=torch.float32,
+                device=generator.device if generator is not None else mean.device,
+            )
+        elif noise.shape != mean.shape:
+            raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {tuple(mean.shape)}")
+        prev_sample = mean + std * noise.to(device=mean.device, dtype=torch.float32)
     else:
         if prev_sample.shape != mean.shape:
             raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)}, expected {tuple(mean.shape)}")
@@ -110,6 +114,7 @@ def flow_sde_step(
     sigma_max: float | torch.Tensor | None = None,
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
+    noise: torch.Tensor | None = None,
 ) -> SDEStepOutput:
     """One stochastic rectified-flow step from ``sigma`` to ``sigma_next`` with its log-probability.
 
@@ -126,6 +131,7 @@ def flow_sde_step(
         sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``.
         reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
         compute_log_prob: set False to skip the log-prob (required for a zero-noise step).
+        noise: (B, ...) standard normal noise to use instead of drawing from ``generator`` (e.g. drawn per sample).
 
     Returns:
         :class:`SDEStepOutput` with float32 tensors.
@@ -141,7 +147,7 @@ def flow_sde_step(
     if sde_type == "cps":
         std = s_next * math.sin(noise_level * math.pi / 2)
         mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
-        return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, pseudo_log_prob=True)
+        return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, True, noise)
 
     if sde_type == "dance":
         diffusion = torch.full_like(s, float(noise_level))
@@ -155,7 +161,7 @@ def flow_sde_step(
 
     mean = x - delta * (v + diffusion**2 / (2 * s) * eps_hat)
     std = diffusion * torch.sqrt(delta)
-    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction)
+    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise)
 
 
 def ddim_sde_step(
@@ -169,6 +175,7 @@ def ddim_sde_step(
     generator: torch.Generator | None = None,
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
+    noise: torch.Tensor | None = None,
 ) -> SDEStepOutput:
     """One DDIM step with noise ``eta`` (DDPO) for ε-prediction models, with its log-probability.
 
@@ -177,7 +184,7 @@ def ddim_sde_step(
         sample: (B, ...) current latent ``x_t``.
         alpha_prod_t, alpha_prod_t_prev: cumulative alphas ``ᾱ_t`` and ``ᾱ_{t'}`` in (0, 1]; floats or (B,).
         eta: DDIM η; 0 is the deterministic DDIM step, 1 the DDPM-like posterior variance.
-        prev_sample, generator, reduction, compute_log_prob: as in :func:`flow_sde_step`.
+        prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
     """
     eps = model_output.to(torch.float32)
     x = sample.to(torch.float32)
@@ -187,7 +194,7 @@ def ddim_sde_step(
     variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
     std = eta * torch.sqrt(variance.clamp_min(0))
     mean = torch.sqrt(a_prev) * x0_hat + torch.sqrt((1 - a_prev - std**2).clamp_min(0)) * eps
-    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction)
+    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise)
 
 
 def dance_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:

@@ -171,6 +171,7 @@ class DiffusionPolicy(ABC):
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
+        noise: torch.Tensor | None = None,
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
 

@@ -48,6 +48,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
+        noise: torch.Tensor | None = None,
     ) -> SDEStepOutput:
         sigmas = self.sigmas.to(latents.device)
         return flow_sde_step(
@@ -62,4 +63,5 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigma_max=sigmas[1],
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
+            noise=noise,
         )

@@ -39,6 +39,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
+        noise: torch.Tensor | None = None,
     ) -> SDEStepOutput:
         device = latents.device
         return ddim_sde_step(
@@ -51,6 +52,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             generator=generator,
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
+            noise=noise,
         )
 
     @torch.no_grad()

@@ -121,10 +121,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._generation_round = 0
         self._rollout: dict[str, Any] | None = None
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Distinct per process (SDE noise, timestep choice); the initial noise is seeded per sample instead.
-        process_seed = _seed(args.seed, self.accelerator.process_index)
-        self._sde_generator = torch.Generator(device=self.accelerator.device).manual_seed(process_seed)
-        self._cpu_generator = torch.Generator().manual_seed(process_seed)
+        # Per process: which steps are trained and the micro-batch order. Sampling noise is seeded per sample.
+        self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
@@ -197,12 +195,24 @@ class DanceGRPOTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Rollout
 
-    def _initial_noise_generators(self, batch: int) -> list[torch.Generator]:
-        """One generator per local sample, seeded by (seed, round, group or sample id): process-count invariant."""
+    def _sample_generators(self, batch: int) -> list[torch.Generator]:
+        """One generator per local sample, seeded by (seed, round, global sample id): a sample's noise does not
+        depend on the number of processes or on ``rollout_batch_size``. With ``share_initial_noise="group"`` the
+        members of a group share the initial noise (drawn from a generator seeded by the group id)."""
         offset = self.accelerator.process_index * batch
-        group = self.args.share_initial_noise == "group"
-        ids = [(offset + j) // self.args.num_generations if group else offset + j for j in range(batch)]
-        return [torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, i)) for i in ids]
+        return [
+            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, offset + j))
+            for j in range(batch)
+        ]
+
+    def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
+        if self.args.share_initial_noise != "group":
+            return self.policy.initial_noise(generators)
+        groups = [(first_index + j) // self.args.num_generations for j in range(len(generators))]
+        group_generators = [
+            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, -1 - g)) for g in groups
+        ]
+        return self.policy.initial_noise(group_generators)
 
     @torch.no_grad()
     def sample(
@@ -211,16 +221,17 @@ class DanceGRPOTrainer(DiffusionTrainer):
         generators: list[torch.Generator],
         model: torch.nn.Module | None = None,
         cond: dict[str, torch.Tensor] | None = None,
-        noise_generator: torch.Generator | None = None,
+        initial_noise: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Denoise one batch with the SDE sampler.
 
         Args:
             prompts: B prompts (ignored when ``cond`` is given).
-            generators: B generators for the initial noise.
+            generators: B CPU generators; sample ``b`` draws its initial noise (unless ``initial_noise`` is given) and
+                then the noise of all its steps from ``generators[b]``, so it does not depend on the batch it is in.
             model: the denoiser to call (default: the Trainer's wrapped model).
             cond: precomputed conditioning of the B samples.
-            noise_generator: generator of the SDE noise (default: this process's rollout generator).
+            initial_noise: (B, ...) starting latents to use instead of drawing them.
 
         Returns:
             ``latents`` (B, N+1, ...) float32, ``log_probs`` (B, N−1) float32 of the trainable steps, ``images``
@@ -229,17 +240,20 @@ class DanceGRPOTrainer(DiffusionTrainer):
         model = self.model_wrapped if model is None else model
         if cond is None:
             cond = self.policy.encode_prompts(prompts)
-        generator = self._sde_generator if noise_generator is None else noise_generator
         num_steps = self.policy.num_steps
         with self.compute_loss_context_manager():
-            latents = self.policy.initial_noise(generators)
+            latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
+            # (N, B, ...): every step's noise of every sample, moved to the device once.
+            noise = torch.stack(
+                [torch.randn((num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
+            ).to(latents.device)
             trajectory, log_probs = [latents], []
             for i in range(num_steps):
                 step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
                 output = self.policy.predict(model, latents, step_index, cond)
                 # The last step is never trained (its Gaussian is very sharp): no log-prob needed.
                 result = self.policy.step(
-                    output, latents, step_index, generator=generator, compute_log_prob=i < num_steps - 1
+                    output, latents, step_index, noise=noise[i], compute_log_prob=i < num_steps - 1
                 )
                 latents = result.prev_sample
                 trajectory.append(latents)
@@ -254,8 +268,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1].
         """
         generators = [torch.Generator().manual_seed(_seed(seed, i)) for i in range(len(prompts))]
-        noise = torch.Generator(device=self.accelerator.device).manual_seed(seed)
-        return self.sample(prompts, generators, model=self.model, noise_generator=noise)["images"]
+        return self.sample(prompts, generators, model=self.model)["images"]
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
@@ -268,16 +281,19 @@ class DanceGRPOTrainer(DiffusionTrainer):
         prompt_index = torch.tensor([unique.index(p) for p in prompts], device=device)
         cond_table = self.policy.encode_prompts(unique)
 
-        generators = self._initial_noise_generators(batch)
+        generators = self._sample_generators(batch)
+        first_index = self.accelerator.process_index * batch
         chunk = args.rollout_batch_size or batch
         parts = []
         for start in range(0, batch, chunk):
-            idx = prompt_index[start : start + chunk]
+            part = slice(start, start + chunk)
+            idx = prompt_index[part]
             parts.append(
                 self.sample(
-                    prompts[start : start + chunk],
-                    generators[start : start + chunk],
+                    prompts[part],
+                    generators[part],
                     cond={key: value[idx] for key, value in cond_table.items()},
+                    initial_noise=self._initial_noise(generators[part], first_index + start),
                 )
             )
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
