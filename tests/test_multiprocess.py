@@ -1,0 +1,40 @@
+"""Two real CPU processes (gloo) compute what one process computes for the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "multiprocess_grpo.py")
+
+
+def _launch(num_processes, model_dir, tmp_path):
+    output_dir, result = tmp_path / f"out{num_processes}", tmp_path / f"result{num_processes}.json"
+    # `accelerate launch --cpu --num_processes 2` silently runs one process; --multi_gpu with ACCELERATE_USE_CPU
+    # starts two that talk over gloo.
+    launcher = ["--multi_gpu", "--num_processes", "2"] if num_processes == 2 else ["--num_processes", "1"]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(29500 + num_processes),
+        SCRIPT, model_dir, str(output_dir), str(result),
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert (output_dir / "pytorch_lora_weights.safetensors").exists()
+    with open(result) as handle:
+        return json.load(handle)
+
+
+def test_two_processes_compute_the_same_advantages_as_one(tiny_model_dir, tmp_path):
+    one = _launch(1, tiny_model_dir("flux"), tmp_path)
+    two = _launch(2, tiny_model_dir("flux"), tmp_path)
+    assert (one["num_processes"], two["num_processes"]) == (1, 2)
+    assert len(one["rounds"]) == len(two["rounds"]) >= 1
+    for a, b in zip(one["rounds"], two["rounds"]):
+        assert a["prompts"] == b["prompts"]  # the same global batch, groups intact across the two processes
+        assert b["rewards"] == pytest.approx(a["rewards"], abs=1e-5)
+        assert b["advantages"] == pytest.approx(a["advantages"], abs=1e-3)
