@@ -13,14 +13,33 @@ from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 model_dir, output_dir, result_path = sys.argv[1:4]
 torch.set_num_threads(1)
 args = DanceGRPOConfig(
-    output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
-    num_generations=4, generation_batch_size=8, num_inference_steps=6, height=32, width=32, max_sequence_length=16,
-    per_device_train_batch_size=5, gradient_accumulation_steps=1, timestep_fraction=1.0, eta=1.0, max_steps=2,
-    learning_rate=1e-3, logging_steps=1, seed=7,
+    output_dir=output_dir,
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    num_generations=4,
+    generation_batch_size=8,
+    num_inference_steps=6,
+    height=32,
+    width=32,
+    max_sequence_length=16,
+    per_device_train_batch_size=5,
+    gradient_accumulation_steps=1,
+    timestep_fraction=1.0,
+    eta=1.0,
+    max_steps=2,
+    learning_rate=1e-3,
+    logging_steps=1,
+    seed=7,
 )
 dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
 trainer = DanceGRPOTrainer(
-    model_dir, "brightness", args=args, train_dataset=dataset,
+    model_dir,
+    "brightness",
+    args=args,
+    train_dataset=dataset,
     peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
 )
 rollouts = []

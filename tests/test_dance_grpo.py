@@ -409,9 +409,45 @@ def test_rollout_does_not_depend_on_rollout_batch_size(tiny_model_dir, tmp_path,
     rollouts = []
     for chunk in (None, 3):
         args = tiny_grpo_config(tmp_path, rollout_batch_size=chunk, share_initial_noise=share)
-        trainer = DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=_lora())
+        trainer = DanceGRPOTrainer(
+            tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=_lora()
+        )
         trainer._generate_and_score(_rows(PROMPTS[:2]))
         rollouts.append(trainer._rollout)
     torch.testing.assert_close(rollouts[0]["latents"], rollouts[1]["latents"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(rollouts[0]["log_probs"], rollouts[1]["log_probs"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(rollouts[0]["advantages"], rollouts[1]["advantages"], rtol=1e-3, atol=1e-3)
+
+
+def test_resume_at_a_round_boundary_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Interrupted after 2 rounds and resumed: the same parameters after 4 rounds as a run never interrupted."""
+
+    def run(output_dir, max_steps, resume=None):
+        # One optimizer update per round (5 micro-batches, accumulation 5): every checkpoint is at a round boundary.
+        args = tiny_grpo_config(
+            output_dir,
+            max_steps=max_steps,
+            gradient_accumulation_steps=5,
+            save_strategy="steps",
+            save_steps=2,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",  # the same schedule whatever max_steps the interrupted run had
+            scale_rewards="per_prompt",
+            num_generations=2,
+        )
+        # 32 prompts, 4 per round: the 4 rounds lie within one epoch.
+        prompts = Dataset.from_dict({"prompt": [f"{p} {i}" for i in range(4) for p in PROMPTS]})
+        trainer = DanceGRPOTrainer(
+            tiny_model_dir("flux"), "brightness", args=args, train_dataset=prompts, peft_config=_lora()
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", 4)
+    run(tmp_path / "first", 2)
+    resumed = run(tmp_path / "first", 4, resume=str(tmp_path / "first" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    assert resumed.stat_tracker.state_dict() == full.stat_tracker.state_dict()

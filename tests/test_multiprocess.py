@@ -17,9 +17,22 @@ def _launch(num_processes, model_dir, tmp_path):
     # starts two that talk over gloo.
     launcher = ["--multi_gpu", "--num_processes", "2"] if num_processes == 2 else ["--num_processes", "1"]
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(29500 + num_processes),
-        SCRIPT, model_dir, str(output_dir), str(result),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + num_processes),
+        SCRIPT,
+        model_dir,
+        str(output_dir),
+        str(result),
     ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

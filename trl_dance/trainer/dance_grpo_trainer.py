@@ -23,6 +23,7 @@ from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
 
 _TRACKER_FILE = "per_prompt_stats.json"
+_RANK_STATE_FILE = "dance_grpo_state_{}.pt"
 
 
 def _identity(rows: list[dict]) -> list[dict]:
@@ -407,11 +408,18 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        # Per process: the round counter (it seeds the sampling noise), the micro-step counter and the generator of
+        # timestep choice and shuffling. With a checkpoint at a round boundary, resuming reproduces the uninterrupted
+        # run exactly; a checkpoint inside a round regenerates that round's rollout.
+        state = {
+            "generation_round": self._generation_round,
+            "step": self._step,
+            "cpu_generator": self._cpu_generator.get_state(),
+        }
+        torch.save(state, os.path.join(folder, _RANK_STATE_FILE.format(self.accelerator.process_index)))
         if self.stat_tracker is not None and self.args.should_save:
-            path = os.path.join(
-                self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", _TRACKER_FILE
-            )
-            with open(path, "w") as handle:
+            with open(os.path.join(folder, _TRACKER_FILE), "w") as handle:
                 json.dump(self.stat_tracker.state_dict(), handle)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -419,6 +427,12 @@ class DanceGRPOTrainer(DiffusionTrainer):
         if self.stat_tracker is not None and os.path.isfile(tracker_path):
             with open(tracker_path) as handle:
                 self.stat_tracker.load_state_dict(json.load(handle))
+        state_path = os.path.join(resume_from_checkpoint, _RANK_STATE_FILE.format(self.accelerator.process_index))
+        if os.path.isfile(state_path):
+            state = torch.load(state_path, weights_only=True)
+            self._generation_round, self._step = state["generation_round"], state["step"]
+            self._cpu_generator.set_state(state["cpu_generator"])
+            self._rollout = None
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 

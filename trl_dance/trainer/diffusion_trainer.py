@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
+from transformers import set_seed
 
 from .._compat import _BaseTrainer
 from ..lora import add_lora, has_lora, load_lora, save_lora
@@ -58,6 +59,8 @@ class DiffusionTrainer(_BaseTrainer):
     ):
         self.policy = policy
         denoiser = policy.denoiser
+        # The Trainer seeds in its __init__; seeding here too makes the adapter's random initialisation reproducible.
+        set_seed(args.seed)
         if peft_config is not None:
             add_lora(denoiser, peft_config)
         else:
