@@ -217,6 +217,9 @@ def test_sft_mode_and_lora_export(tiny_model_dir, tmp_path):
     trainer.train()
     assert "implicit_acc" not in trainer.state.log_history[0] and "mse/chosen/policy" in trainer.state.log_history[0]
     trainer.save_model(str(tmp_path / "lora"))
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "diffusion-dpo" in card and "SFT on the chosen images" in card and "arXiv:2311.12908" in card
     pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir("sd"))
     pipeline.load_lora_weights(str(tmp_path / "lora"))
     latents, t = torch.randn(2, 4, 16, 16), torch.tensor([10, 500])

@@ -97,3 +97,36 @@ def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
+    """The card push_to_hub uploads: diffusers metadata, TRL-style tags, a loading snippet that works as written."""
+    from datasets import Dataset
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig
+
+    from trl_dance import DanceGRPOTrainer
+
+    args = DanceGRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        num_generations=2, generation_batch_size=2, num_inference_steps=3, height=32, width=32, max_sequence_length=16,
+        per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=1, disable_tqdm=True,
+    )
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), ["brightness", "jpeg_compressibility"], args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a cat", "a dog"]}),
+        peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+    )
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card(dataset_name="my/prompts", tags=["my-tag"])
+    card = (tmp_path / "out" / "README.md").read_text()
+    header = yaml.safe_load(card.split("---")[1])
+    assert header["library_name"] == "diffusers" and header["pipeline_tag"] == "text-to-image"
+    assert {"trl", "trl-dance", "dance-grpo", "lora", "my-tag"} <= set(header["tags"])
+    assert header["datasets"] == ["my/prompts"]
+    assert "brightness × 1, jpeg_compressibility × 1" in card and "arXiv:2505.07818" in card
+    snippet = card.split("```python")[1].split("```")[0]
+    namespace = {}
+    exec(snippet, namespace)  # loads the base pipeline and the LoRA from the local folders
+    assert isinstance(namespace["pipeline"], DiffusionPipeline)

@@ -406,6 +406,17 @@ class DanceGRPOTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Checkpoints: the per-prompt statistics travel with them
 
+    def _model_card_details(self) -> dict[str, str]:
+        args = self.args
+        weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
+        return {
+            "rewards": weights,
+            "sampling": f"{args.num_inference_steps} steps, {args.sde_type} SDE, noise level {args.eta}, "
+            f"guidance {args.guidance_scale}, {args.height}×{args.width}",
+            "GRPO": f"{args.num_generations} generations per prompt, clip {args.epsilon}, KL β {args.beta}, "
+            f"{args.timestep_fraction:.0%} of the steps trained, advantages: {args.scale_rewards}",
+        }
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")

@@ -194,6 +194,13 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             self._record("margin", z)
         return (loss, prediction) if return_outputs else loss
 
+    def _model_card_details(self) -> dict[str, str]:
+        args = self.args
+        mode = "SFT on the chosen images" if args.sft else f"{args.loss_type} loss, β {args.beta:g}"
+        return {
+            "Diffusion-DPO": f"{mode}, {args.resolution} px, ties {args.ties}, caption dropout {args.proportion_empty_prompts}"
+        }
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.num_ties_dropped:
             logs["data/ties_dropped"] = self.num_ties_dropped

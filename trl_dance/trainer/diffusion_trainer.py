@@ -90,6 +90,78 @@ class DiffusionTrainer(_BaseTrainer):
             raise TypeError(f"args must be a {config_class.__name__}, got {type(args).__name__}")
         return args
 
+    def _model_card_details(self) -> dict[str, str]:
+        """Trainer-specific lines of the model card (name: value)."""
+        return {}
+
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None, **_
+    ) -> None:
+        """Write ``README.md`` in ``output_dir``: a diffusers model card (base model, TRL-style tags, how to load the
+        LoRA or the denoiser, the run's settings, ``samples.png`` when present). ``push_to_hub`` uploads it."""
+        if not self.is_world_process_zero():
+            return
+        from huggingface_hub import ModelCard, ModelCardData
+
+        from .. import __version__
+
+        pipeline = self.policy.pipeline
+        base_model = getattr(pipeline, "name_or_path", None) or pipeline.config.get("_name_or_path")
+        hub_base = base_model if base_model and not os.path.isdir(base_model) else None
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        denoiser = self.accelerator.unwrap_model(self.model)
+        lora, denoiser_class = has_lora(denoiser), type(denoiser).__name__
+        card_tags = sorted({*self._tag_names, *tags, "lora" if lora else "full-finetune"})
+        data = ModelCardData(
+            base_model=hub_base,
+            library_name="diffusers",
+            pipeline_tag="text-to-image",
+            tags=card_tags,
+            datasets=[dataset_name] if dataset_name else None,
+        )
+        pipeline_class = type(pipeline).__name__
+        name = model_name or self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
+        if lora:
+            usage = (
+                f"pipeline = {pipeline_class}.from_pretrained({base_model!r})\n"
+                f"pipeline.load_lora_weights({(self.args.hub_model_id or self.args.output_dir)!r})"
+            )
+        else:
+            usage = (
+                f"{self.policy.denoiser_name} = {denoiser_class}.from_pretrained({(self.args.hub_model_id or self.args.output_dir)!r})\n"
+                f"pipeline = {pipeline_class}.from_pretrained({base_model!r}, {self.policy.denoiser_name}={self.policy.denoiser_name})"
+            )
+        details = {
+            "trainer": f"{self._name} (trl-dance {__version__}), arXiv:{self._paper.get('id')}",
+            "base model": str(base_model),
+            "optimizer steps": str(self.state.global_step),
+            "learning rate": str(self.args.learning_rate),
+            **self._model_card_details(),
+        }
+        lines = [
+            f"# {name}",
+            "",
+            f"A {'LoRA' if lora else 'fine-tuned ' + self.policy.denoiser_name} for `{base_model}` trained with "
+            f"[trl-dance](https://github.com/trl-dance/trl-dance)'s `{type(self).__name__}`.",
+            "",
+            "```python",
+            f"from diffusers import {pipeline_class}" + ("" if lora else f", {denoiser_class}"),
+            "",
+            usage,
+            "```",
+            "",
+            "## Training",
+            "",
+            *[f"- {key}: {value}" for key, value in details.items()],
+        ]
+        if os.path.isfile(os.path.join(self.args.output_dir, "samples.png")):
+            lines += ["", "![samples: before (top) and after (bottom) training](samples.png)"]
+        if self._paper.get("citation"):
+            lines += ["", "## Citation", "", "```bibtex", self._paper["citation"], "```"]
+        card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        card.save(os.path.join(self.args.output_dir, "README.md"))
+
     def _send_telemetry(self):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
         return
