@@ -108,12 +108,26 @@ def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
     from trl_dance import DanceGRPOTrainer
 
     args = DanceGRPOConfig(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        num_generations=2, generation_batch_size=2, num_inference_steps=3, height=32, width=32, max_sequence_length=16,
-        per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=1, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        num_generations=2,
+        generation_batch_size=2,
+        num_inference_steps=3,
+        height=32,
+        width=32,
+        max_sequence_length=16,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        disable_tqdm=True,
     )
     trainer = DanceGRPOTrainer(
-        tiny_model_dir("flux"), ["brightness", "jpeg_compressibility"], args=args,
+        tiny_model_dir("flux"),
+        ["brightness", "jpeg_compressibility"],
+        args=args,
         train_dataset=Dataset.from_dict({"prompt": ["a cat", "a dog"]}),
         peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
     )

@@ -196,17 +196,16 @@ class DanceGRPOTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Rollout
 
-    def _sample_generators(self, batch: int) -> list[torch.Generator]:
-        """One generator per local sample, seeded by (seed, round, global sample id): a sample's noise does not
-        depend on the number of processes or on ``rollout_batch_size``. With ``share_initial_noise="group"`` the
-        members of a group share the initial noise (drawn from a generator seeded by the group id)."""
-        offset = self.accelerator.process_index * batch
+    def _sample_generators(self, batch: int, first_index: int) -> list[torch.Generator]:
+        """One generator per local sample, seeded by (seed, round, global sample index): a sample's noise does not
+        depend on the number of processes or on ``rollout_batch_size``."""
         return [
-            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, offset + j))
+            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, first_index + j))
             for j in range(batch)
         ]
 
     def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
+        """Starting latents; with ``share_initial_noise="group"`` drawn once per group (seeded by the group id)."""
         if self.args.share_initial_noise != "group":
             return self.policy.initial_noise(generators)
         groups = [(first_index + j) // self.args.num_generations for j in range(len(generators))]
@@ -282,19 +281,19 @@ class DanceGRPOTrainer(DiffusionTrainer):
         prompt_index = torch.tensor([unique.index(p) for p in prompts], device=device)
         cond_table = self.policy.encode_prompts(unique)
 
-        generators = self._sample_generators(batch)
-        first_index = self.accelerator.process_index * batch
+        first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
+        generators = self._sample_generators(batch, first_index)
         chunk = args.rollout_batch_size or batch
         parts = []
-        for start in range(0, batch, chunk):
-            part = slice(start, start + chunk)
+        for chunk_start in range(0, batch, chunk):
+            part = slice(chunk_start, chunk_start + chunk)
             idx = prompt_index[part]
             parts.append(
                 self.sample(
                     prompts[part],
                     generators[part],
                     cond={key: value[idx] for key, value in cond_table.items()},
-                    initial_noise=self._initial_noise(generators[part], first_index + start),
+                    initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
                 )
             )
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
@@ -309,8 +308,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
             all_advantages = group_advantages(
                 total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
             )
-        start = self.accelerator.process_index * batch
-        advantages = all_advantages[start : start + batch]
+        local = slice(first_index, first_index + batch)
+        advantages = all_advantages[local]
         self._log_rollout_metrics(all_rewards, total, all_advantages)
 
         self._rollout = {
@@ -321,7 +320,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
             "cond": cond_table,
             "prompts": prompts,
             "images": rollout["images"],
-            "rewards": total[start : start + batch],
+            "rewards": total[local],
         }
         self._microbatches = self._plan_microbatches(batch)
         self._generation_round += 1
