@@ -175,27 +175,28 @@ class DiffusionPolicy(ABC):
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
 
+    def _latent_affine(self, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """``(offset, scale)`` with policy latents = (VAE latents − offset) · scale: the VAE's latents_mean/std when
+        its config has them (SDXL-style), else its shift_factor and scaling_factor."""
+        config = self.pipeline.vae.config
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1, 1)
+            std = torch.tensor(config.latents_std, device=device).view(1, -1, 1, 1)
+            return mean, config.scaling_factor / std
+        return getattr(config, "shift_factor", None) or 0.0, config.scaling_factor
+
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`."""
         vae = self.pipeline.vae
-        config = vae.config
         latents = vae.encode(images.to(device=self.device, dtype=vae.dtype)).latent_dist.sample(generator).float()
-        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            mean = torch.tensor(config.latents_mean, device=latents.device).view(1, -1, 1, 1)
-            std = torch.tensor(config.latents_std, device=latents.device).view(1, -1, 1, 1)
-            return (latents - mean) * config.scaling_factor / std
-        return (latents - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
+        offset, scale = self._latent_affine(latents.device)
+        return (latents - offset) * scale
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents to images: (B, 3, H, W) float32 in [0, 1]."""
         vae = self.pipeline.vae
-        config = vae.config
-        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            mean = torch.tensor(config.latents_mean, device=latents.device).view(1, -1, 1, 1)
-            std = torch.tensor(config.latents_std, device=latents.device).view(1, -1, 1, 1)
-            latents = latents * std / config.scaling_factor + mean
-        else:
-            latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        offset, scale = self._latent_affine(latents.device)
+        latents = latents / scale + offset
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(images, output_type="pt").float()

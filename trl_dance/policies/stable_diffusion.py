@@ -84,11 +84,15 @@ class StableDiffusionXLPolicy(StableDiffusionPolicy):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def _time_ids(self, batch: int, device: torch.device) -> torch.Tensor:
-        size = (self.settings.height, self.settings.width)
-        encoder_2 = self.pipeline.text_encoder_2
-        projection_dim = encoder_2.config.projection_dim if encoder_2 is not None else None
-        time_ids = self.pipeline._get_add_time_ids(size, (0, 0), size, torch.float32, projection_dim)
-        return time_ids.to(device).expand(batch, -1)
+        """The generated-sample micro-conditioning (H, W, 0, 0, H, W), built once per device, expanded to (B, 6)."""
+        cached = getattr(self, "_default_time_ids", None)
+        if cached is None or cached.device != device:
+            size = (self.settings.height, self.settings.width)
+            encoder_2 = self.pipeline.text_encoder_2
+            projection_dim = encoder_2.config.projection_dim if encoder_2 is not None else None
+            time_ids = self.pipeline._get_add_time_ids(size, (0, 0), size, torch.float32, projection_dim)
+            self._default_time_ids = cached = time_ids.to(device)
+        return cached.expand(batch, -1)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
