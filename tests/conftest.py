@@ -1,12 +1,14 @@
 import os
 
-import pytest
-import torch
-
-from trl_dance.testing import save_tiny_pipeline
-
+# Before anything imports huggingface_hub, which reads these once: no test may reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trl_dance.testing import save_tiny_pipeline  # noqa: E402
+
 # Two pytest-xdist workers share two cores: one intra-op thread each.
 torch.set_num_threads(1)
 

@@ -1,14 +1,26 @@
 """Reward functions: ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``."""
 
-from .base import RewardFunc, get_reward_function, reward_name, score_images
+from .aesthetic import AestheticReward
+from .base import RewardFunc, get_reward_function, registered_rewards, reward_name, score_images
+from .clip import CLIPScore, PickScore
+from .hps import HPSv2Reward
+from .image_reward import ImageReward
+from .model_reward import RewardModel
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility
 
 __all__ = [
+    "AestheticReward",
+    "CLIPScore",
+    "HPSv2Reward",
+    "ImageReward",
+    "PickScore",
     "RewardFunc",
+    "RewardModel",
     "brightness",
     "get_reward_function",
     "jpeg_compressibility",
     "jpeg_incompressibility",
+    "registered_rewards",
     "reward_name",
     "score_images",
 ]

@@ -13,34 +13,57 @@ RewardFunc = Callable[..., Sequence[float]]
 """``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats``."""
 
 
-def _registry() -> dict[str, RewardFunc]:
-    from . import pixel
+def _registry() -> dict[str, Callable[..., Any]]:
+    """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
+    from . import aesthetic, clip, hps, image_reward, pixel
 
     return {
         "brightness": pixel.brightness,
         "jpeg_compressibility": pixel.jpeg_compressibility,
         "jpeg_incompressibility": pixel.jpeg_incompressibility,
+        "hpsv2": hps.HPSv2Reward,
+        "image_reward": image_reward.ImageReward,
+        "pickscore": clip.PickScore,
+        "clip_score": clip.CLIPScore,
+        "aesthetic": aesthetic.AestheticReward,
     }
 
 
-def get_reward_function(spec: str | RewardFunc) -> RewardFunc:
-    """Resolve a reward: a callable (returned as is), a registered name (``"brightness"``), or ``"module.path:func"``."""
+def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
+    """Resolve a reward: a callable (returned as is), a registered name (``"hpsv2"``), or ``"module.path:func"``.
+
+    Args:
+        kwargs: constructor arguments of a registered model reward (checkpoint paths, dtype, batch size), e.g.
+            ``get_reward_function("hpsv2", checkpoint="/ckpt/HPS_v2.1_compressed.pt")``.
+    """
     if callable(spec):
+        if kwargs:
+            raise ValueError(f"reward arguments {sorted(kwargs)} given for an already built reward {spec!r}")
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a reward must be a callable, a registered name or 'module:function', got {type(spec)}")
     registry = _registry()
     if spec in registry:
-        return registry[spec]
+        entry = registry[spec]
+        if isinstance(entry, type):
+            return entry(**kwargs)
+        if kwargs:
+            raise ValueError(f"reward {spec!r} takes no arguments, got {sorted(kwargs)}")
+        return entry
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         func = getattr(importlib.import_module(module_name), attr, None)
         if not callable(func):
             raise ValueError(f"reward {spec!r}: {module_name} has no callable {attr!r}")
-        return func
+        return func(**kwargs) if isinstance(func, type) else func
     raise ValueError(
         f"unknown reward {spec!r}; registered rewards: {sorted(registry)}, or pass 'module.path:function'"
     )
+
+
+def registered_rewards() -> list[str]:
+    """Names accepted by :func:`get_reward_function` and in ``reward_funcs`` of a config."""
+    return sorted(_registry())
 
 
 def reward_name(func: RewardFunc) -> str:

@@ -69,6 +69,11 @@ class DanceGRPOConfig(_BaseConfig):
         adv_clip_max (`float`, defaults to `5.0`): Advantages are clipped to ±this.
         reward_weights (`list[float]` or `None`, defaults to `None`): Weights of the reward functions in the sum;
             `None`: all 1.
+        reward_kwargs (`dict` or `None`, defaults to `None`): Constructor arguments of registered model rewards, by
+            name, e.g. `{"hpsv2": {"checkpoint": "/ckpt/HPS_v2.1_compressed.pt", "dtype": "bfloat16"}}` (a JSON
+            string on the command line).
+        reward_worker_thread (`bool`, defaults to `True`): Score each rollout chunk in a worker thread while the
+            next chunk is denoised (with `rollout_batch_size` smaller than the local batch); results are identical.
 
         > Model
 
@@ -76,7 +81,7 @@ class DanceGRPOConfig(_BaseConfig):
             `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"torch_dtype": "bfloat16"}`.
     """
 
-    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
+    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
 
     # Overridden TrainingArguments defaults.
     learning_rate: float = field(
@@ -141,6 +146,12 @@ class DanceGRPOConfig(_BaseConfig):
     advantage_epsilon: float | None = field(default=None, metadata={"help": "Added to the std (default by mode)."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
+    reward_kwargs: dict[str, dict[str, Any]] | str | None = field(
+        default=None, metadata={"help": "Constructor arguments of registered model rewards, by reward name (JSON)."}
+    )
+    reward_worker_thread: bool = field(
+        default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
+    )
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(

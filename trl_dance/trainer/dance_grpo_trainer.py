@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -96,7 +98,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
     ):
         args = self._resolve_args(model, args, DanceGRPOConfig, "DanceGRPO")
 
-        self.reward_funcs = self._resolve_rewards(reward_funcs)
+        self.reward_funcs = self._resolve_rewards(reward_funcs, args.reward_kwargs or {})
         self.reward_names = [reward_name(func) for func in self.reward_funcs]
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -124,19 +126,26 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Per process: which steps are trained and the micro-batch order. Sampling noise is seeded per sample.
         self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
+        self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
 
     @staticmethod
-    def _resolve_rewards(reward_funcs) -> list[RewardFunc]:
+    def _resolve_rewards(reward_funcs, reward_kwargs: dict[str, dict[str, Any]]) -> list[RewardFunc]:
         if reward_funcs is None or (
             isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
         ):
             raise ValueError("at least one reward function is required")
         if isinstance(reward_funcs, str) or callable(reward_funcs):
             reward_funcs = [reward_funcs]
-        return [get_reward_function(func) for func in reward_funcs]
+        unused = set(reward_kwargs) - {func for func in reward_funcs if isinstance(func, str)}
+        if unused:
+            raise ValueError(f"reward_kwargs names rewards that are not in reward_funcs: {sorted(unused)}")
+        return [
+            get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
+            for func in reward_funcs
+        ]
 
     @staticmethod
     def _check_dataset(dataset: Dataset | None, args: DanceGRPOConfig) -> None:
@@ -284,7 +293,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
         generators = self._sample_generators(batch, first_index)
         chunk = args.rollout_batch_size or batch
-        parts = []
+        parts, scores = [], []
         for chunk_start in range(0, batch, chunk):
             part = slice(chunk_start, chunk_start + chunk)
             idx = prompt_index[part]
@@ -296,9 +305,17 @@ class DanceGRPOTrainer(DiffusionTrainer):
                     initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
                 )
             )
+            # Score this chunk (in the worker thread, while the next chunk is denoised).
+            score = functools.partial(
+                score_images,
+                self.reward_funcs,
+                prompts[part],
+                parts[-1]["images"],
+                {key: values[part] for key, values in columns.items()},
+            )
+            scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-
-        rewards = score_images(self.reward_funcs, prompts, rollout["images"], columns)
+        rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
         total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
         if self.stat_tracker is not None:

@@ -1,0 +1,318 @@
+"""Tiny random reward checkpoints in the published formats, written offline, and independent reference forwards.
+
+The reference forwards below follow the original architectures (open_clip's ViT/text transformer with fused
+attention projections; BLIP's ViT and BERT with cross-attention) in plain torch, so they check the adapters'
+key mappings and configs rather than repeating them.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+import torch.nn.functional as F
+from transformers import BertTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer
+
+_CHARS = string.ascii_lowercase + string.digits + ".,!?'-"
+
+TINY_OPEN_CLIP = {
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "patch_size": 8,
+        "image_size": 32,
+        "hidden_act": "gelu",
+    },
+    "text_config": {
+        "hidden_size": 24,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 77,
+        "vocab_size": 2 + 2 * len(_CHARS),
+        "hidden_act": "gelu",
+    },
+    "projection_dim": 16,
+}
+
+TINY_BLIP = {
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "patch_size": 8,
+        "image_size": 32,
+    },
+    "text_config": {
+        "vocab_size": 7 + len(_CHARS),
+        "hidden_size": 24,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 40,
+    },
+}
+
+
+def save_clip_tokenizer(directory: str) -> str:
+    """A character-level CLIP BPE tokenizer whose start/end tokens have the two highest ids, as in CLIP's vocab."""
+    vocab = {}
+    for char in _CHARS:
+        vocab[char] = len(vocab)
+        vocab[char + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = CLIPTokenizer(
+        vocab=vocab,
+        merges=[],
+        model_max_length=77,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="!",  # open_clip pads with id 0 ("!" in the laion tokenizer); here "a" is 0, "!" another id
+    )
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_bert_tokenizer(directory: str) -> str:
+    """A character-level uncased BERT tokenizer with BLIP's extra ``[DEC]`` and ``[ENC]`` tokens."""
+    os.makedirs(directory, exist_ok=True)
+    vocab_file = os.path.join(directory, "vocab.txt")
+    with open(vocab_file, "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_CHARS]) + "\n")
+    tokenizer = BertTokenizer(vocab_file, do_lower_case=True)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _random(generator: torch.Generator, *shape: int, std: float = 0.1) -> torch.Tensor:
+    return torch.randn(shape, generator=generator) * std
+
+
+def _layer_norm(sd: dict, generator: torch.Generator, prefix: str, width: int) -> None:
+    sd[prefix + ".weight"] = 1 + _random(generator, width)
+    sd[prefix + ".bias"] = _random(generator, width)
+
+
+def _linear(sd: dict, generator: torch.Generator, prefix: str, fan_out: int, fan_in: int) -> None:
+    sd[prefix + ".weight"] = _random(generator, fan_out, fan_in, std=fan_in**-0.5)
+    sd[prefix + ".bias"] = _random(generator, fan_out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HPS v2 (open_clip layout)
+
+
+def _open_clip_blocks(sd: dict, generator: torch.Generator, prefix: str, config: dict) -> None:
+    width, hidden = config["hidden_size"], config["intermediate_size"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"{prefix}transformer.resblocks.{i}"
+        _layer_norm(sd, generator, f"{p}.ln_1", width)
+        sd[f"{p}.attn.in_proj_weight"] = _random(generator, 3 * width, width, std=width**-0.5)
+        sd[f"{p}.attn.in_proj_bias"] = _random(generator, 3 * width)
+        _linear(sd, generator, f"{p}.attn.out_proj", width, width)
+        _layer_norm(sd, generator, f"{p}.ln_2", width)
+        _linear(sd, generator, f"{p}.mlp.c_fc", hidden, width)
+        _linear(sd, generator, f"{p}.mlp.c_proj", width, hidden)
+
+
+def open_clip_state_dict(architecture: dict = TINY_OPEN_CLIP, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random open_clip CLIP state dict with the key layout of ``HPS_v2.1_compressed.pt``'s ``state_dict``."""
+    g = torch.Generator().manual_seed(seed)
+    vision, text = architecture["vision_config"], architecture["text_config"]
+    width, patch, dim = vision["hidden_size"], vision["patch_size"], architecture["projection_dim"]
+    grid = vision["image_size"] // patch
+    sd = {
+        "visual.conv1.weight": _random(g, width, 3, patch, patch, std=(3 * patch * patch) ** -0.5),
+        "visual.class_embedding": _random(g, width),
+        "visual.positional_embedding": _random(g, grid * grid + 1, width),
+    }
+    _layer_norm(sd, g, "visual.ln_pre", width)
+    _open_clip_blocks(sd, g, "visual.", vision)
+    _layer_norm(sd, g, "visual.ln_post", width)
+    sd["visual.proj"] = _random(g, width, dim, std=width**-0.5)
+    text_width = text["hidden_size"]
+    sd["token_embedding.weight"] = _random(g, text["vocab_size"], text_width)
+    sd["positional_embedding"] = _random(g, text["max_position_embeddings"], text_width)
+    _open_clip_blocks(sd, g, "", text)
+    _layer_norm(sd, g, "ln_final", text_width)
+    sd["text_projection"] = _random(g, text_width, dim, std=text_width**-0.5)
+    sd["logit_scale"] = torch.tensor(4.6052)
+    return sd
+
+
+def _ln(x, sd, prefix, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], sd[prefix + ".weight"], sd[prefix + ".bias"], eps)
+
+
+def _open_clip_transformer(x, sd, prefix, config, causal):
+    width, length = x.shape[-1], x.shape[1]
+    mask = torch.full((length, length), float("-inf")).triu(1) if causal else None
+    for i in range(config["num_hidden_layers"]):
+        p = f"{prefix}transformer.resblocks.{i}"
+        h = _ln(x, sd, f"{p}.ln_1").transpose(0, 1)  # nn.MultiheadAttention's (L, B, D)
+        attended, _ = F.multi_head_attention_forward(
+            h, h, h, width, config["num_attention_heads"],
+            sd[f"{p}.attn.in_proj_weight"], sd[f"{p}.attn.in_proj_bias"], None, None, False, 0.0,
+            sd[f"{p}.attn.out_proj.weight"], sd[f"{p}.attn.out_proj.bias"],
+            training=False, need_weights=False, attn_mask=mask,
+        )  # fmt: skip
+        x = x + attended.transpose(0, 1)
+        h = F.gelu(F.linear(_ln(x, sd, f"{p}.ln_2"), sd[f"{p}.mlp.c_fc.weight"], sd[f"{p}.mlp.c_fc.bias"]))
+        x = x + F.linear(h, sd[f"{p}.mlp.c_proj.weight"], sd[f"{p}.mlp.c_proj.bias"])
+    return x
+
+
+def open_clip_image_features(sd: dict, architecture: dict, pixels: torch.Tensor) -> torch.Tensor:
+    """open_clip ``encode_image`` (unnormalised): (B, 3, S, S) normalised pixels → (B, P)."""
+    vision = architecture["vision_config"]
+    x = F.conv2d(pixels, sd["visual.conv1.weight"], stride=vision["patch_size"]).flatten(2).transpose(1, 2)
+    cls = sd["visual.class_embedding"].expand(x.shape[0], 1, -1)
+    x = _ln(torch.cat([cls, x], dim=1) + sd["visual.positional_embedding"], sd, "visual.ln_pre")
+    x = _open_clip_transformer(x, sd, "visual.", vision, causal=False)
+    return _ln(x[:, 0], sd, "visual.ln_post") @ sd["visual.proj"]
+
+
+def open_clip_text_features(sd: dict, architecture: dict, token_ids: torch.Tensor) -> torch.Tensor:
+    """open_clip ``encode_text`` (unnormalised): (B, L) ids, pooled at the highest id (the end token) → (B, P)."""
+    x = sd["token_embedding.weight"][token_ids] + sd["positional_embedding"][: token_ids.shape[1]]
+    x = _ln(_open_clip_transformer(x, sd, "", architecture["text_config"], causal=True), sd, "ln_final")
+    return x[torch.arange(x.shape[0]), token_ids.argmax(dim=-1)] @ sd["text_projection"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ImageReward (BLIP layout)
+
+
+def image_reward_state_dict(architecture: dict = TINY_BLIP, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random state dict with the key layout of ``ImageReward.pt`` (``blip.visual_encoder``, ``blip.text_encoder``,
+    unused BLIP projections, ``mlp.layers``)."""
+    g = torch.Generator().manual_seed(seed)
+    vision, text = architecture["vision_config"], architecture["text_config"]
+    width, patch, hidden = vision["hidden_size"], vision["patch_size"], vision["intermediate_size"]
+    grid = vision["image_size"] // patch
+    v = "blip.visual_encoder"
+    sd = {
+        f"{v}.cls_token": _random(g, 1, 1, width),
+        f"{v}.pos_embed": _random(g, 1, grid * grid + 1, width),
+        f"{v}.patch_embed.proj.weight": _random(g, width, 3, patch, patch, std=(3 * patch * patch) ** -0.5),
+        f"{v}.patch_embed.proj.bias": _random(g, width),
+    }
+    for i in range(vision["num_hidden_layers"]):
+        _layer_norm(sd, g, f"{v}.blocks.{i}.norm1", width)
+        _linear(sd, g, f"{v}.blocks.{i}.attn.qkv", 3 * width, width)
+        _linear(sd, g, f"{v}.blocks.{i}.attn.proj", width, width)
+        _layer_norm(sd, g, f"{v}.blocks.{i}.norm2", width)
+        _linear(sd, g, f"{v}.blocks.{i}.mlp.fc1", hidden, width)
+        _linear(sd, g, f"{v}.blocks.{i}.mlp.fc2", width, hidden)
+    _layer_norm(sd, g, f"{v}.norm", width)
+
+    t, tw, th = "blip.text_encoder", text["hidden_size"], text["intermediate_size"]
+    sd[f"{t}.embeddings.word_embeddings.weight"] = _random(g, text["vocab_size"], tw)
+    sd[f"{t}.embeddings.position_embeddings.weight"] = _random(g, text["max_position_embeddings"], tw)
+    sd[f"{t}.embeddings.position_ids"] = torch.arange(text["max_position_embeddings"])[None]
+    _layer_norm(sd, g, f"{t}.embeddings.LayerNorm", tw)
+    for i in range(text["num_hidden_layers"]):
+        p = f"{t}.encoder.layer.{i}"
+        for attention, source in (("attention", tw), ("crossattention", width)):
+            _linear(sd, g, f"{p}.{attention}.self.query", tw, tw)
+            _linear(sd, g, f"{p}.{attention}.self.key", tw, source)
+            _linear(sd, g, f"{p}.{attention}.self.value", tw, source)
+            _linear(sd, g, f"{p}.{attention}.output.dense", tw, tw)
+            _layer_norm(sd, g, f"{p}.{attention}.output.LayerNorm", tw)
+        _linear(sd, g, f"{p}.intermediate.dense", th, tw)
+        _linear(sd, g, f"{p}.output.dense", tw, th)
+        _layer_norm(sd, g, f"{p}.output.LayerNorm", tw)
+    _linear(sd, g, "blip.vision_proj", 8, width)  # BLIP pre-training leftovers the score does not use
+    for index, (fan_out, fan_in) in zip((0, 2, 4, 6, 7), ((1024, tw), (128, 1024), (64, 128), (16, 64), (1, 16))):
+        _linear(sd, g, f"mlp.layers.{index}", fan_out, fan_in)
+    return sd
+
+
+def _attention(q_in, kv_in, sd, p, heads, key_mask=None):
+    batch, length, width = q_in.shape
+    q = F.linear(q_in, sd[f"{p}.query.weight"], sd[f"{p}.query.bias"])
+    k = F.linear(kv_in, sd[f"{p}.key.weight"], sd[f"{p}.key.bias"])
+    v = F.linear(kv_in, sd[f"{p}.value.weight"], sd[f"{p}.value.bias"])
+    q, k, v = (z.view(batch, -1, heads, width // heads).transpose(1, 2) for z in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / (width // heads) ** 0.5
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :].bool(), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, width)
+
+
+def image_reward_raw(
+    sd: dict, architecture: dict, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """BLIP ViT → BERT text encoder with cross-attention → [CLS] → MLP head, before ImageReward's normalisation."""
+    vision, text = architecture["vision_config"], architecture["text_config"]
+    v, heads = "blip.visual_encoder", vision["num_attention_heads"]
+    x = F.conv2d(pixels, sd[f"{v}.patch_embed.proj.weight"], sd[f"{v}.patch_embed.proj.bias"], vision["patch_size"])
+    x = torch.cat([sd[f"{v}.cls_token"].expand(x.shape[0], 1, -1), x.flatten(2).transpose(1, 2)], dim=1)
+    x = x + sd[f"{v}.pos_embed"]
+    for i in range(vision["num_hidden_layers"]):
+        p = f"{v}.blocks.{i}"
+        h = _ln(x, sd, f"{p}.norm1", 1e-6)
+        batch, length, width = h.shape
+        qkv = F.linear(h, sd[f"{p}.attn.qkv.weight"], sd[f"{p}.attn.qkv.bias"])
+        q, k, w = qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+        attended = ((q @ k.transpose(-1, -2)) * (width // heads) ** -0.5).softmax(-1) @ w
+        x = x + F.linear(
+            attended.transpose(1, 2).reshape(batch, length, width),
+            sd[f"{p}.attn.proj.weight"],
+            sd[f"{p}.attn.proj.bias"],
+        )
+        h = F.gelu(F.linear(_ln(x, sd, f"{p}.norm2", 1e-6), sd[f"{p}.mlp.fc1.weight"], sd[f"{p}.mlp.fc1.bias"]))
+        x = x + F.linear(h, sd[f"{p}.mlp.fc2.weight"], sd[f"{p}.mlp.fc2.bias"])
+    image = _ln(x, sd, f"{v}.norm", 1e-6)
+
+    t, heads = "blip.text_encoder", text["num_attention_heads"]
+    y = (
+        sd[f"{t}.embeddings.word_embeddings.weight"][ids]
+        + sd[f"{t}.embeddings.position_embeddings.weight"][: ids.shape[1]]
+    )
+    y = _ln(y, sd, f"{t}.embeddings.LayerNorm", 1e-12)
+
+    def residual(out, skip, p):
+        return _ln(F.linear(out, sd[f"{p}.dense.weight"], sd[f"{p}.dense.bias"]) + skip, sd, f"{p}.LayerNorm", 1e-12)
+
+    for i in range(text["num_hidden_layers"]):
+        p = f"{t}.encoder.layer.{i}"
+        y = residual(_attention(y, y, sd, f"{p}.attention.self", heads, mask), y, f"{p}.attention.output")
+        y = residual(_attention(y, image, sd, f"{p}.crossattention.self", heads), y, f"{p}.crossattention.output")
+        h = F.gelu(F.linear(y, sd[f"{p}.intermediate.dense.weight"], sd[f"{p}.intermediate.dense.bias"]))
+        y = residual(h, y, f"{p}.output")
+    z = y[:, 0]
+    for index in (0, 2, 4, 6, 7):
+        z = F.linear(z, sd[f"mlp.layers.{index}.weight"], sd[f"mlp.layers.{index}.bias"])
+    return z.squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CLIP models saved with save_pretrained (PickScore, CLIP score, aesthetic), and the aesthetic head
+
+
+def save_tiny_clip(directory: str, seed: int = 0) -> str:
+    """A tiny random ``CLIPModel`` and its tokenizer in the ``save_pretrained`` layout (like PickScore_v1)."""
+    from trl_dance.rewards.hps import clip_config
+
+    torch.manual_seed(seed)
+    config: CLIPConfig = clip_config(TINY_OPEN_CLIP)
+    CLIPModel(config).save_pretrained(directory)
+    return save_clip_tokenizer(directory)
+
+
+def aesthetic_head_state_dict(input_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights with the key layout of ``sac+logos+ava1-l14-linearMSE.pth``."""
+    g, sd = torch.Generator().manual_seed(seed), {}
+    for index, (fan_out, fan_in) in zip(
+        (0, 2, 4, 6, 7), ((1024, input_size), (128, 1024), (64, 128), (16, 64), (1, 16))
+    ):
+        _linear(sd, g, f"layers.{index}", fan_out, fan_in)
+    return sd

@@ -1,0 +1,112 @@
+"""Base class of rewards that own a neural scorer, and the offline-friendly checkpoint lookup they share."""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .image_transforms import check_images
+
+
+def resolve_file(location: str, filename: str, what: str, reward: str) -> str:
+    """A local checkpoint file: ``location`` itself, ``location/filename``, or ``filename`` of the Hub repo ``location``.
+
+    Raises:
+        FileNotFoundError saying what to download and where to point the reward when nothing local exists and the
+        Hub cannot be reached (offline machines, ``HF_HUB_OFFLINE=1``).
+    """
+    if os.path.isfile(location):
+        return location
+    if os.path.isdir(location):
+        candidate = os.path.join(location, filename)
+        if os.path.isfile(candidate):
+            return candidate
+        raise FileNotFoundError(f"{what}: {location!r} is a directory without {filename!r}")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(location, filename)
+    except Exception as err:  # offline, unknown repo, no permission: all end in the same advice
+        raise FileNotFoundError(_download_advice(what, location, reward, filename, err)) from err
+
+
+def from_pretrained(loader: Callable[..., Any], location: str, what: str, reward: str, **kwargs) -> Any:
+    """``loader(location, **kwargs)`` (a transformers ``from_pretrained``) with the same advice on failure."""
+    try:
+        return loader(location, **kwargs)
+    except OSError as err:
+        raise FileNotFoundError(_download_advice(what, location, reward, None, err)) from err
+
+
+def _download_advice(what: str, location: str, reward: str, filename: str | None, err: Exception) -> str:
+    target = f"{location} {filename}" if filename else location
+    local = f"DIR/{filename}" if filename else "DIR"
+    return (
+        f"{what} not found: {location!r} is not a local path and could not be fetched from the Hugging Face Hub "
+        f"({type(err).__name__}). On a machine with network access run `hf download {target} --local-dir DIR`, "
+        f"then point the reward at it, e.g. `reward_kwargs: {{{reward}: {{...: {local}}}}}` in the config, or the "
+        f"matching argument of the reward's class."
+    )
+
+
+class RewardModel(ABC):
+    """A reward that owns a model: ``reward(prompts, images) -> list[float]``, the trainer's reward signature.
+
+    The model is loaded lazily, once per process, on the device of the first images it scores (the accelerator's
+    device), in ``dtype``; scoring runs under ``torch.no_grad`` in chunks of ``batch_size``. :meth:`score` is the
+    differentiable path on tensors (for reward-gradient methods); ``__call__`` converts images the way the
+    reference scorer does (8-bit RGB, its own resize/crop/normalise).
+
+    Subclasses implement :meth:`_load` and :meth:`_score` and set ``name``.
+    """
+
+    name: str = "reward_model"
+
+    def __init__(self, dtype: torch.dtype | str = torch.float32, batch_size: int = 32):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.batch_size = batch_size
+        self.device: torch.device | None = None
+        self._lock = threading.Lock()  # rewards may be scored from the trainer's worker thread
+        self.__name__ = self.name  # the trainer logs rewards under their function name
+
+    def load(self, device: torch.device | str) -> RewardModel:
+        """Load the model onto ``device`` unless it is already there."""
+        device = torch.device(device)
+        with self._lock:
+            if self.device != device:
+                self._load(device)
+                self.device = device
+        return self
+
+    @abstractmethod
+    def _load(self, device: torch.device) -> None:
+        """Build the model(s) on ``device`` in ``self.dtype``, in eval mode, without gradients on parameters."""
+
+    @abstractmethod
+    def _score(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:
+        """(B,) float32 scores of (B, 3, H, W) images in [0, 1] on ``self.device``; ``exact``: convert as the
+        reference does (8-bit, PIL resampling), otherwise differentiably on tensors."""
+
+    def score(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+        """Differentiable scores (B,) of images (B, 3, H, W) in [0, 1]; gradients flow to ``images``."""
+        check_images(prompts, images, self.name)
+        self.load(images.device)
+        return self._score(list(prompts), images, exact=False)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+        check_images(prompts, images, self.name)
+        self.load(images.device)
+        prompts = list(prompts)
+        scores = [
+            self._score(prompts[start : start + self.batch_size], images[start : start + self.batch_size], exact=True)
+            for start in range(0, len(prompts), self.batch_size)
+        ]
+        return torch.cat(scores).float().cpu().tolist()
