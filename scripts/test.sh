@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on CPU in ./.venv (created and installed on first use).
+# Runs the whole test suite on CPU in ./.venv (created and installed on first use, with DeepSpeed for the
+# ZeRO-2/ZeRO-3 tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh dev
+bash scripts/setup_env.sh dev,deepspeed
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest -n auto "$@"

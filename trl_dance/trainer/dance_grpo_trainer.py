@@ -106,7 +106,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self._check_dataset(train_dataset, args)
 
-        policy = make_policy(load_pipeline(model, args.model_init_kwargs), sampler_settings(args))
+        policy = make_policy(load_pipeline(model, args), sampler_settings(args))
         super().__init__(
             policy,
             args,

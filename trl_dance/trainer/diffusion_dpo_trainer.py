@@ -98,7 +98,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             guidance_scale=args.guidance_scale,
             max_sequence_length=args.max_sequence_length,
         )
-        policy = make_policy(load_pipeline(model, args.model_init_kwargs), settings)
+        policy = make_policy(load_pipeline(model, args), settings)
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
         collator = PreferenceCollator(

@@ -6,14 +6,16 @@ diffusers model hits inside ``transformers.Trainer``/``trl``'s ``_BaseTrainer``:
 checkpointing's name, DDP defaults, diffusers-format saving and resuming, and metric logging.
 """
 
+import contextlib
 import copy
 import os
 from collections import defaultdict
-from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from peft import LoraConfig
+from safetensors.torch import save_file
 from transformers import set_seed
 
 from .._compat import _BaseTrainer
@@ -21,17 +23,40 @@ from ..lora import add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 
 
-def load_pipeline(model: str | DiffusionPipeline, init_kwargs: dict[str, Any] | None = None) -> DiffusionPipeline:
-    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained``), or as given."""
+@contextlib.contextmanager
+def _without_zero3_init(args):
+    # accelerate registers its DeepSpeed config with transformers whatever `zero3_init_flag` says, and
+    # transformers' from_pretrained then builds every model under zero.Init; unregister it while loading.
+    dschf = getattr(getattr(args, "deepspeed_plugin", None), "dschf", None)
+    if dschf is None:
+        yield
+        return
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(dschf)
+
+
+def load_pipeline(model: str | DiffusionPipeline, args) -> DiffusionPipeline:
+    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained`` with
+    ``args.model_init_kwargs``), or as given.
+
+    Under DeepSpeed ZeRO-3 the text encoders load whole on every process (transformers would otherwise partition
+    them with ``zero.Init``): they stay frozen outside the engine, which alone gathers its shards in forward.
+    """
     if isinstance(model, DiffusionPipeline):
         return model
     if not isinstance(model, str):
         raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
-    kwargs = dict(init_kwargs or {})
+    kwargs = dict(args.model_init_kwargs or {})
     dtype = kwargs.get("torch_dtype")
     if isinstance(dtype, str) and dtype != "auto":
         kwargs["torch_dtype"] = getattr(torch, dtype)
-    pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
+    with _without_zero3_init(args):
+        pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -200,8 +225,13 @@ class DiffusionTrainer(_BaseTrainer):
         denoiser = self.accelerator.unwrap_model(self.model)
         if has_lora(denoiser):
             save_lora(type(self.policy.pipeline), self.policy.denoiser_name, denoiser, output_dir, state_dict)
-        else:
+        elif state_dict is None:
             denoiser.save_pretrained(output_dir)
+        else:
+            # DeepSpeed ZeRO-3 hands over the gathered weights: the module's own parameters are empty shards.
+            denoiser.save_config(output_dir)
+            state_dict = {key: value.detach().to("cpu").contiguous() for key, value in state_dict.items()}
+            save_file(state_dict, os.path.join(output_dir, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

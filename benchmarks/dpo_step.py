@@ -1,0 +1,136 @@
+"""Diffusion-DPO step cost: training s/pair, peak memory, overhead over the compute floor (VAE encodes, text
+encodes, policy forward+backward and reference forwards on the same shapes), and the speed-up over batch size 1.
+
+    python benchmarks/dpo_step.py                      # tiny SD1.x on the CPU, under a minute
+    python benchmarks/dpo_step.py --model tiny-sd3
+
+The last line printed is JSON with rollout_s_per_sample (null: DPO has no rollout), train_s_per_item (per pair),
+peak_mem_mb, overhead_ratio, batch1_speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from architectures import TINY, build_model, lora_targets  # noqa: E402
+from floor import CallRecorder, peak_memory_mb, synchronize  # noqa: E402
+
+from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer  # noqa: E402
+from trl_dance.testing import tiny_preference_dataset  # noqa: E402
+
+
+class _StepTimes(TrainerCallback):
+    """Durations of the optimizer steps after ``warmup``; the recorder records from the end of the warm-up."""
+
+    def __init__(self, device, warmup: int, recorder: CallRecorder | None):
+        self.device, self.warmup, self.recorder = device, warmup, recorder
+        self.last, self.durations = None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        now = time.perf_counter()
+        if state.global_step > self.warmup:
+            self.durations.append(now - self.last)
+        elif state.global_step == self.warmup and self.recorder:
+            self.recorder.enabled = True
+        self.last = now
+
+
+def timed_run(model: str, args: DiffusionDPOConfig, dataset, options, warmup: int, floor: bool) -> dict:
+    peft = None
+    if options.lora_rank:
+        peft = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_rank, target_modules=lora_targets(model))
+    trainer = DiffusionDPOTrainer(model, args=args, train_dataset=dataset, peft_config=peft)
+    device = trainer.accelerator.device
+    recorder = CallRecorder(trainer) if floor else None
+    steps = _StepTimes(device, warmup, recorder)
+    trainer.add_callback(steps)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.train()
+    # Median step × steps: one scheduler hiccup on a shared machine does not decide the ratio.
+    wall = statistics.median(steps.durations) * len(steps.durations)
+    result = {"wall_s": wall, "peak_mem_mb": peak_memory_mb(device)}
+    if recorder:
+        result["floor_s"] = recorder.floor_seconds()
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-sd", choices=sorted(TINY))
+    parser.add_argument("--batch", type=int, default=8, help="pairs per optimizer step")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps, after one warm-up step")
+    parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
+    parser.add_argument("--skip-batch1", action="store_true")
+    options = parser.parse_args(argv)
+
+    kind = TINY[options.model]
+    dataset = tiny_preference_dataset(kind, count=options.batch * (options.steps + 1))
+    warmup = 1
+    with tempfile.TemporaryDirectory() as workdir:
+        model = build_model(options.model, workdir)
+
+        def config(micro_batch: int, accumulation: int):
+            return DiffusionDPOConfig(
+                output_dir=os.path.join(workdir, "out"),
+                use_cpu=not torch.cuda.is_available(),
+                bf16=False,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                logging_steps=10_000,
+                seed=0,
+                resolution=32,
+                max_sequence_length=32,
+                beta=500.0,
+                learning_rate=1e-4,
+                per_device_train_batch_size=micro_batch,
+                gradient_accumulation_steps=accumulation,
+                max_steps=warmup + options.steps,
+                dataloader_num_workers=0,
+            )
+
+        ours = timed_run(model, config(options.batch, 1), dataset, options, warmup, floor=True)
+        batch1 = None
+        if not options.skip_batch1:
+            batch1 = timed_run(model, config(1, options.batch), dataset, options, warmup, floor=False)
+
+    pairs = options.batch * options.steps
+    floor = sum(sum(by_name.values()) for by_name in ours["floor_s"].values())
+    figures = {
+        "model": options.model,
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "pairs": pairs,
+        "rollout_s_per_sample": None,
+        "train_s_per_item": ours["wall_s"] / pairs,
+        "peak_mem_mb": ours["peak_mem_mb"],
+        "overhead_ratio": ours["wall_s"] / floor,
+        "floor_s": ours["floor_s"],
+        "wall_s": ours["wall_s"],
+        "batch1_speedup": batch1["wall_s"] / ours["wall_s"] if batch1 else None,
+    }
+    print(
+        f"{options.model}: {pairs} pairs timed on {figures['device']}: {figures['train_s_per_item'] * 1e3:.2f} ms/pair, "
+        f"overhead ratio {figures['overhead_ratio']:.2f}, peak memory {figures['peak_mem_mb']:.0f} MB"
+        + (f", {figures['batch1_speedup']:.2f}x faster than batch size 1" if batch1 else "")
+    )
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()

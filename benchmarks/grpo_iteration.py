@@ -1,0 +1,197 @@
+"""DanceGRPO iteration cost: rollout s/sample, training s/transition, peak memory, overhead over the compute floor,
+and the speed-up over batch-size-1 rollouts and training (how the DanceGRPO reference runs), all in one run.
+
+    python benchmarks/grpo_iteration.py                       # tiny FLUX on the CPU, under a minute
+    python benchmarks/grpo_iteration.py --model flux-dev --resolution 512 --lora-rank 64   # a GPU, random weights
+
+The last line printed is JSON with rollout_s_per_sample, train_s_per_item, peak_mem_mb, overhead_ratio,
+batch1_speedup (and the figures they come from). See benchmarks/floor.py for what the floor contains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from architectures import MODELS, build_model, lora_targets  # noqa: E402
+from floor import CallRecorder, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
+
+from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
+
+PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
+
+
+class _StepClock(TrainerCallback):
+    """Time of each optimizer step's end (one update per round in this benchmark)."""
+
+    def __init__(self, device):
+        self.device, self.ends = device, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self.ends.append(time.perf_counter())
+
+
+def timed_run(model: str, args: DanceGRPOConfig, options, rounds: int, warmup: int, floor: bool) -> dict:
+    """Train ``warmup + rounds`` rounds; time the last ``rounds`` (rollout and training apart) and their floor."""
+    peft = None
+    if options.lora_rank:
+        peft = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_rank, target_modules=lora_targets(model))
+    trainer = DanceGRPOTrainer(
+        model, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=peft
+    )
+    device = trainer.accelerator.device
+    recorder = CallRecorder(trainer) if floor else None
+    clock = _StepClock(device)
+    trainer.add_callback(clock)
+    starts, rollouts = [], []  # per round: start time, rollout seconds
+    generate = trainer._generate_and_score
+
+    def timed_generate(rows):
+        if recorder:
+            recorder.enabled = len(starts) >= warmup
+            recorder.phase = "rollout"
+        synchronize(device)
+        starts.append(time.perf_counter())
+        generate(rows)
+        synchronize(device)
+        rollouts.append(time.perf_counter() - starts[-1])
+        if recorder:
+            recorder.phase = "train"
+
+    trainer._generate_and_score = timed_generate
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.train()
+    # Median round × rounds: one scheduler hiccup on a shared machine does not decide the ratio.
+    rounds_timed = len(starts) - warmup
+    rollout = statistics.median(rollouts[warmup:]) * rounds_timed
+    train = (
+        statistics.median(
+            [
+                end - start - seconds
+                for start, seconds, end in zip(starts[warmup:], rollouts[warmup:], clock.ends[warmup:])
+            ]
+        )
+        * rounds_timed
+    )
+    result = {"wall_s": rollout + train, "rollout_s": rollout, "train_s": train}
+    result["peak_mem_mb"] = peak_memory_mb(device)
+    if recorder:
+        result["floor_s"] = recorder.floor_seconds()
+        result["denoiser_calls"] = recorder.count("denoiser")
+        result["model_flops"], peak = recorder.flops(), peak_tflops(device)
+        result["mfu"] = result["model_flops"] / result["wall_s"] / (peak * 1e12) if peak else None
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-flux", choices=sorted(MODELS))
+    parser.add_argument("--resolution", type=int, default=None, help="default: 32 (tiny), 512 (real)")
+    parser.add_argument("--steps", type=int, default=6, help="denoising steps per sample")
+    parser.add_argument("--generations", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--batch", type=int, default=16, help="samples per round (rollout batch)")
+    parser.add_argument("--train-batch", type=int, default=16, help="transitions per micro-batch")
+    parser.add_argument("--timestep-fraction", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds, after one warm-up round")
+    parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--layers", type=int, default=None, help="override the real architectures' depth")
+    parser.add_argument("--skip-batch1", action="store_true")
+    options = parser.parse_args(argv)
+
+    use_cpu = not torch.cuda.is_available()
+    resolution = options.resolution or (32 if options.model.startswith("tiny") else 512)
+    with tempfile.TemporaryDirectory() as workdir:
+        model = build_model(options.model, workdir, layers=options.layers)
+        transitions_per_sample = max(1, int((options.steps - 1) * options.timestep_fraction))
+        transitions = options.batch * transitions_per_sample
+        micro_steps = transitions // options.train_batch
+
+        def config(rollout_batch, train_batch, accumulation, rounds):
+            return DanceGRPOConfig(
+                output_dir=os.path.join(workdir, "out"),
+                use_cpu=use_cpu,
+                bf16=options.bf16,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                logging_steps=10_000,
+                seed=0,
+                num_generations=options.generations,
+                generation_batch_size=options.batch,
+                rollout_batch_size=rollout_batch,
+                num_inference_steps=options.steps,
+                timestep_fraction=options.timestep_fraction,
+                eta=1.0,
+                height=resolution,
+                width=resolution,
+                max_sequence_length=32 if options.model.startswith("tiny") else 512,
+                per_device_train_batch_size=train_batch,
+                gradient_accumulation_steps=accumulation,
+                activation_checkpointing=options.gradient_checkpointing,
+                learning_rate=1e-4,
+                max_steps=rounds,  # one optimizer update per round
+            )
+
+        warmup = 1
+        ours = timed_run(
+            model, config(None, options.train_batch, micro_steps, warmup + options.rounds), options, options.rounds,
+            warmup, floor=True,
+        )  # fmt: skip
+        batch1 = None
+        if not options.skip_batch1:
+            batch1 = timed_run(
+                model, config(1, 1, transitions, warmup + options.rounds), options, options.rounds, warmup, floor=False
+            )
+
+    samples = options.batch * options.rounds
+    floor = {phase: sum(by_name.values()) for phase, by_name in ours["floor_s"].items()}
+    figures = {
+        "model": options.model,
+        "device": torch.cuda.get_device_name() if not use_cpu else f"cpu ({torch.get_num_threads()} threads)",
+        "resolution": resolution,
+        "steps": options.steps,
+        "samples": samples,
+        "transitions": transitions * options.rounds,
+        "rollout_s_per_sample": ours["rollout_s"] / samples,
+        "train_s_per_item": ours["train_s"] / (transitions * options.rounds),
+        "peak_mem_mb": ours["peak_mem_mb"],
+        "overhead_ratio": ours["wall_s"] / sum(floor.values()),
+        "rollout_overhead_ratio": ours["rollout_s"] / floor.get("rollout", float("nan")),
+        "train_overhead_ratio": ours["train_s"] / floor.get("train", float("nan")),
+        "floor_s": ours["floor_s"],
+        "wall_s": ours["wall_s"],
+        "batch1_speedup": batch1["wall_s"] / ours["wall_s"] if batch1 else None,
+        "model_tflops": ours["model_flops"] / 1e12,
+        "mfu": ours["mfu"],
+    }
+    print(
+        f"{options.model} @ {resolution}px, {options.steps} steps, {samples} samples / {transitions * options.rounds} "
+        f"transitions timed on {figures['device']}:\n"
+        f"  rollout  {figures['rollout_s_per_sample'] * 1e3:9.2f} ms/sample      floor ratio "
+        f"{figures['rollout_overhead_ratio']:.2f}\n"
+        f"  training {figures['train_s_per_item'] * 1e3:9.2f} ms/transition  floor ratio "
+        f"{figures['train_overhead_ratio']:.2f}\n"
+        f"  overall overhead ratio {figures['overhead_ratio']:.2f}, peak memory {figures['peak_mem_mb']:.0f} MB"
+        + (f", {figures['batch1_speedup']:.2f}x faster than batch size 1" if batch1 else "")
+    )
+    print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
