@@ -144,3 +144,49 @@ def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
     namespace = {}
     exec(snippet, namespace)  # loads the base pipeline and the LoRA from the local folders
     assert isinstance(namespace["pipeline"], DiffusionPipeline)
+
+
+def test_push_to_hub_uploads_the_lora_card_and_samples(tiny_model_dir, tmp_path, monkeypatch):
+    """The recipe with --push_to_hub: the folder handed to the Hub upload holds the diffusers LoRA, a card naming
+    the base model, trainer, rewards, dataset and tags, and the sample grid. Only the two network calls are stubbed."""
+    import importlib.util
+    import types
+
+    import transformers.trainer
+    from safetensors.torch import load_file
+    from trl import ModelConfig, TrlParser
+
+    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+
+    uploads = []
+
+    class FakeHubApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            files = {name: os.path.join(folder_path, name) for name in os.listdir(folder_path)}
+            with open(files["README.md"]) as card:
+                uploads.append({"repo_id": repo_id, "files": files, "card": card.read()})
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", FakeHubApi)
+    output_dir = tmp_path / "out"
+    argv = [
+        "--config", os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml"),
+        "--model_name_or_path", tiny_model_dir("flux"), "--output_dir", str(output_dir), "--max_steps", "1",
+        "--num_sample_images", "2", "--push_to_hub", "true", "--hub_model_id", "me/tiny-flux-grpo",
+    ]  # fmt: skip
+    recipe.main(*TrlParser((recipe.ScriptArguments, DanceGRPOConfig, ModelConfig)).parse_args_and_config(argv))
+
+    # As in TRL's recipes: save_model pushes ("Model save"), then the final push adds the dataset and samples.
+    upload = uploads[-1]
+    assert upload["repo_id"] == "me/tiny-flux-grpo"
+    assert {"pytorch_lora_weights.safetensors", "README.md", "samples.png"} <= set(upload["files"])
+    assert load_file(upload["files"]["pytorch_lora_weights.safetensors"])  # a non-empty diffusers LoRA
+    header = yaml.safe_load(upload["card"].split("---")[1])
+    assert {"trl", "dance-grpo", "lora"} <= set(header["tags"]) and header["library_name"] == "diffusers"
+    card = upload["card"]
+    assert "DanceGRPO" in card and "brightness" in card and "](samples.png)" in card
+    assert "pipeline.load_lora_weights('me/tiny-flux-grpo')" in card

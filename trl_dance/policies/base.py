@@ -7,6 +7,7 @@ passed in to :meth:`DiffusionPolicy.predict` so the trainer can call it through 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -53,6 +54,7 @@ class DiffusionPolicy(ABC):
         self.pipeline = pipeline
         self.settings = settings
         self._negative: Conditioning | None = None
+        self.offload_text_encoders = False  # set by the trainer from its config
         vae_scale = getattr(pipeline, "vae_scale_factor", 8)
         for name, size in (("height", settings.height), ("width", settings.width)):
             if size % (2 * vae_scale):
@@ -74,11 +76,33 @@ class DiffusionPolicy(ABC):
             if isinstance(module, torch.nn.Module) and name != self.denoiser_name
         ]
 
+    def text_encoders(self) -> list[torch.nn.Module]:
+        return [
+            module
+            for name, module in self.pipeline.components.items()
+            if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)
+        ]
+
     def to(self, device: torch.device | str) -> DiffusionPolicy:
-        """Move the frozen modules to ``device`` (the trainer places the denoiser)."""
+        """Move the frozen modules to ``device`` (the trainer places the denoiser); text encoders stay on the CPU
+        when ``offload_text_encoders`` is set."""
+        offloaded = self.text_encoders() if self.offload_text_encoders else []
         for module in self.frozen_modules():
-            module.requires_grad_(False).to(device)
+            module.requires_grad_(False).to("cpu" if any(module is m for m in offloaded) else device)
         return self
+
+    @contextlib.contextmanager
+    def _text_encoders_on_device(self):
+        if not self.offload_text_encoders:
+            yield
+            return
+        for module in self.text_encoders():
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in self.text_encoders():
+                module.to("cpu")
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +110,8 @@ class DiffusionPolicy(ABC):
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Text conditioning of each prompt (computed without gradients), first dimension ``len(prompts)``."""
-        return self._encode(prompts)
+        with self._text_encoders_on_device():
+            return self._encode(prompts)
 
     @abstractmethod
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -153,7 +178,8 @@ class DiffusionPolicy(ABC):
         """Unconditional (empty-prompt) conditioning, first dimension 1. Needed by families that use CFG."""
         if not self.supports_cfg:
             raise NotImplementedError(f"{type(self).__name__} does not use classifier-free guidance")
-        return self._encode([""], negative=True)
+        with self._text_encoders_on_device():
+            return self._encode([""], negative=True)
 
     def _negative_cond(self, batch: int) -> Conditioning:
         # Encoded once, then expanded to the batch (no copy).

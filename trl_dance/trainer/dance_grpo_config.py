@@ -6,12 +6,13 @@ from typing import Any
 
 from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
+from .frozen_components import FrozenComponentsArguments
 
 _SDE_TYPES = ("dance", "flow_grpo", "cps")
 
 
 @dataclass
-class DanceGRPOConfig(_BaseConfig):
+class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     r"""
     Configuration for [`DanceGRPOTrainer`]: GRPO on the denoising chain of diffusion / rectified-flow models.
 
@@ -72,6 +73,10 @@ class DanceGRPOConfig(_BaseConfig):
         reward_kwargs (`dict` or `None`, defaults to `None`): Constructor arguments of registered model rewards, by
             name, e.g. `{"hpsv2": {"checkpoint": "/ckpt/HPS_v2.1_compressed.pt", "dtype": "bfloat16"}}` (a JSON
             string on the command line).
+        log_completions_steps (`int`, defaults to `0`): Every this many optimizer steps (at the next rollout), send
+            `num_completions_to_log` rollout images captioned with prompt and reward, and a histogram of the round's
+            rewards, to the `report_to` trackers (TensorBoard, W&B, trackio). `0`: never.
+        num_completions_to_log (`int`, defaults to `8`): Images per logging.
         reward_worker_thread (`bool`, defaults to `True`): Score each rollout chunk in a worker thread while the
             next chunk is denoised (with `rollout_batch_size` smaller than the local batch); results are identical.
 
@@ -79,6 +84,8 @@ class DanceGRPOConfig(_BaseConfig):
 
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
             `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"torch_dtype": "bfloat16"}`.
+        frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
+            [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
     """
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
@@ -149,6 +156,10 @@ class DanceGRPOConfig(_BaseConfig):
     reward_kwargs: dict[str, dict[str, Any]] | str | None = field(
         default=None, metadata={"help": "Constructor arguments of registered model rewards, by reward name (JSON)."}
     )
+    log_completions_steps: int = field(
+        default=0, metadata={"help": "Log rollout images and a reward histogram every this many steps (0: never)."}
+    )
+    num_completions_to_log: int = field(default=8, metadata={"help": "Images per rollout logging."})
     reward_worker_thread: bool = field(
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
@@ -160,6 +171,7 @@ class DanceGRPOConfig(_BaseConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_frozen_components()
         _choice("sde_type", self.sde_type, _SDE_TYPES)
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))

@@ -23,6 +23,7 @@ from ..policies import SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
+from .media import log_rollout_media
 
 _TRACKER_FILE = "per_prompt_stats.json"
 _RANK_STATE_FILE = "dance_grpo_state_{}.pt"
@@ -127,6 +128,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         # Per process: which steps are trained and the micro-batch order. Sampling noise is seeded per sample.
         self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
+        self._next_media_step = 0
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
@@ -328,6 +330,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
         self._log_rollout_metrics(all_rewards, total, all_advantages)
+        self._log_rollout_media(rollout["images"], prompts, total[local], total)
 
         self._rollout = {
             "latents": rollout["latents"],
@@ -407,6 +410,16 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
     # ----------------------------------------------------------------------------------------------------------
     # Metrics
+
+    def _log_rollout_media(self, images, prompts, rewards, all_rewards) -> None:
+        every, step = self.args.log_completions_steps, self.state.global_step
+        if not every or step < self._next_media_step or not self.accelerator.is_main_process:
+            return
+        count = self.args.num_completions_to_log
+        log_rollout_media(
+            self.callback_handler.callbacks, step, images[:count], prompts[:count], rewards[:count], all_rewards
+        )
+        self._next_media_step = step - step % every + every
 
     def _log_rollout_metrics(self, all_rewards: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> None:
         for column, name in enumerate(self.reward_names):

@@ -5,12 +5,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import _BaseConfig
+from .frozen_components import FrozenComponentsArguments
 
 _LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 
 
 @dataclass
-class DiffusionDPOConfig(_BaseConfig):
+class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
     r"""
     Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
 
@@ -39,6 +40,8 @@ class DiffusionDPOConfig(_BaseConfig):
         max_sequence_length (`int`, defaults to `512`): T5 tokens (SD3, FLUX).
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
             `DiffusionPipeline.from_pretrained` when `model` is a string.
+        frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
+            [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
     """
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
@@ -75,6 +78,7 @@ class DiffusionDPOConfig(_BaseConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_frozen_components()
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(_LOSS_TYPES)}, got {self.loss_type!r}")
         if self.timestep_sampling not in ("uniform", "logit_normal"):

@@ -21,6 +21,7 @@ from transformers import set_seed
 from .._compat import _BaseTrainer
 from ..lora import add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
+from .media import use_diffusers_callbacks
 
 
 @contextlib.contextmanager
@@ -100,6 +101,11 @@ class DiffusionTrainer(_BaseTrainer):
             args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
 
         super().__init__(model=denoiser, args=args, **trainer_kwargs)
+        use_diffusers_callbacks(self.callback_handler)
+        if args.frozen_dtype is not None:
+            for module in policy.frozen_modules():
+                module.to(getattr(torch, args.frozen_dtype))
+        policy.offload_text_encoders = args.offload_text_encoders
         policy.to(self.accelerator.device)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)

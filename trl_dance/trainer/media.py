@@ -1,0 +1,77 @@
+"""Rollout images, prompts and rewards, and a reward histogram, sent to the trackers the Trainer reports to.
+
+The Trainer's own integration callbacks own the trackers (``report_to``); this module only finds their writers,
+so images land in the same TensorBoard run / W&B run / trackio project as the scalar metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+from transformers.integrations import TensorBoardCallback, TrackioCallback, WandbCallback
+
+from ..visualization import to_pil
+
+
+class DiffusersTensorBoardCallback(TensorBoardCallback):
+    """transformers' TensorBoard callback for a diffusers denoiser, whose ``config`` is a ``FrozenDict`` without the
+    ``to_json_string`` the stock callback calls at the start of training."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.tb_writer is not None and model is not None and isinstance(getattr(model, "config", None), dict):
+            self.tb_writer.add_text("model_config", json.dumps(dict(model.config), indent=2, default=str))
+
+
+def use_diffusers_callbacks(callback_handler) -> None:
+    """Swap the stock TensorBoard callback (added for ``report_to``) for :class:`DiffusersTensorBoardCallback`."""
+    stock = [c for c in callback_handler.callbacks if type(c) is TensorBoardCallback]
+    for callback in stock:
+        callback_handler.remove_callback(callback)
+        callback_handler.add_callback(DiffusersTensorBoardCallback(tb_writer=callback.tb_writer))
+
+
+def log_rollout_media(
+    callbacks: Sequence,
+    step: int,
+    images: torch.Tensor,
+    prompts: list[str],
+    rewards: torch.Tensor,
+    all_rewards: torch.Tensor,
+) -> list[str]:
+    """Log ``images`` (K, 3, H, W) in [0, 1] captioned with their prompts and rewards (K,), and the histogram of
+    ``all_rewards`` (the round's rewards over all processes), at optimizer step ``step``.
+
+    Returns:
+        the names of the trackers written to.
+    """
+    captions = [f"{prompt} | reward {reward:.4f}" for prompt, reward in zip(prompts, rewards.tolist())]
+    written = []
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+            writer = callback.tb_writer
+            writer.add_images("completions/images", images.float().clamp(0, 1).cpu(), step, dataformats="NCHW")
+            writer.add_text("completions/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+            writer.add_histogram("completions/reward", all_rewards.float().cpu(), step)
+            writer.flush()
+            written.append("tensorboard")
+        elif isinstance(callback, WandbCallback) and getattr(callback, "_wandb", None) is not None:
+            wandb = callback._wandb
+            if wandb.run is not None:
+                wandb.log(
+                    {
+                        "completions/images": [wandb.Image(im, caption=c) for im, c in zip(to_pil(images), captions)],
+                        "completions/reward": wandb.Histogram(all_rewards.float().cpu().numpy()),
+                        "train/global_step": step,
+                    }
+                )
+                written.append("wandb")
+        elif isinstance(callback, TrackioCallback) and getattr(callback, "_trackio", None) is not None:
+            trackio = callback._trackio
+            if hasattr(trackio, "Image"):
+                media = [trackio.Image(im, caption=c) for im, c in zip(to_pil(images), captions)]
+                trackio.log({f"completions/image_{i}": m for i, m in enumerate(media)}, step=step)
+                written.append("trackio")
+    return written
