@@ -15,7 +15,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, save_tiny_pipeline
+from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, flux_scheduler, save_tiny_pipeline
 
 TINY = {"tiny-flux": "flux", "tiny-sd3": "sd3", "tiny-sd": "sd", "tiny-sdxl": "sdxl"}
 MODELS = [*TINY, "flux-dev", "sd35-medium"]
@@ -71,14 +71,7 @@ def flux_dev_pipeline(layers: int | None = None) -> FluxPipeline:
     ``layers`` shrinks every stack (smoke tests on a CPU)."""
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        ),  # fmt: skip
+        scheduler=flux_scheduler(),
         vae=_vae(0.3611, 0.1159),
         text_encoder=_clip(768, layers or 12, 12, 3072, "quick_gelu", False, 49408),
         tokenizer=tokenizer,

@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import TINY, build_model, lora_targets  # noqa: E402
-from floor import CallRecorder, peak_memory_mb, synchronize  # noqa: E402
+from floor import CallRecorder, describe_device, peak_memory_mb, synchronize  # noqa: E402
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer  # noqa: E402
 from trl_dance.testing import tiny_preference_dataset  # noqa: E402
@@ -111,9 +111,7 @@ def main(argv=None) -> dict:
     floor = sum(sum(by_name.values()) for by_name in ours["floor_s"].values())
     figures = {
         "model": options.model,
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"cpu ({torch.get_num_threads()} threads)",
+        "device": describe_device(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "pairs": pairs,
         "rollout_s_per_sample": None,
         "train_s_per_item": ours["wall_s"] / pairs,

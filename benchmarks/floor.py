@@ -1,7 +1,8 @@
 """The compute floor of a training run: the bare model calls it made, recorded during the run and replayed alone.
 
-A :class:`CallRecorder` hooks the denoiser, the VAE's ``encode``/``decode``, the text encoders and the reward
-functions of a trainer. Every call made while recording is counted under (phase, module, grad mode, input
+A :class:`CallRecorder` hooks the denoiser, the VAE's ``encode``/``decode``, the text encodes (the pipeline's own
+``encode_prompt``: tokenizers and text encoders, as any diffusers user runs them) and the reward functions of a
+trainer. Every call made while recording is counted under (phase, module, grad mode, input
 shapes) with one copy of its inputs; :meth:`CallRecorder.floor_seconds` then replays each distinct call as many
 times as it happened: denoiser calls made with gradients as forward + backward, everything else as a forward
 under ``no_grad``. The floor therefore has exactly the run's shapes, dtypes, LoRA layers and gradient
@@ -63,9 +64,7 @@ class CallRecorder:
         self.calls: dict[tuple, list] = {}  # key -> [count, callable, args, kwargs]
         policy = trainer.policy
         self._handles = [policy.denoiser.register_forward_pre_hook(self._hook("denoiser"), with_kwargs=True)]
-        for name, module in policy.pipeline.components.items():
-            if name.startswith("text_encoder") and isinstance(module, torch.nn.Module):
-                self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
+        policy._encode = self._wrap("text_encode", policy._encode)
         vae = policy.pipeline.vae
         for method in ("encode", "decode"):
             setattr(vae, method, self._wrap(f"vae.{method}", getattr(vae, method)))
@@ -149,6 +148,12 @@ def peak_tflops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def peak_memory_mb(device: torch.device) -> float:

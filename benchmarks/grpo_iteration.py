@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import MODELS, build_model, lora_targets  # noqa: E402
-from floor import CallRecorder, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
+from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
 
@@ -162,7 +162,7 @@ def main(argv=None) -> dict:
     floor = {phase: sum(by_name.values()) for phase, by_name in ours["floor_s"].items()}
     figures = {
         "model": options.model,
-        "device": torch.cuda.get_device_name() if not use_cpu else f"cpu ({torch.get_num_threads()} threads)",
+        "device": describe_device(torch.device("cpu" if use_cpu else "cuda")),
         "resolution": resolution,
         "steps": options.steps,
         "samples": samples,

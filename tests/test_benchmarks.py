@@ -32,7 +32,7 @@ def test_benchmark_prints_its_figures(script, arguments):
     assert figures["floor_s"]["train"]["denoiser"] > 0
     if script == "grpo_iteration.py":
         assert figures["rollout_s_per_sample"] > 0
-        assert set(figures["floor_s"]["rollout"]) >= {"denoiser", "vae.decode", "text_encoder", "reward"}
+        assert set(figures["floor_s"]["rollout"]) >= {"denoiser", "vae.decode", "text_encode", "reward"}
     else:
         assert figures["rollout_s_per_sample"] is None
-        assert set(figures["floor_s"]["train"]) >= {"denoiser", "vae.encode", "text_encoder"}
+        assert set(figures["floor_s"]["train"]) >= {"denoiser", "vae.encode", "text_encode"}

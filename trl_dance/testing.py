@@ -151,20 +151,25 @@ def _build(factory: Callable[[], DiffusionPipeline], seed: int) -> DiffusionPipe
     return pipeline
 
 
+def flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.1-dev's published scheduler configuration (resolution-dependent shift)."""
+    return FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
 def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
     """A FluxPipeline (guidance-embedded transformer, CLIP + T5 text encoders, 4-channel VAE), 32×32 images."""
 
     def factory():
         tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
         return FluxPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(
-                shift=3.0,
-                use_dynamic_shifting=True,
-                base_shift=0.5,
-                max_shift=1.15,
-                base_image_seq_len=256,
-                max_image_seq_len=4096,
-            ),
+            scheduler=flux_scheduler(),
             vae=_vae(latent_channels=4, scaling_factor=1.5035, shift_factor=0.0609),
             text_encoder=_clip_text_encoder(tokenizer),
             tokenizer=tokenizer,
