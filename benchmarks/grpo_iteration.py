@@ -43,8 +43,9 @@ class _StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
-def timed_run(model: str, args: DanceGRPOConfig, options, rounds: int, warmup: int, floor: bool) -> dict:
-    """Train ``warmup + rounds`` rounds; time the last ``rounds`` (rollout and training apart) and their floor."""
+def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bool) -> dict:
+    """Train ``args.max_steps`` rounds (one update each); time the rounds after ``warmup`` (rollout and training
+    apart) and, with ``floor``, their compute floor."""
     peft = None
     if options.lora_rank:
         peft = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_rank, target_modules=lora_targets(model))
@@ -149,14 +150,12 @@ def main(argv=None) -> dict:
 
         warmup = 1
         ours = timed_run(
-            model, config(None, options.train_batch, micro_steps, warmup + options.rounds), options, options.rounds,
-            warmup, floor=True,
+            model, config(None, options.train_batch, micro_steps, warmup + options.rounds), options, warmup,
+            floor=True,
         )  # fmt: skip
         batch1 = None
         if not options.skip_batch1:
-            batch1 = timed_run(
-                model, config(1, 1, transitions, warmup + options.rounds), options, options.rounds, warmup, floor=False
-            )
+            batch1 = timed_run(model, config(1, 1, transitions, warmup + options.rounds), options, warmup, floor=False)
 
     samples = options.batch * options.rounds
     floor = {phase: sum(by_name.values()) for phase, by_name in ours["floor_s"].items()}
