@@ -110,6 +110,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--torch-compile", action="store_true", help="the Trainer's torch_compile (the denoiser)")
     parser.add_argument("--layers", type=int, default=None, help="override the real architectures' depth")
     parser.add_argument("--skip-batch1", action="store_true")
     options = parser.parse_args(argv)
@@ -144,6 +145,7 @@ def main(argv=None) -> dict:
                 per_device_train_batch_size=train_batch,
                 gradient_accumulation_steps=accumulation,
                 activation_checkpointing=options.gradient_checkpointing,
+                torch_compile=options.torch_compile,
                 learning_rate=1e-4,
                 max_steps=rounds,  # one optimizer update per round
             )
