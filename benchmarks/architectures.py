@@ -13,6 +13,7 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
+from peft import LoraConfig
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, flux_scheduler, save_tiny_pipeline
@@ -139,6 +140,8 @@ def build_model(name: str, workdir: str, layers: int | None = None):
         torch.set_default_dtype(default_dtype)
 
 
-def lora_targets(model) -> list[str]:
-    """DanceGRPO's LoRA targets (attention projections) for every family."""
-    return ["to_q", "to_k", "to_v", "to_out.0"]
+def lora_config(rank: int) -> LoraConfig | None:
+    """DanceGRPO's LoRA (attention projections, alpha = r) for every family; rank 0: full fine-tune (None)."""
+    if not rank:
+        return None
+    return LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"])

@@ -19,11 +19,10 @@ import tempfile
 import time
 
 import torch
-from peft import LoraConfig
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import TINY, build_model, lora_targets  # noqa: E402
+from architectures import TINY, build_model, lora_config  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, synchronize  # noqa: E402
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer  # noqa: E402
@@ -48,9 +47,7 @@ class _StepTimes(TrainerCallback):
 
 
 def timed_run(model: str, args: DiffusionDPOConfig, dataset, options, warmup: int, floor: bool) -> dict:
-    peft = None
-    if options.lora_rank:
-        peft = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_rank, target_modules=lora_targets(model))
+    peft = lora_config(options.lora_rank)
     trainer = DiffusionDPOTrainer(model, args=args, train_dataset=dataset, peft_config=peft)
     device = trainer.accelerator.device
     recorder = CallRecorder(trainer) if floor else None

@@ -49,6 +49,15 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return _first_tensor(output[0])
 
 
+def _replay(grad: bool, target: Callable, args: tuple, kwargs: dict) -> None:
+    """One recorded call again: forward + backward where the run had gradients, else a forward under no_grad."""
+    if grad:
+        _first_tensor(target(*args, **kwargs)).float().mean().backward()
+    else:
+        with torch.no_grad():
+            target(*args, **kwargs)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -108,11 +117,7 @@ class CallRecorder:
                 synchronize(device)
                 start = time.perf_counter()
                 for _ in range(count):
-                    if grad:
-                        _first_tensor(target(*args, **kwargs)).float().mean().backward()
-                    else:
-                        with torch.no_grad():
-                            target(*args, **kwargs)
+                    _replay(grad, target, args, kwargs)
                 synchronize(device)
                 times.append(time.perf_counter() - start)
             seconds[phase][name.split(".")[0] if name.startswith("reward") else name] += statistics.median(times)
@@ -126,11 +131,7 @@ class CallRecorder:
         total = 0.0
         for (_, _, grad, *_), (count, target, args, kwargs) in self.calls.items():
             with FlopCounterMode(display=False) as counter:
-                if grad:
-                    _first_tensor(target(*args, **kwargs)).float().mean().backward()
-                else:
-                    with torch.no_grad():
-                        target(*args, **kwargs)
+                _replay(grad, target, args, kwargs)
             total += counter.get_total_flops() * count
         self.trainer.model.zero_grad(set_to_none=True)
         return total

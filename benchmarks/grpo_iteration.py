@@ -20,11 +20,10 @@ import time
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import MODELS, build_model, lora_targets  # noqa: E402
+from architectures import MODELS, build_model, lora_config  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
@@ -46,9 +45,7 @@ class _StepClock(TrainerCallback):
 def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bool) -> dict:
     """Train ``args.max_steps`` rounds (one update each); time the rounds after ``warmup`` (rollout and training
     apart) and, with ``floor``, their compute floor."""
-    peft = None
-    if options.lora_rank:
-        peft = LoraConfig(r=options.lora_rank, lora_alpha=options.lora_rank, target_modules=lora_targets(model))
+    peft = lora_config(options.lora_rank)
     trainer = DanceGRPOTrainer(
         model, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=peft
     )

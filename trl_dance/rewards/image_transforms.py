@@ -29,7 +29,7 @@ def check_images(prompts: Sequence[str], images: torch.Tensor, name: str) -> Non
     if isinstance(prompts, str) or len(prompts) != images.shape[0]:
         count = "a string" if isinstance(prompts, str) else len(prompts)
         raise ValueError(f"{name}: got {count} prompts for {images.shape[0]} images; pass one prompt per image")
-    low, high = images.min().item(), images.max().item()
+    low, high = (value.item() for value in torch.aminmax(images.detach()))
     if low < -_RANGE_TOLERANCE or high > 1 + _RANGE_TOLERANCE:
         raise ValueError(f"{name}: images must be in [0, 1], got values in [{low:.3f}, {high:.3f}]")
 
