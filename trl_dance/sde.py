@@ -86,12 +86,6 @@ def _gaussian_step(
 
     log_prob = None
     if compute_log_prob:
-        if bool((std <= 0).any()):
-            raise ValueError(
-                "the step has zero standard deviation (noise level 0, or a step onto sigma = 0 with sde_type='cps'): "
-                "its log-probability is undefined. Use a positive noise level, or compute_log_prob=False for the "
-                "deterministic step."
-            )
         if pseudo_log_prob:
             per_element = -((prev_sample - mean) ** 2)
         else:
@@ -99,6 +93,16 @@ def _gaussian_step(
         dims = tuple(range(1, mean.ndim))
         log_prob = per_element.mean(dim=dims) if reduction == "mean" else per_element.sum(dim=dims)
     return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std.flatten())
+
+
+def _check_noise_level(noise_level: float, compute_log_prob: bool) -> None:
+    # Only the scalar is checked: testing the per-sample std would cost a host-device sync every step. A schedule's
+    # zero-width steps (σ_next = σ, or CPS onto σ = 0) are found once by DiffusionPolicy.check_schedule.
+    if compute_log_prob and noise_level <= 0:
+        raise ValueError(
+            f"noise level {noise_level} gives the step zero standard deviation: its log-probability is undefined. "
+            "Use a positive noise level, or compute_log_prob=False for the deterministic step."
+        )
 
 
 def flow_sde_step(
@@ -130,12 +134,14 @@ def flow_sde_step(
         generator: random generator for the sampled noise.
         sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``.
         reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
-        compute_log_prob: set False to skip the log-prob (required for a zero-noise step).
+        compute_log_prob: set False to skip the log-prob. Required for a zero-noise step: noise level 0 raises;
+            a zero-width step (σ_next = σ, or CPS onto σ = 0) would give an infinite log-prob.
         noise: (B, ...) standard normal noise to use instead of drawing from ``generator`` (e.g. drawn per sample).
 
     Returns:
         :class:`SDEStepOutput` with float32 tensors.
     """
+    _check_noise_level(noise_level, compute_log_prob)
     v = model_output.to(torch.float32)
     x = sample.to(torch.float32)
     s = _per_sample(sigma, x)
@@ -186,6 +192,7 @@ def ddim_sde_step(
         eta: DDIM η; 0 is the deterministic DDIM step, 1 the DDPM-like posterior variance.
         prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
     """
+    _check_noise_level(eta, compute_log_prob)
     eps = model_output.to(torch.float32)
     x = sample.to(torch.float32)
     a_t = _per_sample(alpha_prod_t, x)

@@ -201,6 +201,24 @@ class DiffusionPolicy(ABC):
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
 
+    def check_schedule(self) -> None:
+        """Raise ``ValueError`` if a trainable step (index < N − 1) has zero noise, hence no log-probability.
+
+        Checked once, on the CPU, through the same :meth:`step` the sampler uses; the step itself does not check
+        its per-sample std, which would cost a host-device sync every step.
+        """
+        trainable = self.num_steps - 1
+        if trainable > 0:
+            zeros = torch.zeros(trainable, 1)
+            std = self.step(zeros, zeros, torch.arange(trainable), prev_sample=zeros, compute_log_prob=False).std
+            if (std <= 0).any():
+                steps = torch.nonzero(std <= 0).flatten().tolist()
+                raise ValueError(
+                    f"steps {steps} of the {self.num_steps}-step schedule have zero standard deviation (noise level "
+                    f"{self.settings.noise_level}, sde_type {self.settings.sde_type!r}): their log-probability is "
+                    "undefined. Use a positive noise level or a schedule without repeated sigmas."
+                )
+
     def _latent_affine(self, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """``(offset, scale)`` with policy latents = (VAE latents − offset) · scale: the VAE's latents_mean/std when
         its config has them (SDXL-style), else its shift_factor and scaling_factor."""

@@ -108,6 +108,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._check_dataset(train_dataset, args)
 
         policy = make_policy(load_pipeline(model, args), sampler_settings(args))
+        policy.check_schedule()
         super().__init__(
             policy,
             args,
@@ -422,15 +423,16 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._next_media_step = step - step % every + every
 
     def _log_rollout_metrics(self, all_rewards: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> None:
+        # Already gathered: every process holds the same global values.
         for column, name in enumerate(self.reward_names):
-            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean().item())
-            self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std().item())
-        self._metrics["reward"].append(total.mean().item())
-        self._metrics["reward_std"].append(total.std().item())
+            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean())
+            self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std())
+        self._metrics["reward"].append(total.mean())
+        self._metrics["reward_std"].append(total.std())
         if self.args.num_generations > 1:
             group_std = total.view(-1, self.args.num_generations).std(dim=1)
-            self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean().item())
-        self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
+            self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean())
+        self._metrics["advantages/abs_mean"].append(advantages.abs().mean())
 
     # ----------------------------------------------------------------------------------------------------------
     # Checkpoints: the per-prompt statistics travel with them

@@ -182,7 +182,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             ref_rejected,
             self.args.beta,
             self.args.loss_type,
-            weights if bool((weights < 1).any()) else None,
+            weights,
         )
         with torch.no_grad():
             # A tie, or z = 0 exactly (policy == reference), counts ½.

@@ -109,7 +109,7 @@ class DiffusionTrainer(_BaseTrainer):
         policy.to(self.accelerator.device)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
-        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -209,15 +209,18 @@ class DiffusionTrainer(_BaseTrainer):
             finally:
                 unwrapped.enable_adapters()
 
-    # Metrics: averaged over the micro-steps since the last log, then handed to the Trainer's log.
+    # Metrics: averaged over the micro-steps since the last log, then handed to the Trainer's log. They stay on the
+    # device until then: reading one per micro-step would cost a host-device sync each time.
 
     def _record(self, name: str, values: torch.Tensor) -> None:
-        """Append the all-process mean of ``values`` to the metric ``name``."""
-        self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean().item())
+        """Append the all-process mean of ``values`` (any shape) to the metric ``name``."""
+        self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        metrics = {key: sum(values) / len(values) for key, values in self._metrics.items() if values}
-        logs.update(metrics)
+        names = [key for key, values in self._metrics.items() if values]
+        if names:
+            means = torch.stack([torch.stack(self._metrics[key]).mean() for key in names]).tolist()  # one sync
+            logs.update(zip(names, means))
         super().log(logs, start_time)
         self._metrics.clear()
 

@@ -1,0 +1,109 @@
+"""No host-device synchronisation inside the denoising loop or a training micro-step.
+
+On an accelerator every read of a device value on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``,
+boolean-mask indexing, ...) waits for the queued kernels, leaving the GPU idle while the host prepares the next
+step. On the CPU such reads are free, so the tests watch for the operations themselves, through a
+``TorchFunctionMode`` that sees every tensor method call.
+"""
+
+import traceback
+from collections import Counter
+
+import pytest
+import torch
+from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from datasets import Dataset
+from peft import LoraConfig
+from torch.overrides import TorchFunctionMode
+
+from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance.policies import SamplerSettings, make_policy
+from trl_dance.testing import tiny_preference_dataset
+
+_READS = {"item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts tensor operations that read device values on the host, by operation and calling line."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        boolean_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:])
+        )
+        if name in _READS or boolean_index:
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/torch/" not in f.filename)
+            self.reads[f"{name} at {caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flatten(values):
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            yield from _flatten(value)
+        else:
+            yield value
+
+
+def test_the_probe_sees_host_reads():
+    x = torch.ones(3)
+    with HostReads() as probe:
+        x.sum().item()
+        bool(x.sum() > 0)
+        x[x > 0]
+        x.tolist()
+    assert sum(probe.reads.values()) == 4, probe.reads
+
+
+def _lora():
+    return LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS)
+
+
+@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sdxl", 4.0)])
+def test_grpo_denoising_loop_and_micro_step_never_read_the_device(tiny_model_dir, tmp_path, kind, guidance):
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir(kind),
+        "brightness",
+        args=tiny_grpo_config(tmp_path, guidance_scale=guidance),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=_lora(),
+    )
+    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    cond = trainer.policy.encode_prompts(PROMPTS[:2])
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    with HostReads() as probe:
+        trainer.sample(PROMPTS[:2], generators, cond=cond)
+        inputs = trainer._microbatch(trainer._microbatches[0])
+        trainer.compute_loss(trainer.model, inputs).backward()
+    assert not probe.reads, probe.reads
+    # The metrics recorded meanwhile are read once, at log time.
+    logs = {}
+    trainer.log(logs)
+    assert logs["ratio/mean"] == pytest.approx(1.0, abs=1e-5) and "reward" in logs
+
+
+def test_dpo_micro_step_never_reads_the_device(tiny_model_dir, tmp_path):
+    data = tiny_preference_dataset("sd", count=4)
+    args = DiffusionDPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32, max_sequence_length=16
+    )
+    trainer = DiffusionDPOTrainer(tiny_model_dir("sd"), args=args, train_dataset=data, peft_config=_lora())
+    batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(4)]))
+    with HostReads() as probe:
+        trainer.compute_loss(trainer.model, batch).backward()
+    assert not probe.reads, probe.reads
+
+
+def test_a_noiseless_trainable_step_is_refused_once_at_construction(tiny_model_dir):
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir("flux"))
+    policy = make_policy(pipeline, SamplerSettings(num_inference_steps=4, height=32, width=32, noise_level=0.0))
+    with pytest.raises(ValueError, match=r"steps \[0, 1, 2\] of the 4-step schedule have zero standard deviation"):
+        policy.check_schedule()
+    # CPS's last step lands on sigma = 0 with zero noise; it is never trained, so the schedule is valid.
+    make_policy(pipeline, SamplerSettings(num_inference_steps=4, height=32, width=32, sde_type="cps")).check_schedule()
