@@ -11,7 +11,6 @@ batch1_speedup (and the figures they come from). See benchmarks/floor.py for wha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +22,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import MODELS, build_model, lora_config  # noqa: E402
+from architectures import build_model, lora_config  # noqa: E402
+from cli import add_model_arguments, emit, is_tiny, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
@@ -96,24 +96,30 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-flux", choices=sorted(MODELS))
-    parser.add_argument("--resolution", type=int, default=None, help="default: 32 (tiny), 512 (real)")
+    add_model_arguments(parser, default_model="tiny-flux")
     parser.add_argument("--steps", type=int, default=6, help="denoising steps per sample")
     parser.add_argument("--generations", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--batch", type=int, default=16, help="samples per round (rollout batch)")
-    parser.add_argument("--train-batch", type=int, default=16, help="transitions per micro-batch")
+    parser.add_argument("--batch", type=int, default=None, help="samples per round: default 16 (tiny), 8 (real)")
+    parser.add_argument(
+        "--train-batch", type=int, default=None, help="transitions per micro-batch: default 16 (tiny), 2 (real)"
+    )
     parser.add_argument("--timestep-fraction", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=6, help="timed rounds, after one warm-up round")
-    parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up: 6 (tiny), 2 (real)")
     parser.add_argument("--torch-compile", action="store_true", help="the Trainer's torch_compile (the denoiser)")
-    parser.add_argument("--layers", type=int, default=None, help="override the real architectures' depth")
-    parser.add_argument("--skip-batch1", action="store_true")
     options = parser.parse_args(argv)
+    tiny = is_tiny(options.model)
+    options.batch = options.batch or (16 if tiny else 8)
+    options.train_batch = options.train_batch or (16 if tiny else 2)
+    options.rounds = options.rounds or (6 if tiny else 2)
+    try:
+        return _benchmark(options)
+    except torch.cuda.OutOfMemoryError as error:
+        return out_of_memory(options, error)
 
+
+def _benchmark(options) -> dict:
     use_cpu = not torch.cuda.is_available()
-    resolution = options.resolution or (32 if options.model.startswith("tiny") else 512)
+    size = resolution(options)
     with tempfile.TemporaryDirectory() as workdir:
         model = build_model(options.model, workdir, layers=options.layers)
         transitions_per_sample = max(1, int((options.steps - 1) * options.timestep_fraction))
@@ -136,9 +142,9 @@ def main(argv=None) -> dict:
                 num_inference_steps=options.steps,
                 timestep_fraction=options.timestep_fraction,
                 eta=1.0,
-                height=resolution,
-                width=resolution,
-                max_sequence_length=32 if options.model.startswith("tiny") else 512,
+                height=size,
+                width=size,
+                max_sequence_length=32 if is_tiny(options.model) else 512,
                 per_device_train_batch_size=train_batch,
                 gradient_accumulation_steps=accumulation,
                 activation_checkpointing=options.gradient_checkpointing,
@@ -160,8 +166,9 @@ def main(argv=None) -> dict:
     floor = {phase: sum(by_name.values()) for phase, by_name in ours["floor_s"].items()}
     figures = {
         "model": options.model,
+        "options": vars(options),
         "device": describe_device(torch.device("cpu" if use_cpu else "cuda")),
-        "resolution": resolution,
+        "resolution": size,
         "steps": options.steps,
         "samples": samples,
         "transitions": transitions * options.rounds,
@@ -178,7 +185,7 @@ def main(argv=None) -> dict:
         "mfu": ours["mfu"],
     }
     print(
-        f"{options.model} @ {resolution}px, {options.steps} steps, {samples} samples / {transitions * options.rounds} "
+        f"{options.model} @ {size}px, {options.steps} steps, {samples} samples / {transitions * options.rounds} "
         f"transitions timed on {figures['device']}:\n"
         f"  rollout  {figures['rollout_s_per_sample'] * 1e3:9.2f} ms/sample      floor ratio "
         f"{figures['rollout_overhead_ratio']:.2f}\n"
@@ -187,8 +194,7 @@ def main(argv=None) -> dict:
         f"  overall overhead ratio {figures['overhead_ratio']:.2f}, peak memory {figures['peak_mem_mb']:.0f} MB"
         + (f", {figures['batch1_speedup']:.2f}x faster than batch size 1" if batch1 else "")
     )
-    print(json.dumps(figures))
-    return figures
+    return emit(figures)
 
 
 if __name__ == "__main__":

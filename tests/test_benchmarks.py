@@ -1,38 +1,53 @@
-"""The benchmark scripts run end to end on the tiny models and report every figure the README table uses."""
+"""The benchmark scripts run end to end on the tiny models, through the matrix runner, and report every figure the
+README table uses."""
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import matrix  # noqa: E402
+
 KEYS = {"rollout_s_per_sample", "train_s_per_item", "peak_mem_mb", "overhead_ratio", "batch1_speedup"}
 
 
 @pytest.mark.parametrize(
-    ("script", "arguments"),
+    ("name", "arguments"),
     [
-        ("grpo_iteration.py", ["--rounds", "2", "--batch", "8", "--train-batch", "8"]),
-        ("dpo_step.py", ["--steps", "2", "--batch", "4"]),
+        ("grpo-tiny-flux", ["--rounds", "2", "--batch", "8", "--train-batch", "8"]),
+        ("dpo-tiny-sd", ["--steps", "2", "--batch", "4"]),
     ],
 )
-def test_benchmark_prints_its_figures(script, arguments):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", script), *arguments],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+def test_benchmark_prints_its_figures(name, arguments, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    figures = matrix.run(name, matrix.CONFIGURATIONS["cpu"][name], timeout=600, extra=arguments)
+    assert "failed" not in figures, figures["failed"]
     assert set(figures) >= KEYS
     for key in ("train_s_per_item", "peak_mem_mb", "overhead_ratio", "batch1_speedup"):
         assert figures[key] > 0, key
     assert figures["floor_s"]["train"]["denoiser"] > 0
-    if script == "grpo_iteration.py":
+    if name.startswith("grpo"):
         assert figures["rollout_s_per_sample"] > 0
         assert set(figures["floor_s"]["rollout"]) >= {"denoiser", "vae.decode", "text_encode", "reward"}
     else:
         assert figures["rollout_s_per_sample"] is None
         assert set(figures["floor_s"]["train"]) >= {"denoiser", "vae.encode", "text_encode"}
+    row = matrix.table([figures]).splitlines()[-1]
+    assert row.startswith(f"| {name} | cpu") and f"{figures['overhead_ratio']:.2f}" in row
+
+
+def test_table_reports_medians_and_failures():
+    ok = {"device": "GPU", "rollout_s_per_sample": None, "peak_mem_mb": 10.0, "batch1_speedup": None, "mfu": 0.25}
+    records = [
+        {"name": "a", **ok, "train_s_per_item": 0.001, "overhead_ratio": 1.5},
+        {"name": "a", **ok, "train_s_per_item": 0.003, "overhead_ratio": 1.1},
+        {"name": "a", **ok, "train_s_per_item": 0.002, "overhead_ratio": 1.2},
+        {"name": "b", "device": "GPU", "out_of_memory": True},
+        {"name": "c", "failed": "timed out after 5 s"},
+    ]
+    rows = matrix.table(records).splitlines()
+    assert rows[2] == "| a | GPU | – | 2 | 10 | 1.20 (1.10–1.50) | – | 25 % | 3 |"
+    assert rows[3].startswith("| b | GPU | out of memory |")
+    assert rows[4].startswith("| c | – | timed out after 5 s |")

@@ -1,0 +1,53 @@
+"""Command-line options and output shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from architectures import MODELS
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    """Model, size, precision and memory options (the same in every script)."""
+    parser.add_argument("--model", default=default_model, choices=sorted(MODELS))
+    parser.add_argument("--resolution", type=int, default=None, help="default: 32 (tiny), 512 (real)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--layers", type=int, default=None, help="override the real architectures' depth")
+    parser.add_argument("--skip-batch1", action="store_true", help="skip the batch-size-1 comparison run")
+
+
+def is_tiny(model: str) -> bool:
+    return model.startswith("tiny")
+
+
+def resolution(options: argparse.Namespace) -> int:
+    return options.resolution or (32 if is_tiny(options.model) else 512)
+
+
+def emit(figures: dict) -> dict:
+    """The machine-readable last line of every benchmark."""
+    print(json.dumps(figures))
+    return figures
+
+
+def out_of_memory(options: argparse.Namespace, error: torch.cuda.OutOfMemoryError) -> dict:
+    """The figures of a configuration that does not fit: what it asked for, and how much memory it reached."""
+    device = torch.device("cuda")
+    return emit(
+        {
+            "model": options.model,
+            "device": torch.cuda.get_device_name(device),
+            "options": vars(options),
+            "out_of_memory": True,
+            "error": str(error).splitlines()[0],
+            "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "rollout_s_per_sample": None,
+            "train_s_per_item": None,
+            "overhead_ratio": None,
+            "batch1_speedup": None,
+        }
+    )

@@ -1,0 +1,145 @@
+"""Run the README's benchmark configurations, each in its own process, and print the Performance table.
+
+    python benchmarks/matrix.py cpu --repeats 3                  # the tiny models (the CPU table)
+    python benchmarks/matrix.py gpu --only grpo-flux-lora64      # FLUX.1-dev / SD3.5-medium architectures
+    python benchmarks/matrix.py --table results.jsonl            # the table of earlier results
+
+Each run's JSON line (see grpo_iteration.py, dpo_step.py) is appended to ``--output`` with its configuration's
+name, so runs split over several sessions or calls add up; a run that fails or times out is recorded as such.
+The table gives per configuration the median over its runs (the overhead ratio with its range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _real(script: str, model: str, lora_rank: int, *more: str) -> list[str]:
+    """A real architecture in bf16 at 512² (the scripts' defaults for it)."""
+    return [script, "--model", model, "--bf16", "--lora-rank", str(lora_rank), *more]
+
+
+CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
+    "cpu": {
+        "grpo-tiny-flux": ["grpo_iteration.py", "--model", "tiny-flux"],
+        "grpo-tiny-sd3": ["grpo_iteration.py", "--model", "tiny-sd3"],
+        "grpo-tiny-sd": ["grpo_iteration.py", "--model", "tiny-sd"],
+        "grpo-tiny-sdxl": ["grpo_iteration.py", "--model", "tiny-sdxl"],
+        "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
+        "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
+    },
+    # Most informative first: a session with little device time runs the head of the list.
+    "gpu": {
+        "grpo-flux-lora64": _real("grpo_iteration.py", "flux-dev", 64),
+        "grpo-flux-lora64-gc": _real("grpo_iteration.py", "flux-dev", 64, "--gradient-checkpointing"),
+        "grpo-sd35-lora64": _real("grpo_iteration.py", "sd35-medium", 64),
+        "grpo-sd35-full": _real("grpo_iteration.py", "sd35-medium", 0),
+        "grpo-sd35-full-gc": _real("grpo_iteration.py", "sd35-medium", 0, "--gradient-checkpointing"),
+        "grpo-flux-full-gc": _real("grpo_iteration.py", "flux-dev", 0, "--gradient-checkpointing"),
+        "dpo-flux-lora64": _real("dpo_step.py", "flux-dev", 64, "--batch", "4"),
+        "dpo-sd35-lora64": _real("dpo_step.py", "sd35-medium", 64, "--batch", "4"),
+    },
+}
+
+
+def run(name: str, command: list[str], timeout: float, extra: list[str]) -> dict:
+    """One configuration in a fresh process: its JSON figures, or why there are none."""
+    start = time.perf_counter()
+    path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+    try:
+        result = subprocess.run(
+            [sys.executable, os.path.join(HERE, command[0]), *command[1:], *extra],
+            capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"name": name, "failed": f"timed out after {timeout:.0f} s"}
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        errors = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]
+        return {"name": name, "failed": f"exit {result.returncode}: {errors[-1][-300:] if errors else ''}"}
+    return {"name": name, **json.loads(lines[-1]), "process_s": time.perf_counter() - start}
+
+
+def _format(value: float | None, unit: str = "") -> str:
+    return "–" if value is None else f"{value:.3g}{unit}"
+
+
+def _median(runs: list[dict], key: str, scale: float = 1.0) -> float | None:
+    values = [run[key] * scale for run in runs if run.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _row(name: str, runs: list[dict]) -> str:
+    done = [r for r in runs if "failed" not in r and not r.get("out_of_memory")]
+    device = next((r["device"] for r in runs if "device" in r), "–")
+    if not done:
+        why = "out of memory" if any(r.get("out_of_memory") for r in runs) else runs[-1].get("failed", "")
+        return f"| {name} | {device} | {why[:80]} | | | | | | {len(runs)} |"
+    ratios = [r["overhead_ratio"] for r in done]
+    spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return (
+        f"| {name} | {device} | {_format(_median(done, 'rollout_s_per_sample', 1e3))} | "
+        f"{_format(_median(done, 'train_s_per_item', 1e3))} | {_median(done, 'peak_mem_mb'):.0f} | "
+        f"{statistics.median(ratios):.2f}{spread} | {_format(_median(done, 'batch1_speedup'), '×')} | "
+        f"{_format(_median(done, 'mfu', 100), ' %')} | {len(done)} |"
+    )
+
+
+def table(records: list[dict]) -> str:
+    """A markdown table: one row per configuration, medians over its successful runs."""
+    names = dict.fromkeys(record["name"] for record in records)
+    return "\n".join(
+        [
+            "| configuration | device | rollout ms/sample | train ms/item | peak memory MB | overhead ratio | "
+            "batch-1 speed-up | MFU | runs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *[_row(name, [r for r in records if r["name"] == name]) for name in names],
+        ]
+    )
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", nargs="?", choices=sorted(CONFIGURATIONS), help="configurations to run")
+    parser.add_argument("--only", nargs="+", default=None, help="names of configurations of the suite to run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration")
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds per run")
+    parser.add_argument("--output", default="benchmark_results.jsonl", help="JSON lines, appended to")
+    parser.add_argument("--table", metavar="JSONL", default=None, help="only print the table of this file")
+    options, extra = parser.parse_known_args(argv)  # unknown options go to every script (e.g. --rounds 2)
+    if options.table:
+        with open(options.table) as handle:
+            text = table([json.loads(line) for line in handle if line.strip()])
+        print(text)
+        return text
+    if options.suite is None:
+        parser.error("name a suite (cpu or gpu) or --table")
+    suite = CONFIGURATIONS[options.suite]
+    unknown = set(options.only or []) - set(suite)
+    if unknown:
+        parser.error(f"not in the {options.suite} suite: {sorted(unknown)}; it has {list(suite)}")
+    records = []
+    for name, command in suite.items():
+        if options.only and name not in options.only:
+            continue
+        for _ in range(options.repeats):
+            record = run(name, command, options.timeout, extra)
+            print(json.dumps(record), flush=True)
+            with open(options.output, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            records.append(record)
+    text = table(records)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
