@@ -1,8 +1,11 @@
 import os
+import tempfile
 
 # Before anything imports huggingface_hub, which reads these once: no test may reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# trackio also reads its directory at import: a private one per test process, never the user's cache.
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
