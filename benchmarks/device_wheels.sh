@@ -21,4 +21,6 @@ for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 man
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "${wheels[@]}" 2> >(grep -v "^WARNING: Location" >&2)
-echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
+echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/. On the GPU machine, from the repository root:"
+echo "  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl"
+echo "  export PYTHONPATH=/tmp/site:\$PWD"

@@ -87,9 +87,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, default_model="tiny-sd")
     parser.add_argument("--batch", type=int, default=8, help="pairs per optimizer step")
-    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps after a warm-up: 10 (tiny), 3")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps after a warm-up: 30 (tiny), 3")
     options = parser.parse_args(argv)
-    options.steps = options.steps or (10 if is_tiny(options.model) else 3)
+    options.steps = options.steps or (30 if is_tiny(options.model) else 3)
     try:
         return _benchmark(options)
     except torch.cuda.OutOfMemoryError as error:
