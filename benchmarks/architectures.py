@@ -145,3 +145,16 @@ def lora_config(rank: int) -> LoraConfig | None:
     if not rank:
         return None
     return LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+
+
+def release(trainer) -> None:
+    """Give back what a benchmark's trainer holds, so that the next run starts from the same pipeline instance: its
+    LoRA adapter deleted (a real architecture is built once, not reloaded, between runs), the optimizer and the
+    accelerator's references freed."""
+    denoiser = trainer.policy.denoiser
+    if getattr(denoiser, "peft_config", None):
+        denoiser.delete_adapters(list(denoiser.peft_config))
+    trainer.optimizer = trainer.lr_scheduler = None
+    trainer.accelerator.free_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

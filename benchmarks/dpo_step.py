@@ -25,7 +25,7 @@ from PIL import Image
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import TINY, build_model, lora_config  # noqa: E402
+from architectures import TINY, build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, synchronize  # noqa: E402
 
@@ -80,6 +80,8 @@ def timed_run(model, args: DiffusionDPOConfig, dataset, options, warmup: int, fl
     result = {"wall_s": wall, "peak_mem_mb": peak_memory_mb(device)}
     if recorder:
         result["floor_s"] = recorder.floor_seconds()
+        recorder.remove()
+    release(trainer)
     return result
 
 

@@ -72,13 +72,25 @@ class CallRecorder:
         self.phase = "train"
         self.calls: dict[tuple, list] = {}  # key -> [count, callable, args, kwargs]
         policy = trainer.policy
-        self._handles = [policy.denoiser.register_forward_pre_hook(self._hook("denoiser"), with_kwargs=True)]
-        policy._encode = self._wrap("text_encode", policy._encode)
-        vae = policy.pipeline.vae
+        self._handle = policy.denoiser.register_forward_pre_hook(self._hook("denoiser"), with_kwargs=True)
+        self._patched: list[tuple[Any, str]] = []  # (object, attribute) wrapped in place
+        self._patch(policy, "_encode", "text_encode")
         for method in ("encode", "decode"):
-            setattr(vae, method, self._wrap(f"vae.{method}", getattr(vae, method)))
+            self._patch(policy.pipeline.vae, method, f"vae.{method}")
         if hasattr(trainer, "reward_funcs"):
             trainer.reward_funcs = [self._wrap(f"reward.{i}", f) for i, f in enumerate(trainer.reward_funcs)]
+
+    def _patch(self, owner: Any, attribute: str, name: str) -> None:
+        if attribute in vars(owner):
+            raise RuntimeError(f"{name} is already wrapped")
+        setattr(owner, attribute, self._wrap(name, getattr(owner, attribute)))
+        self._patched.append((owner, attribute))
+
+    def remove(self) -> None:
+        """Unhook the denoiser and unwrap the pipeline's methods (the pipeline may serve another run)."""
+        self._handle.remove()
+        for owner, attribute in self._patched:
+            delattr(owner, attribute)
 
     def _record(self, name: str, target: Callable, args: tuple, kwargs: dict) -> None:
         if not self.enabled:

@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import build_model, lora_config  # noqa: E402
+from architectures import build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
@@ -91,6 +91,8 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
         result["denoiser_calls"] = recorder.count("denoiser")
         result["model_flops"], peak = recorder.flops(), peak_tflops(device)
         result["mfu"] = result["model_flops"] / result["wall_s"] / (peak * 1e12) if peak else None
+        recorder.remove()
+    release(trainer)
     return result
 
 

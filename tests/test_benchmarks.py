@@ -51,3 +51,21 @@ def test_table_reports_medians_and_failures():
     assert rows[2] == "| a | GPU | – | 2 | 10 | 1.20 (1.10–1.50) | – | 25 % | 3 |"
     assert rows[3].startswith("| b | GPU | out of memory |")
     assert rows[4].startswith("| c | – | timed out after 5 s |")
+
+
+@pytest.mark.parametrize("script", ["grpo_iteration", "dpo_step"])
+def test_runs_share_one_pipeline_instance(script, tiny_model_dir, monkeypatch):
+    """The real architectures are built once as a pipeline instance that both runs (ours and batch size 1) train:
+    the first run must give back its LoRA adapter and its recorder's hooks."""
+    from diffusers import DiffusionPipeline
+
+    module = __import__(script)
+    kind = "flux" if script == "grpo_iteration" else "sd"
+    pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir(kind))
+    monkeypatch.setattr(module, "build_model", lambda *args, **kwargs: pipeline)
+    arguments = ["--rounds", "1", "--train-batch", "8"] if kind == "flux" else ["--steps", "1"]
+    figures = module.main(["--model", f"tiny-{kind}", "--batch", "8" if kind == "flux" else "4", *arguments])
+    assert figures["batch1_speedup"] > 0
+    denoiser = pipeline.transformer if kind == "flux" else pipeline.unet
+    assert not getattr(denoiser, "peft_config", None) and not denoiser._forward_pre_hooks
+    assert "encode" not in vars(pipeline.vae) and "decode" not in vars(pipeline.vae)
