@@ -10,7 +10,7 @@ os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trl_dance.testing import save_tiny_pipeline  # noqa: E402
+from trl_dance.testing import TINY_VIDEO_FRAMES, save_tiny_pipeline  # noqa: E402
 
 # Two pytest-xdist workers share two cores: one intra-op thread each.
 torch.set_num_threads(1)
@@ -32,6 +32,11 @@ def tiny_model_dir(tmp_path_factory):
         return cache[kind]
 
     return get
+
+
+def family_overrides(kind: str) -> dict:
+    """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan."""
+    return {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
 
 
 def tiny_grpo_config(output_dir, **overrides):

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, family_overrides, tiny_grpo_config
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxTransformer2DModel
 from peft import LoraConfig
@@ -31,11 +31,12 @@ def _mean_reward(trainer, rounds):
 
 
 @pytest.mark.parametrize(
-    ("kind", "guidance"), [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 1.0), ("sd", 5.0), ("sdxl", 5.0)]
+    ("kind", "guidance"),
+    [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 1.0), ("sd", 5.0), ("sdxl", 5.0), ("wan", 5.0)],
 )
 def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guidance):
     """On-policy, the training log-prob of every stored transition equals the rollout's: ratio 1."""
-    args = tiny_grpo_config(tmp_path, guidance_scale=guidance)
+    args = tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind))
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",
@@ -60,14 +61,14 @@ def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guid
     assert all(abs(r - 1) < 1e-5 for r in trainer._metrics["ratio/mean"])
 
 
-@pytest.mark.parametrize("kind", ["sd3", "sd", "sdxl"])
+@pytest.mark.parametrize("kind", ["sd3", "sd", "sdxl", "wan"])
 def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, kind):
     """With CFG the policy is v_u + w (v_c − v_u): dL/dv_u = (1 − w)/w · dL/dv_c, both non-zero."""
     w = 4.0
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",
-        args=tiny_grpo_config(tmp_path, guidance_scale=w),
+        args=tiny_grpo_config(tmp_path, guidance_scale=w, **family_overrides(kind)),
         train_dataset=_dataset(),
         peft_config=_lora(),
     )
@@ -377,13 +378,13 @@ def test_checkpoints_resume(tiny_model_dir, tmp_path, use_lora):
     assert any(not torch.equal(v, at_step_1[k]) for k, v in again.model.state_dict().items())
 
 
-@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3"])
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "wan"])
 def test_lora_export_round_trips_for_every_family(tiny_model_dir, tmp_path, kind):
     """A LoRA on attention, output projections and conv_out reloads with load_lora_weights to identical outputs."""
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",
-        args=tiny_grpo_config(tmp_path),
+        args=tiny_grpo_config(tmp_path, **family_overrides(kind)),
         train_dataset=_dataset(),
         peft_config=_lora(init_lora_weights="gaussian", lora_alpha=16),
     )

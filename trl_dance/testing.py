@@ -6,7 +6,8 @@ with tokenizers built in memory. Saved with ``save_pretrained`` they load back t
 
     python -m trl_dance.testing flux ./tiny-flux        # writes a FluxPipeline folder
 
-Images are 32×32 (the VAEs downsample by 2); one 8-step generation takes a fraction of a second on one core.
+Images are 32×32 and Wan videos 5 frames of 32×32 (the VAEs downsample by 2); one 8-step generation takes a fraction
+of a second on one core.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLWan,
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
@@ -28,6 +30,9 @@ from diffusers import (
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from transformers import (
     CLIPTextConfig,
@@ -37,6 +42,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 TINY_RESOLUTION = 32
@@ -91,8 +98,8 @@ def _clip_text_encoder(tokenizer: CLIPTokenizer, with_projection: bool = False) 
     return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
 
 
-def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
-    config = T5Config(
+def _t5_encoder(tokenizer: T5Tokenizer, d_model: int, umt5: bool = False) -> T5EncoderModel | UMT5EncoderModel:
+    config = (UMT5Config if umt5 else T5Config)(
         vocab_size=len(tokenizer),
         d_model=d_model,
         d_kv=8,
@@ -105,7 +112,7 @@ def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return T5EncoderModel(config)
+    return (UMT5EncoderModel if umt5 else T5EncoderModel)(config)
 
 
 def _vae(latent_channels: int, scaling_factor: float, shift_factor: float | None) -> AutoencoderKL:
@@ -282,16 +289,66 @@ def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
     return _build(factory, seed)
 
 
+def wan_scheduler() -> UniPCMultistepScheduler:
+    """Wan 2.1's published scheduler configuration (UniPC on flow sigmas, shift 3 for 480p)."""
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
+
+
+TINY_VIDEO_FRAMES = 5
+
+
+def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
+    """A WanPipeline (3D transformer, UMT5 text encoder, causal 3D VAE downsampling frames and pixels by 2): videos
+    of ``TINY_VIDEO_FRAMES`` (or any 1 + 2k) frames of 32×32."""
+
+    def factory():
+        tokenizer = _t5_tokenizer()
+        return WanPipeline(
+            tokenizer=tokenizer,
+            text_encoder=_t5_encoder(tokenizer, d_model=32, umt5=True),
+            vae=AutoencoderKLWan(
+                base_dim=8,
+                z_dim=4,
+                dim_mult=[1, 2],
+                num_res_blocks=1,
+                temperal_downsample=[True],
+                latents_mean=[0.1, -0.1, 0.05, -0.05],
+                latents_std=[1.2, 0.8, 1.0, 1.1],
+                scale_factor_temporal=2,
+                scale_factor_spatial=2,
+            ),
+            transformer=WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=4,
+                out_channels=4,
+                text_dim=32,
+                freq_dim=32,
+                ffn_dim=32,
+                num_layers=2,
+                rope_max_seq_len=32,
+            ),
+            scheduler=wan_scheduler(),
+        )
+
+    return _build(factory, seed)
+
+
+_IMAGE_KINDS = ("flux", "sd3", "sd", "sdxl")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
     "sdxl": tiny_sdxl_pipeline,
+    "wan": tiny_wan_pipeline,
 }
 
 
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
-    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl) and ``save_pretrained`` it to ``directory``."""
+    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan) and ``save_pretrained`` it to ``directory``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
     TINY_PIPELINES[kind](seed).save_pretrained(directory)
@@ -305,6 +362,8 @@ def tiny_preference_dataset(kind: str, count: int = 32, offset: float = 0.2, see
 
     from .visualization import to_pil
 
+    if kind not in _IMAGE_KINDS:
+        raise ValueError(f"preference pairs are images: choose kind from {_IMAGE_KINDS}, got {kind!r}")
     prompts = [_PREFERENCE_PROMPTS[i % len(_PREFERENCE_PROMPTS)] for i in range(count)]
     extra = {"max_sequence_length": 32} if kind == "flux" else {}
     with torch.no_grad():

@@ -6,6 +6,8 @@ import torch
 from diffusers.utils import make_image_grid
 from PIL import Image
 
+from .video import frame_strip
+
 
 def save_reward_curve(log_history: list[dict], path: str, title: str = "reward") -> list[float]:
     """Plot ``reward`` (± ``reward_std``) per logged step to a PNG; returns the plotted rewards."""
@@ -36,16 +38,18 @@ def save_reward_curve(log_history: list[dict], path: str, title: str = "reward")
 
 
 def to_pil(images: torch.Tensor, size: int | None = None) -> list[Image.Image]:
-    """(B, 3, H, W) float in [0, 1] to PIL images, optionally upscaled (nearest) to ``size`` pixels."""
+    """(B, 3, H, W) float in [0, 1] to PIL images, optionally resized (nearest) to ``size`` pixels high; videos
+    (B, F, 3, H, W) become strips of 4 evenly spaced frames (:func:`~trl_dance.video.frame_strip`)."""
+    images = frame_strip(images)
     array = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     pictures = [Image.fromarray(a) for a in array]
     if size is not None:
-        pictures = [p.resize((size, size), Image.NEAREST) for p in pictures]
+        pictures = [p.resize((size * p.width // p.height, size), Image.NEAREST) for p in pictures]
     return pictures
 
 
 def save_image_grid(rows: list[torch.Tensor], path: str, size: int | None = None) -> Image.Image:
-    """Save rows of images (each (B, 3, H, W) in [0, 1], same B) as one grid PNG."""
+    """Save rows of images (each (B, 3, H, W) in [0, 1], same B; videos as frame strips) as one grid PNG."""
     pictures = [p for row in rows for p in to_pil(row, size)]
     grid = make_image_grid(pictures, rows=len(rows), cols=rows[0].shape[0])
     grid.save(path)

@@ -8,6 +8,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
+    WanPipeline,
 )
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
@@ -15,12 +16,14 @@ from .flow_matching import FlowMatchingPolicy
 from .flux import FluxPolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
+from .wan import WanPolicy
 
 _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
     FluxPipeline: FluxPolicy,
     StableDiffusion3Pipeline: SD3Policy,
     StableDiffusionXLPipeline: StableDiffusionXLPolicy,
     StableDiffusionPipeline: StableDiffusionPolicy,
+    WanPipeline: WanPolicy,
 }
 
 
@@ -42,5 +45,6 @@ __all__ = [
     "SamplerSettings",
     "StableDiffusionPolicy",
     "StableDiffusionXLPolicy",
+    "WanPolicy",
     "make_policy",
 ]

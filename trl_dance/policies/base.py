@@ -35,6 +35,7 @@ class SamplerSettings:
     shift: float = 3.0
     max_sequence_length: int = 512
     log_prob_reduction: Reduction = "mean"
+    num_frames: int | None = None
 
 
 class DiffusionPolicy(ABC):
@@ -50,12 +51,17 @@ class DiffusionPolicy(ABC):
     supports_cfg: bool = True
     """False for guidance-distilled families (FLUX), whose ``guidance_scale`` feeds an embedding instead."""
 
+    is_video: bool = False
+    """True for video families: :meth:`decode` returns (B, F, 3, H, W) and ``settings.num_frames`` applies."""
+
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         self.pipeline = pipeline
         self.settings = settings
         self._negative: Conditioning | None = None
         self.offload_text_encoders = False  # set by the trainer from its config
-        vae_scale = getattr(pipeline, "vae_scale_factor", 8)
+        if settings.num_frames is not None and not self.is_video:
+            raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
+        vae_scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
         for name, size in (("height", settings.height), ("width", settings.width)):
             if size % (2 * vae_scale):
                 raise ValueError(f"{name}={size} must be a multiple of {2 * vae_scale} for {type(pipeline).__name__}")
@@ -219,28 +225,35 @@ class DiffusionPolicy(ABC):
                     "undefined. Use a positive noise level or a schedule without repeated sigmas."
                 )
 
-    def _latent_affine(self, device: torch.device) -> tuple[torch.Tensor | float, torch.Tensor | float]:
-        """``(offset, scale)`` with policy latents = (VAE latents − offset) · scale: the VAE's latents_mean/std when
-        its config has them (SDXL-style), else its shift_factor and scaling_factor."""
+    def _latent_affine(self, like: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """``(offset, scale)`` with policy latents = (VAE latents − offset) · scale, broadcastable to VAE latents
+        ``like`` (B, C, ...): the VAE's per-channel latents_mean/std when its config has them (SDXL, Wan; Wan's
+        VAE has no scaling factor), else its shift_factor and scaling_factor."""
         config = self.pipeline.vae.config
+        scaling = getattr(config, "scaling_factor", None) or 1.0
         if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1, 1)
-            std = torch.tensor(config.latents_std, device=device).view(1, -1, 1, 1)
-            return mean, config.scaling_factor / std
-        return getattr(config, "shift_factor", None) or 0.0, config.scaling_factor
+            shape = (1, -1) + (1,) * (like.ndim - 2)
+            mean = torch.tensor(config.latents_mean, device=like.device).view(shape)
+            std = torch.tensor(config.latents_std, device=like.device).view(shape)
+            return mean, scaling / std
+        return getattr(config, "shift_factor", None) or 0.0, scaling
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`."""
         vae = self.pipeline.vae
         latents = vae.encode(images.to(device=self.device, dtype=vae.dtype)).latent_dist.sample(generator).float()
-        offset, scale = self._latent_affine(latents.device)
+        offset, scale = self._latent_affine(latents)
         return (latents - offset) * scale
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Final latents to images: (B, 3, H, W) float32 in [0, 1]."""
+        """Final latents to images: (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W))."""
         vae = self.pipeline.vae
-        offset, scale = self._latent_affine(latents.device)
+        offset, scale = self._latent_affine(latents)
         latents = latents / scale + offset
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self.pipeline.image_processor.postprocess(images, output_type="pt").float()
+        decoded = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return self._postprocess(decoded).float()
+
+    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The VAE's output in [-1, 1] to the pipeline's "pt" output in [0, 1]."""
+        return self.pipeline.image_processor.postprocess(decoded, output_type="pt")

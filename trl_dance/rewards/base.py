@@ -9,8 +9,13 @@ from typing import Any
 
 import torch
 
+from ..video import frame_indices
+
 RewardFunc = Callable[..., Sequence[float]]
-"""``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats``."""
+"""``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats``.
+
+A function with the attribute ``accepts_video = True`` scores videos whole: ``images`` is then (B, F, 3, H, W). Any
+other function scores videos frame by frame (see :func:`score_images`)."""
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
@@ -72,9 +77,19 @@ def reward_name(func: RewardFunc) -> str:
 
 
 def score_images(
-    funcs: Sequence[RewardFunc], prompts: list[str], images: torch.Tensor, columns: dict[str, list[Any]]
+    funcs: Sequence[RewardFunc],
+    prompts: list[str],
+    images: torch.Tensor,
+    columns: dict[str, list[Any]],
+    video_frames: int | None = None,
 ) -> torch.Tensor:
     """Call every reward function on one batch and validate what it returns.
+
+    Args:
+        images: (B, 3, H, W) images or (B, F, 3, H, W) videos, float in [0, 1].
+        video_frames: for videos, a reward without ``accepts_video = True`` scores this many evenly spaced frames of
+            each video (first and last included; ``None``: every frame) as images, prompt and columns repeated, and
+            the video's reward is their mean. A reward with ``accepts_video = True`` gets the videos.
 
     Returns:
         (B, F) float32 on ``images.device``, one column per function.
@@ -82,21 +97,38 @@ def score_images(
     Raises:
         ValueError naming the function if it returns the wrong number of values, non-numbers, or NaN/inf.
     """
-    batch = images.shape[0]
     columns_out = []
     for func in funcs:
-        name = reward_name(func)
-        values = func(prompts=prompts, images=images, **columns)
-        if isinstance(values, torch.Tensor):
-            values = values.detach().flatten().tolist()
-        try:
-            values = [float(v) for v in values]
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"reward function {name!r} must return {batch} numbers, got {values!r:.200}") from err
-        if len(values) != batch:
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for {batch} images")
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"reward function {name!r} returned non-finite values at positions {bad[:10]}")
-        columns_out.append(torch.tensor(values, dtype=torch.float32))
+        if images.ndim == 5 and not getattr(func, "accepts_video", False):
+            frames = frame_indices(images.shape[1], video_frames)
+            count = len(frames)
+            values = _call(
+                func,
+                [p for p in prompts for _ in range(count)],
+                images[:, frames].flatten(0, 1),
+                {key: [v for v in column for _ in range(count)] for key, column in columns.items()},
+                unit=f"frames ({count} per video)",
+            )
+            values = values.view(-1, count).mean(dim=1)
+        else:
+            values = _call(func, prompts, images, columns, unit="videos" if images.ndim == 5 else "images")
+        columns_out.append(values)
     return torch.stack(columns_out, dim=1).to(images.device)
+
+
+def _call(func: RewardFunc, prompts: list[str], images: torch.Tensor, columns: dict[str, list[Any]], unit: str):
+    """(len(prompts),) float32 CPU values of one reward function, validated."""
+    name, batch = reward_name(func), images.shape[0]
+    values = func(prompts=prompts, images=images, **columns)
+    if isinstance(values, torch.Tensor):
+        values = values.detach().flatten().tolist()
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"reward function {name!r} must return {batch} numbers, got {values!r:.200}") from err
+    if len(values) != batch:
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {batch} {unit}")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"reward function {name!r} returned non-finite values at positions {bad[:10]}")
+    return torch.tensor(values, dtype=torch.float32)

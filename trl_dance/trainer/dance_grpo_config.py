@@ -37,6 +37,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             knob; results do not depend on it beyond float rounding). `None`: the whole local generation batch.
         num_inference_steps (`int`, defaults to `16`): Denoising steps N per sample.
         height (`int`, defaults to `720`), width (`int`, defaults to `720`): Image size in pixels.
+        num_frames (`int` or `None`, defaults to `None`): Frames per video (video pipelines only; Wan: 1 + a
+            multiple of 4). `None`: the family's default (81 for Wan).
         guidance_scale (`float`, defaults to `3.5`): FLUX: the guidance embedding (no CFG). SD3: CFG scale, the
             loss then goes through the CFG-combined prediction (1 disables CFG).
         max_sequence_length (`int`, defaults to `512`): T5 tokens of the prompt.
@@ -70,6 +72,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         adv_clip_max (`float`, defaults to `5.0`): Advantages are clipped to ±this.
         reward_weights (`list[float]` or `None`, defaults to `None`): Weights of the reward functions in the sum;
             `None`: all 1.
+        video_reward_frames (`int` or `None`, defaults to `8`): Image rewards score videos on this many evenly spaced
+            frames (first and last included) and average them; `None`: every frame. Rewards with
+            `accepts_video = True` get whole videos.
         reward_kwargs (`dict` or `None`, defaults to `None`): Constructor arguments of registered model rewards, by
             name, e.g. `{"hpsv2": {"checkpoint": "/ckpt/HPS_v2.1_compressed.pt", "dtype": "bfloat16"}}` (a JSON
             string on the command line).
@@ -125,6 +130,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     num_inference_steps: int = field(default=16, metadata={"help": "Denoising steps N."})
     height: int = field(default=720, metadata={"help": "Image height in pixels."})
     width: int = field(default=720, metadata={"help": "Image width in pixels."})
+    num_frames: int | None = field(
+        default=None, metadata={"help": "Frames per video (video pipelines; default: the family's, 81 for Wan)."}
+    )
     guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding; SD3 CFG scale."})
     max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
     sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
@@ -153,6 +161,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     advantage_epsilon: float | None = field(default=None, metadata={"help": "Added to the std (default by mode)."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
+    video_reward_frames: int | None = field(
+        default=8, metadata={"help": "Frames of each video an image reward scores and averages (None: all)."}
+    )
     reward_kwargs: dict[str, dict[str, Any]] | str | None = field(
         default=None, metadata={"help": "Constructor arguments of registered model rewards, by reward name (JSON)."}
     )
@@ -219,6 +230,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
                 f"(= {transitions} transitions per process per round / per_device_train_batch_size); leave it unset"
             )
         self.steps_per_generation = derived
+        if self.video_reward_frames is not None and self.video_reward_frames < 1:
+            raise ValueError(f"video_reward_frames must be >= 1 or None, got {self.video_reward_frames}")
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
 

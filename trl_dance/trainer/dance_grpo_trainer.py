@@ -45,6 +45,7 @@ def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
         shift=args.shift,
         max_sequence_length=args.max_sequence_length,
         log_prob_reduction=args.log_prob_reduction,
+        num_frames=args.num_frames,
     )
 
 
@@ -78,7 +79,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         callbacks, optimizers: as in ``transformers.Trainer``.
     """
 
-    _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers", "text-to-image"]
+    _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers"]
     _name = "DanceGRPO"
     _paper = {
         "title": "DanceGRPO: Unleashing GRPO on Visual Generation",
@@ -315,6 +316,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 prompts[part],
                 parts[-1]["images"],
                 {key: values[part] for key, values in columns.items()},
+                args.video_reward_frames,
             )
             scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}

@@ -65,7 +65,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         callbacks, optimizers: as in ``transformers.Trainer``.
     """
 
-    _tag_names = ["trl", "trl-dance", "diffusion-dpo", "diffusers", "text-to-image"]
+    _tag_names = ["trl", "trl-dance", "diffusion-dpo", "diffusers"]
     _name = "Diffusion-DPO"
     _paper = {
         "title": "Diffusion Model Alignment Using Direct Preference Optimization",
@@ -99,6 +99,10 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             max_sequence_length=args.max_sequence_length,
         )
         policy = make_policy(load_pipeline(model, args), settings)
+        if policy.is_video:
+            raise ValueError(
+                f"DiffusionDPOTrainer learns from image pairs; {type(policy.pipeline).__name__} generates videos"
+            )
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
         collator = PreferenceCollator(

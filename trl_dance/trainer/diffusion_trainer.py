@@ -142,11 +142,12 @@ class DiffusionTrainer(_BaseTrainer):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         denoiser = self.accelerator.unwrap_model(self.model)
         lora, denoiser_class = has_lora(denoiser), type(denoiser).__name__
-        card_tags = sorted({*self._tag_names, *tags, "lora" if lora else "full-finetune"})
+        task = "text-to-video" if self.policy.is_video else "text-to-image"
+        card_tags = sorted({*self._tag_names, task, *tags, "lora" if lora else "full-finetune"})
         data = ModelCardData(
             base_model=hub_base,
             library_name="diffusers",
-            pipeline_tag="text-to-image",
+            pipeline_tag=task,
             tags=card_tags,
             datasets=[dataset_name] if dataset_name else None,
         )

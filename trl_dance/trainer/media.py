@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from transformers.integrations import TensorBoardCallback, TrackioCallback, WandbCallback
 
+from ..video import frame_strip
 from ..visualization import to_pil
 
 
@@ -41,7 +42,7 @@ def log_rollout_media(
     rewards: torch.Tensor,
     all_rewards: torch.Tensor,
 ) -> list[str]:
-    """Log ``images`` (K, 3, H, W) in [0, 1] captioned with their prompts and rewards (K,), and the histogram of
+    """Log ``images`` (K, 3, H, W) in [0, 1] (videos (K, F, 3, H, W) as frame strips) captioned with their prompts and rewards (K,), and the histogram of
     ``all_rewards`` (the round's rewards over all processes), at optimizer step ``step``.
 
     Returns:
@@ -52,7 +53,8 @@ def log_rollout_media(
     for callback in callbacks:
         if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
             writer = callback.tb_writer
-            writer.add_images("completions/images", images.float().clamp(0, 1).cpu(), step, dataformats="NCHW")
+            strips = frame_strip(images).float().clamp(0, 1).cpu()
+            writer.add_images("completions/images", strips, step, dataformats="NCHW")
             writer.add_text("completions/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
             writer.add_histogram("completions/reward", all_rewards.float().cpu(), step)
             writer.flush()
