@@ -1,5 +1,5 @@
-"""Benchmark models: the tiny offline pipelines, and FLUX.1-dev / SD3.5-medium built from their published
-configurations with random weights (no download; prompts use the tiny character-level tokenizers, so only the
+"""Benchmark models: the tiny offline pipelines, and FLUX.1-dev / SD3.5-medium / Wan 2.1 T2V 1.3B built from their
+published configurations with random weights (no download; prompts use the tiny character-level tokenizers, so only the
 sequence length, not the vocabulary, matches the real models)."""
 
 from __future__ import annotations
@@ -7,19 +7,31 @@ from __future__ import annotations
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
 )
 from peft import LoraConfig
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
-from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, flux_scheduler, save_tiny_pipeline
+from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, flux_scheduler, save_tiny_pipeline, wan_scheduler
 
-TINY = {"tiny-flux": "flux", "tiny-sd3": "sd3", "tiny-sd": "sd", "tiny-sdxl": "sdxl"}
-MODELS = [*TINY, "flux-dev", "sd35-medium"]
+TINY = {"tiny-flux": "flux", "tiny-sd3": "sd3", "tiny-sd": "sd", "tiny-sdxl": "sdxl", "tiny-wan": "wan"}
+MODELS = [*TINY, "flux-dev", "sd35-medium", "wan21-1.3b"]
+VIDEO_MODELS = ("tiny-wan", "wan21-1.3b")
 
 
 def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
@@ -52,19 +64,19 @@ def _clip(hidden: int, layers: int, heads: int, ff: int, act: str, projection: b
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
 
 
-def _t5_xxl(layers: int) -> T5EncoderModel:
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=32128,
-            d_model=4096,
-            d_kv=64,
-            d_ff=10240,
-            num_layers=layers,
-            num_heads=64,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-        )
+def _t5_xxl(layers: int, umt5: bool = False) -> T5EncoderModel | UMT5EncoderModel:
+    """T5-XXL's encoder (FLUX, SD3), or UMT5-XXL's (Wan: same widths, a 256k vocabulary)."""
+    config = (UMT5Config if umt5 else T5Config)(
+        vocab_size=256384 if umt5 else 32128,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=layers,
+        num_heads=64,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
     )
+    return (UMT5EncoderModel if umt5 else T5EncoderModel)(config)
 
 
 def flux_dev_pipeline(layers: int | None = None) -> FluxPipeline:
@@ -124,6 +136,33 @@ def sd35_medium_pipeline(layers: int | None = None) -> StableDiffusion3Pipeline:
     )
 
 
+def wan21_1_3b_pipeline(layers: int | None = None) -> WanPipeline:
+    """Wan 2.1 T2V 1.3B (30 blocks, width 1536, 12 heads), UMT5-XXL, the Wan VAE (8× space, 4× time)."""
+    return WanPipeline(
+        tokenizer=_t5_tokenizer(),
+        text_encoder=_t5_xxl(layers or 24, umt5=True),
+        vae=AutoencoderKLWan(),  # its defaults are Wan 2.1's published configuration
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=layers or 30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        ),
+        scheduler=wan_scheduler(),
+    )
+
+
+REAL = {"flux-dev": flux_dev_pipeline, "sd35-medium": sd35_medium_pipeline, "wan21-1.3b": wan21_1_3b_pipeline}
+
+
 def build_model(name: str, workdir: str, layers: int | None = None):
     """A pipeline folder (tiny models, loaded through ``from_pretrained``) or a pipeline instance (real sizes, in
     bf16 on the GPU when there is one: saving 12B random parameters would only measure the disk)."""
@@ -135,7 +174,7 @@ def build_model(name: str, workdir: str, layers: int | None = None):
     torch.set_default_dtype(torch.bfloat16 if cuda else torch.float32)
     try:
         with torch.device("cuda" if cuda else "cpu"):
-            return {"flux-dev": flux_dev_pipeline, "sd35-medium": sd35_medium_pipeline}[name](layers)
+            return REAL[name](layers)
     finally:
         torch.set_default_dtype(default_dtype)
 

@@ -6,13 +6,14 @@ import argparse
 import json
 
 import torch
-from architectures import MODELS
+from architectures import MODELS, VIDEO_MODELS
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
     """Model, size, precision and memory options (the same in every script)."""
     parser.add_argument("--model", default=default_model, choices=sorted(MODELS))
     parser.add_argument("--resolution", type=int, default=None, help="default: 32 (tiny), 512 (real)")
+    parser.add_argument("--frames", type=int, default=None, help="video models: default 5 (tiny), 33 (real)")
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tune")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
@@ -26,6 +27,13 @@ def is_tiny(model: str) -> bool:
 
 def resolution(options: argparse.Namespace) -> int:
     return options.resolution or (32 if is_tiny(options.model) else 512)
+
+
+def num_frames(options: argparse.Namespace) -> int | None:
+    """Frames per sample of a video model (None for image models)."""
+    if options.model not in VIDEO_MODELS:
+        return None
+    return options.frames or (5 if is_tiny(options.model) else 33)
 
 
 def emit(figures: dict) -> dict:

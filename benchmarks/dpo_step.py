@@ -25,7 +25,7 @@ from PIL import Image
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import TINY, build_model, lora_config, release  # noqa: E402
+from architectures import TINY, VIDEO_MODELS, build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, synchronize  # noqa: E402
 
@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8, help="pairs per optimizer step")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps after a warm-up: 30 (tiny), 3")
     options = parser.parse_args(argv)
+    if options.model in VIDEO_MODELS:
+        parser.error(f"Diffusion-DPO trains on image pairs; {options.model} is a video model")
     options.steps = options.steps or (30 if is_tiny(options.model) else 3)
     try:
         return _benchmark(options)

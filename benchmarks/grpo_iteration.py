@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import build_model, lora_config, release  # noqa: E402
-from cli import add_model_arguments, emit, is_tiny, out_of_memory, resolution  # noqa: E402
+from cli import add_model_arguments, emit, is_tiny, num_frames, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
@@ -146,6 +146,7 @@ def _benchmark(options) -> dict:
                 eta=1.0,
                 height=size,
                 width=size,
+                num_frames=num_frames(options),
                 max_sequence_length=32 if is_tiny(options.model) else 512,
                 per_device_train_batch_size=train_batch,
                 gradient_accumulation_steps=accumulation,
@@ -171,6 +172,7 @@ def _benchmark(options) -> dict:
         "options": vars(options),
         "device": describe_device(torch.device("cpu" if use_cpu else "cuda")),
         "resolution": size,
+        "frames": num_frames(options),
         "steps": options.steps,
         "samples": samples,
         "transitions": transitions * options.rounds,

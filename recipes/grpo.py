@@ -1,4 +1,4 @@
-"""DanceGRPO (and DDPO) with trl-dance, for any supported pipeline: FLUX, SD3, SD1.x/2.x, SDXL.
+"""DanceGRPO (and DDPO) with trl-dance, for any supported pipeline: FLUX, SD3, SD1.x/2.x, SDXL, Wan (video).
 
     accelerate launch recipes/grpo.py --config recipes/configs/grpo_flux.yaml
 

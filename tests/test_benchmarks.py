@@ -17,6 +17,7 @@ KEYS = {"rollout_s_per_sample", "train_s_per_item", "peak_mem_mb", "overhead_rat
     ("name", "arguments"),
     [
         ("grpo-tiny-flux", ["--rounds", "2", "--batch", "8", "--train-batch", "8"]),
+        ("grpo-tiny-wan", ["--rounds", "1", "--batch", "4", "--train-batch", "4"]),
         ("dpo-tiny-sd", ["--steps", "2", "--batch", "4"]),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -26,9 +27,13 @@ class FluxPolicy(FlowMatchingPolicy):
         super().__init__(pipeline, settings)
 
     def _scheduler_kwargs(self) -> dict:
+        # FluxPipeline sets the unshifted sigmas linspace(1, 1/N, N), not the scheduler's default grid (which ends
+        # at the last training sigma), then shifts them with mu.
+        steps = self.settings.num_inference_steps
+        kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
         config = self.pipeline.scheduler.config
         if not config.get("use_dynamic_shifting", False):
-            return {}
+            return kwargs
         seq_len = (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2)
         mu = calculate_shift(
             seq_len,
@@ -37,7 +42,7 @@ class FluxPolicy(FlowMatchingPolicy):
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        return {"mu": mu}
+        return {**kwargs, "mu": mu}
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

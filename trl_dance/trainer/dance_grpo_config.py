@@ -46,7 +46,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
         sigma_schedule (`str`, defaults to `"dance"`): `"dance"`: σ_k = s·u/(1+(s−1)u) with `shift`; `"pipeline"`:
-            the pipeline scheduler's own sigmas (FLUX's resolution-dependent shift, SD3's static shift).
+            the σ the pipeline itself samples with (FLUX: linspace(1, 1/N) with its resolution-dependent shift; SD3,
+            Wan: its scheduler's static shift).
         shift (`float`, defaults to `3.0`): Shift s of the `"dance"` schedule.
         share_initial_noise (`str`, defaults to `"group"`): `"group"`: the G samples of a prompt start from the same
             noise; `"none"`: every sample has its own.

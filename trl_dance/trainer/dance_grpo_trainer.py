@@ -68,10 +68,13 @@ class DanceGRPOTrainer(DiffusionTrainer):
     DeepSpeed work as in any Trainer.
 
     Args:
-        model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance (FLUX, SD3).
+        model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance (FLUX, SD3, SD1.x/2.x, SDXL,
+            Wan).
         reward_funcs: a reward or a list of rewards, each a callable
             ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``, a registered
             name (``"brightness"``) or ``"module.path:function"``. Extra dataset columns are passed as keyword lists.
+            Video models: see ``video_reward_frames`` in the config (frame-wise scoring, or whole videos for rewards
+            with ``accepts_video = True``).
         args: the configuration.
         train_dataset: a ``datasets.Dataset`` with a ``prompt`` column.
         peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` trains the
@@ -248,7 +251,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
         Returns:
             ``latents`` (B, N+1, ...) float32, ``log_probs`` (B, N−1) float32 of the trainable steps, ``images``
-            (B, 3, H, W) float32 in [0, 1].
+            (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)).
         """
         model = self.model_wrapped if model is None else model
         if cond is None:
@@ -278,7 +281,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
     def generate_images(self, prompts: list[str], seed: int = 0) -> torch.Tensor:
         """One image per prompt from the current policy with the training sampler, reproducible for ``seed``.
 
-        Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1].
+        Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1]
+        (videos: (B, F, 3, H, W)).
         """
         generators = [torch.Generator().manual_seed(_seed(seed, i)) for i in range(len(prompts))]
         return self.sample(prompts, generators, model=self.model)["images"]
@@ -445,7 +449,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
         return {
             "rewards": weights,
             "sampling": f"{args.num_inference_steps} steps, {args.sde_type} SDE, noise level {args.eta}, "
-            f"guidance {args.guidance_scale}, {args.height}×{args.width}",
+            f"guidance {args.guidance_scale}, {args.height}×{args.width}"
+            + (f", {self.policy.settings.num_frames} frames" if self.policy.is_video else ""),
             "GRPO": f"{args.num_generations} generations per prompt, clip {args.epsilon}, KL β {args.beta}, "
             f"{args.timestep_fraction:.0%} of the steps trained, advantages: {args.scale_rewards}",
         }
