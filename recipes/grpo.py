@@ -51,13 +51,15 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
         train_dataset=dataset,
         peft_config=get_peft_config(model_args),
     )
-    sample_prompts = dataset["prompt"][: script_args.num_sample_images]
-    before = trainer.generate_images(sample_prompts) if sample_prompts else None
+    samples = dataset[: script_args.num_sample_images]  # image-to-video: their images too
+    sample_prompts = samples["prompt"]
+    conditions = {name: samples[name] for name in trainer.policy.condition_columns}
+    before = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
 
-    after = trainer.generate_images(sample_prompts) if sample_prompts else None
+    after = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
     if trainer.accelerator.is_main_process:
         output_dir = training_args.output_dir
         rewards = save_reward_curve(

@@ -7,19 +7,24 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from trl_dance.policies import SamplerSettings, make_policy
-from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES
+from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images
 
 PROMPTS = ["a red cat", "a blue dog"]
 STEPS = 6
 
 
 @pytest.mark.parametrize(
-    ("kind", "guidance"), [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 5.0), ("sdxl", 5.0), ("wan", 5.0)]
+    ("kind", "guidance"),
+    [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 5.0), ("sdxl", 5.0), ("wan", 5.0), ("wan-i2v", 5.0)],
 )
 def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
     pipeline = TINY_PIPELINES[kind](0)
-    video = {}
-    if kind == "wan":
+    video, columns, image_input = {}, {}, {}
+    if kind == "wan-i2v":
+        # The pipeline takes one image for all its prompts; the policy one per prompt.
+        (image,) = tiny_condition_images(1)
+        columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}
+    if kind.startswith("wan"):
         # Wan ships a multistep UniPC solver; the policy's deterministic step is Euler's.
         pipeline.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         video = {"num_frames": TINY_VIDEO_FRAMES}
@@ -36,16 +41,16 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
     policy = make_policy(pipeline, settings)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
     with torch.no_grad():
-        cond, latents = policy.encode_prompts(PROMPTS), initial
+        cond, latents = policy.encode_prompts(PROMPTS, **columns), initial
         for i in range(STEPS):
             index = torch.full((len(PROMPTS),), i)
             output = policy.predict(policy.denoiser, latents, index, cond)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
         ours = policy.decode(latents)
 
-        kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3", "wan") else {}
+        kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3", "wan", "wan-i2v") else {}
         result = pipeline(
-            PROMPTS,
+            prompt=PROMPTS,
             height=32,
             width=32,
             num_inference_steps=STEPS,
@@ -53,8 +58,9 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
             latents=initial.clone(),
             output_type="pt",
             **video,
+            **image_input,
             **kwargs,
         )
-    expected = result.frames if kind == "wan" else result.images
+    expected = result.frames if kind.startswith("wan") else result.images
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)

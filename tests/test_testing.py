@@ -2,7 +2,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, main, save_tiny_pipeline
+from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, main, save_tiny_pipeline, tiny_condition_images
 
 
 def _generate(pipeline, kind, seed=0):
@@ -13,10 +13,12 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    if kind in ("flux", "wan"):
+    if kind in ("flux", "wan", "wan-i2v"):
         kwargs["max_sequence_length"] = 16
-    if kind == "wan":
-        return pipeline(["a red cat", "a blue dog"], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames
+    if kind == "wan-i2v":
+        kwargs["image"] = tiny_condition_images(1)[0]
+    if kind.startswith("wan"):
+        return pipeline(prompt=["a red cat", "a blue dog"], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames
     return pipeline(["a red cat", "a blue dog"], **kwargs).images
 
 
@@ -29,7 +31,7 @@ def test_tiny_pipeline_generates_deterministically_and_round_trips(kind, tmp_pat
             assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in component.parameters())
 
     images = _generate(pipeline, kind)
-    assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if kind == "wan" else (2, 3, 32, 32))
+    assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if kind.startswith("wan") else (2, 3, 32, 32))
     assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.std() > 0.01  # not a constant image
     assert not torch.equal(images[0], images[1])

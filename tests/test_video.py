@@ -8,7 +8,7 @@ from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.rewards import score_images
-from trl_dance.testing import TINY_VIDEO_FRAMES
+from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_condition_images
 from trl_dance.video import frame_indices, frame_strip
 from trl_dance.visualization import to_pil
 
@@ -125,3 +125,50 @@ def test_rollout_videos_reach_the_reward_and_the_model_card(tiny_model_dir, tmp_
     trainer.create_model_card()
     card = (tmp_path / "README.md").read_text()
     assert "pipeline_tag: text-to-video" in card and "WanPipeline" in card and f"{TINY_VIDEO_FRAMES} frames" in card
+
+
+def _i2v_dataset():
+    return Dataset.from_dict({"prompt": PROMPTS, "image": tiny_condition_images(len(PROMPTS))})
+
+
+def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_model_dir, tmp_path):
+    """Wan I2V with CFG: on-policy ratio 1; one encoding per (prompt, image); the image changes the prediction."""
+    dataset = _i2v_dataset()
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("wan-i2v"),
+        "brightness",
+        args=tiny_grpo_config(tmp_path, guidance_scale=5.0, **WAN),
+        train_dataset=dataset,
+        peft_config=LoraConfig(
+            r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+        ),
+    )
+    rows = [dict(dataset[i]) for i in (0, 1) for _ in range(4)]
+    rows[4]["image"] = rows[0]["image"]  # the second group's first sample takes the first group's image: a new pair
+    trainer._generate_and_score(rows)
+    cond, index = trainer._rollout["cond"], trainer._rollout["prompt_index"].tolist()
+    assert index == [0, 0, 0, 0, 1, 2, 2, 2] and cond["image_condition"].shape[0] == 3
+    worst = 0.0
+    for plan in trainer._microbatches:
+        inputs = trainer._microbatch(plan)
+        with torch.no_grad():
+            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+            step = trainer.policy.step(
+                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
+            )
+        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
+    assert worst < 1e-5
+
+    latents = trainer.policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
+    images = [dataset[0]["image"], dataset[1]["image"]]
+    with torch.no_grad():
+        two_images = trainer.policy.encode_prompts(["a cat"] * 2, image=images)
+        output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), two_images)
+    assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
+
+
+def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"conditions every sample on the dataset columns \['image'\]"):
+        DanceGRPOTrainer(
+            tiny_model_dir("wan-i2v"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
+        )

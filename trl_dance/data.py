@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from datasets import Dataset, load_dataset, load_from_disk
+from datasets import Dataset, Image, Value, load_dataset, load_from_disk
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -37,6 +37,9 @@ def load_prompt_dataset(
         dataset_name: a Hub dataset id or local dataset folder (``datasets.load_dataset``), if no file is given.
         dataset_config, split: passed to ``load_dataset``.
         prompt_column: the column holding the prompts; renamed to ``prompt``.
+
+    An ``image`` column (the conditioning image of image-to-video models) holding file paths or URLs is cast to
+    ``datasets.Image``, so rows carry PIL images.
     """
     if (prompts_file is None) == (dataset_name is None):
         raise ValueError("give exactly one of prompts_file or dataset_name")
@@ -50,4 +53,6 @@ def load_prompt_dataset(
         raise ValueError(f"no column {prompt_column!r} in the prompts dataset; columns: {dataset.column_names}")
     if prompt_column != "prompt":
         dataset = dataset.rename_column(prompt_column, "prompt")
+    if "image" in dataset.column_names and dataset.features["image"] == Value("string"):
+        dataset = dataset.cast_column("image", Image())
     return dataset

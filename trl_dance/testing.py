@@ -31,14 +31,18 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
     UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -299,42 +303,82 @@ def wan_scheduler() -> UniPCMultistepScheduler:
 TINY_VIDEO_FRAMES = 5
 
 
-def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
-    """A WanPipeline (3D transformer, UMT5 text encoder, causal 3D VAE downsampling frames and pixels by 2): videos
-    of ``TINY_VIDEO_FRAMES`` (or any 1 + 2k) frames of 32×32."""
-
-    def factory():
-        tokenizer = _t5_tokenizer()
-        return WanPipeline(
-            tokenizer=tokenizer,
-            text_encoder=_t5_encoder(tokenizer, d_model=32, umt5=True),
-            vae=AutoencoderKLWan(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1, 2],
-                num_res_blocks=1,
-                temperal_downsample=[True],
-                latents_mean=[0.1, -0.1, 0.05, -0.05],
-                latents_std=[1.2, 0.8, 1.0, 1.1],
-                scale_factor_temporal=2,
-                scale_factor_spatial=2,
-            ),
-            transformer=WanTransformer3DModel(
-                patch_size=(1, 2, 2),
+def _wan_components(image_to_video: bool = False) -> dict:
+    """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
+    image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
+    tiny CLIP vision encoder's features."""
+    tokenizer = _t5_tokenizer()
+    latent_channels, temporal = 4, 2
+    components = {
+        "tokenizer": tokenizer,
+        "text_encoder": _t5_encoder(tokenizer, d_model=32, umt5=True),
+        "vae": AutoencoderKLWan(
+            base_dim=8,
+            z_dim=latent_channels,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True],
+            latents_mean=[0.1, -0.1, 0.05, -0.05],
+            latents_std=[1.2, 0.8, 1.0, 1.1],
+            scale_factor_temporal=temporal,
+            scale_factor_spatial=2,
+        ),
+        "transformer": WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=2 * latent_channels + temporal if image_to_video else latent_channels,
+            out_channels=latent_channels,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+            image_dim=_CLIP_DIM if image_to_video else None,
+            added_kv_proj_dim=24 if image_to_video else None,  # the attention width, 2 heads of 12
+        ),
+        "scheduler": wan_scheduler(),
+    }
+    if image_to_video:
+        components["image_encoder"] = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=_CLIP_DIM,
+                intermediate_size=64,
+                num_hidden_layers=2,
                 num_attention_heads=2,
-                attention_head_dim=12,
-                in_channels=4,
-                out_channels=4,
-                text_dim=32,
-                freq_dim=32,
-                ffn_dim=32,
-                num_layers=2,
-                rope_max_seq_len=32,
-            ),
-            scheduler=wan_scheduler(),
+                image_size=TINY_RESOLUTION,
+                patch_size=8,
+                projection_dim=_CLIP_DIM,
+                attention_dropout=0.0,
+                dropout=0.0,
+            )
         )
+        components["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": TINY_RESOLUTION}, crop_size={"height": TINY_RESOLUTION, "width": TINY_RESOLUTION}
+        )
+    return components
 
-    return _build(factory, seed)
+
+def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
+    """A WanPipeline (3D transformer, UMT5 text encoder, causal 3D VAE): videos of ``TINY_VIDEO_FRAMES`` (or any
+    1 + 2k) frames of 32×32."""
+    return _build(lambda: WanPipeline(**_wan_components()), seed)
+
+
+def tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
+    """A WanImageToVideoPipeline (Wan 2.1 I2V layout: image latents and frame mask as extra input channels, CLIP
+    vision features in an image cross-attention): videos of 32×32 that start from a given image."""
+    return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True)), seed)
+
+
+def tiny_condition_images(count: int, seed: int = 0) -> list:
+    """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
+    from .visualization import to_pil
+
+    generator = torch.Generator().manual_seed(seed)
+    corners = torch.rand(count, 3, 2, 2, generator=generator)
+    images = torch.nn.functional.interpolate(corners, size=(TINY_RESOLUTION, TINY_RESOLUTION), mode="bilinear")
+    return to_pil(images)
 
 
 _IMAGE_KINDS = ("flux", "sd3", "sd", "sdxl")
@@ -344,11 +388,12 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd": tiny_sd_pipeline,
     "sdxl": tiny_sdxl_pipeline,
     "wan": tiny_wan_pipeline,
+    "wan-i2v": tiny_wan_i2v_pipeline,
 }
 
 
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
-    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan) and ``save_pretrained`` it to ``directory``."""
+    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v) and ``save_pretrained`` it to ``directory``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
     TINY_PIPELINES[kind](seed).save_pretrained(directory)

@@ -8,6 +8,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
 )
 
@@ -16,7 +17,7 @@ from .flow_matching import FlowMatchingPolicy
 from .flux import FluxPolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
-from .wan import WanPolicy
+from .wan import WanImageToVideoPolicy, WanPolicy
 
 _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
     FluxPipeline: FluxPolicy,
@@ -24,6 +25,7 @@ _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
     StableDiffusionXLPipeline: StableDiffusionXLPolicy,
     StableDiffusionPipeline: StableDiffusionPolicy,
     WanPipeline: WanPolicy,
+    WanImageToVideoPipeline: WanImageToVideoPolicy,
 }
 
 
@@ -45,6 +47,7 @@ __all__ = [
     "SamplerSettings",
     "StableDiffusionPolicy",
     "StableDiffusionXLPolicy",
+    "WanImageToVideoPolicy",
     "WanPolicy",
     "make_policy",
 ]

@@ -54,6 +54,9 @@ class DiffusionPolicy(ABC):
     is_video: bool = False
     """True for video families: :meth:`decode` returns (B, F, 3, H, W) and ``settings.num_frames`` applies."""
 
+    condition_columns: tuple[str, ...] = ()
+    """Dataset columns the policy conditions on besides the prompt (image-to-video: ``("image",)``)."""
+
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         self.pipeline = pipeline
         self.settings = settings
@@ -114,10 +117,20 @@ class DiffusionPolicy(ABC):
     def device(self) -> torch.device:
         return next(self.denoiser.parameters()).device
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Text conditioning of each prompt (computed without gradients), first dimension ``len(prompts)``."""
+    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+        """Conditioning of each prompt (computed without gradients), first dimension ``len(prompts)``: its text
+        embeddings and, for policies with :attr:`condition_columns`, what they encode from those columns' values
+        (one per prompt)."""
+        missing = [name for name in self.condition_columns if name not in columns]
+        if missing:
+            raise ValueError(f"{type(self).__name__} conditions on the dataset columns {missing}; none were given")
         with self._text_encoders_on_device():
-            return self._encode(prompts)
+            cond = self._encode(prompts)
+        return {**cond, **self._encode_columns(**{name: columns[name] for name in self.condition_columns})}
+
+    def _encode_columns(self, **columns: list) -> Conditioning:
+        """Conditioning from :attr:`condition_columns` (none by default); shared by both CFG branches."""
+        return {}
 
     @abstractmethod
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
+from PIL import Image
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
@@ -47,6 +49,13 @@ def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
         log_prob_reduction=args.log_prob_reduction,
         num_frames=args.num_frames,
     )
+
+
+def _fingerprint(value: Any) -> Any:
+    """A hashable identity of a conditioning value: the content of a PIL image, else the value itself."""
+    if isinstance(value, Image.Image):
+        return value.mode, value.size, hashlib.sha1(value.tobytes()).hexdigest()
+    return value
 
 
 def _seed(*parts: int) -> int:
@@ -113,6 +122,12 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
         policy = make_policy(load_pipeline(model, args), sampler_settings(args))
         policy.check_schedule()
+        missing = [name for name in policy.condition_columns if name not in train_dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
+                f"PIL images for image-to-video); train_dataset has {train_dataset.column_names}"
+            )
         super().__init__(
             policy,
             args,
@@ -238,11 +253,14 @@ class DanceGRPOTrainer(DiffusionTrainer):
         model: torch.nn.Module | None = None,
         cond: dict[str, torch.Tensor] | None = None,
         initial_noise: torch.Tensor | None = None,
+        columns: dict[str, list] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Denoise one batch with the SDE sampler.
 
         Args:
             prompts: B prompts (ignored when ``cond`` is given).
+            columns: the B values of each of the policy's ``condition_columns`` (image-to-video: ``image``), used
+                with ``prompts`` when ``cond`` is not given.
             generators: B CPU generators; sample ``b`` draws its initial noise (unless ``initial_noise`` is given) and
                 then the noise of all its steps from ``generators[b]``, so it does not depend on the batch it is in.
             model: the denoiser to call (default: the Trainer's wrapped model).
@@ -255,7 +273,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         """
         model = self.model_wrapped if model is None else model
         if cond is None:
-            cond = self.policy.encode_prompts(prompts)
+            cond = self.policy.encode_prompts(prompts, **(columns or {}))
         num_steps = self.policy.num_steps
         with self.compute_loss_context_manager():
             latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
@@ -278,14 +296,15 @@ class DanceGRPOTrainer(DiffusionTrainer):
             images = self.policy.decode(latents)
         return {"latents": torch.stack(trajectory, 1), "log_probs": torch.stack(log_probs, 1), "images": images}
 
-    def generate_images(self, prompts: list[str], seed: int = 0) -> torch.Tensor:
-        """One image per prompt from the current policy with the training sampler, reproducible for ``seed``.
+    def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
+        """One image per prompt from the current policy with the training sampler, reproducible for ``seed``;
+        ``columns`` gives one value per prompt of each of the policy's ``condition_columns`` (``image=[...]``).
 
         Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1]
         (videos: (B, F, 3, H, W)).
         """
         generators = [torch.Generator().manual_seed(_seed(seed, i)) for i in range(len(prompts))]
-        return self.sample(prompts, generators, model=self.model)["images"]
+        return self.sample(prompts, generators, model=self.model, columns=columns)["images"]
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
@@ -293,10 +312,15 @@ class DanceGRPOTrainer(DiffusionTrainer):
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         batch = len(prompts)
 
-        # Encode each distinct prompt once, not once per generation.
-        unique = list(dict.fromkeys(prompts))
-        prompt_index = torch.tensor([unique.index(p) for p in prompts], device=device)
-        cond_table = self.policy.encode_prompts(unique)
+        # Encode each distinct prompt (with its conditioning image, if any) once, not once per generation.
+        conditions = self.policy.condition_columns
+        keys = [(row["prompt"], *(_fingerprint(row[name]) for name in conditions)) for row in rows]
+        unique = list(dict.fromkeys(keys))
+        prompt_index = torch.tensor([unique.index(key) for key in keys], device=device)
+        firsts = [rows[keys.index(key)] for key in unique]
+        cond_table = self.policy.encode_prompts(
+            [row["prompt"] for row in firsts], **{name: [row[name] for row in firsts] for name in conditions}
+        )
 
         first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
         generators = self._sample_generators(batch, first_index)
