@@ -77,6 +77,35 @@ def test_shipped_configs_are_valid(name, tmp_path):
     assert config_class is DiffusionDPOConfig or config.steps_per_generation >= 1
 
 
+def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):
+    """Image-to-video from a prompts.jsonl whose image column holds file paths, as real runs give it."""
+    from trl_dance.testing import main as testing_main
+
+    testing_main(["wan-i2v", str(tmp_path / "tiny-wan-i2v"), "--image-prompts", str(tmp_path / "i2v")])
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "grpo_wan.py"),
+        "--config",
+        os.path.join(ROOT, "recipes", "configs", "grpo_wan_i2v_tiny.yaml"),
+        "--model_name_or_path",
+        str(tmp_path / "tiny-wan-i2v"),
+        "--prompts_file",
+        str(tmp_path / "i2v" / "prompts.jsonl"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "2",
+        "--num_sample_images",
+        "2",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward: first step" in result.stdout
+    assert Image.open(tmp_path / "out" / "samples.png").size == (2 * 4 * 128, 2 * 128)
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
+
+
 def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     from trl_dance.testing import main as testing_main
 

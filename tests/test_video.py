@@ -165,6 +165,8 @@ def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_
         two_images = trainer.policy.encode_prompts(["a cat"] * 2, image=images)
         output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), two_images)
     assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
+    trainer.create_model_card()
+    assert "pipeline_tag: image-to-video" in (tmp_path / "README.md").read_text()
 
 
 def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
@@ -172,3 +174,32 @@ def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
         DanceGRPOTrainer(
             tiny_model_dir("wan-i2v"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
         )
+
+
+# Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts, sample std 0.011):
+# -1.336 -> -1.235 kB; brightness in the same setting 0.526 -> 0.535 (sample std 0.001).
+def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path):
+    """Learning on image-to-video: GRPO with CFG raises the frame-averaged JPEG compressibility of videos that
+    start from the dataset's images."""
+    args = tiny_grpo_config(
+        tmp_path,
+        generation_batch_size=32,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=10,
+        max_steps=30,
+        guidance_scale=5.0,
+        learning_rate=1.5e-2,
+        lr_scheduler_type="constant",
+        seed=42,
+        **WAN,
+    )
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_out"])
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("wan-i2v"), "jpeg_compressibility", args=args, train_dataset=_i2v_dataset(), peft_config=lora
+    )
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    initial_std = trainer.state.log_history[0]["reward_std"]
+    print(f"wan-i2v: jpeg compressibility {first:.4f} -> {last:.4f} (sample std {initial_std:.4f}); {rewards}")
+    assert last - first > 0.05 and last - first > 2 * initial_std

@@ -5,6 +5,7 @@ with tokenizers built in memory. Saved with ``save_pretrained`` they load back t
 ``<Pipeline>.from_pretrained(path)``, the path users take with Hub ids::
 
     python -m trl_dance.testing flux ./tiny-flux        # writes a FluxPipeline folder
+    python -m trl_dance.testing wan-i2v ./tiny-wan-i2v --image-prompts ./i2v-prompts   # + prompts with images
 
 Images are 32×32 and Wan videos 5 frames of 32×32 (the VAEs downsample by 2); one 8-step generation takes a fraction
 of a second on one core.
@@ -13,6 +14,8 @@ of a second on one core.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import string
 from collections.abc import Callable
 
@@ -431,6 +434,23 @@ def tiny_preference_dataset(kind: str, count: int = 32, offset: float = 0.2, see
     )
 
 
+def save_image_prompts(directory: str, seed: int = 0) -> str:
+    """Write ``directory/prompts.jsonl``, one ``{"prompt", "image"}`` row per prompt with the path of a PNG from
+    :func:`tiny_condition_images`: the layout users give image-to-video GRPO (``prompts_file``). Returns its path."""
+    os.makedirs(os.path.join(directory, "images"), exist_ok=True)
+    rows = []
+    for i, (prompt, image) in enumerate(
+        zip(_PREFERENCE_PROMPTS, tiny_condition_images(len(_PREFERENCE_PROMPTS), seed))
+    ):
+        path = os.path.join(directory, "images", f"{i}.png")
+        image.save(path)
+        rows.append({"prompt": prompt, "image": path})
+    path = os.path.join(directory, "prompts.jsonl")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
 _PREFERENCE_PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
 
@@ -442,11 +462,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--preferences", metavar="DIR", help="also save synthetic preference pairs (save_to_disk) for Diffusion-DPO"
     )
+    parser.add_argument(
+        "--image-prompts",
+        metavar="DIR",
+        help="also write DIR/prompts.jsonl (prompt, image path) and its PNGs, for image-to-video GRPO",
+    )
     args = parser.parse_args(argv)
     print(save_tiny_pipeline(args.kind, args.directory, args.seed))
     if args.preferences:
         tiny_preference_dataset(args.kind, seed=args.seed).save_to_disk(args.preferences)
         print(args.preferences)
+    if args.image_prompts:
+        print(save_image_prompts(args.image_prompts, seed=args.seed))
 
 
 if __name__ == "__main__":
