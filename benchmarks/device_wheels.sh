@@ -10,10 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # What that image lacks or has too old; it has accelerate 1.15, huggingface_hub 1.33, safetensors, tokenizers,
 # pyarrow, fsspec, xxhash, pandas.
-# A call carries at most 64 MiB: these are about 20.
+# A call carries at most 64 MiB: these are about 23 (ftfy: diffusers' Wan image-to-video pipeline needs it).
 wheels=(
     trl==1.16.0 diffusers==0.42.1 transformers==5.23.0 datasets==5.2.0 peft==0.21.2
-    dill==0.4.1 multiprocess==0.70.19
+    dill==0.4.1 multiprocess==0.70.19 ftfy==6.3.1 wcwidth==0.9.4
 )
 platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, family_overrides, tiny_grpo_config
 from datasets import Dataset
 from peft import LoraConfig
 from torch.overrides import TorchFunctionMode
@@ -63,12 +63,12 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS)
 
 
-@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sdxl", 4.0)])
+@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sdxl", 4.0), ("wan", 5.0)])
 def test_grpo_denoising_loop_and_micro_step_never_read_the_device(tiny_model_dir, tmp_path, kind, guidance):
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",
-        args=tiny_grpo_config(tmp_path, guidance_scale=guidance),
+        args=tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=_lora(),
     )
