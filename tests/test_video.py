@@ -7,7 +7,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
-from trl_dance.rewards import score_images
+from trl_dance.rewards import get_reward_function, score_images, temporal_consistency
 from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_condition_images
 from trl_dance.video import frame_indices, frame_strip
 from trl_dance.visualization import to_pil
@@ -43,6 +43,20 @@ def test_image_rewards_score_evenly_spaced_frames_and_average():
         score_images([lambda prompts, images: [0.0, 1.0]], ["a", "b"], videos, {}, video_frames=3)
 
 
+def test_temporal_consistency_is_one_minus_the_mean_8bit_frame_change():
+    still = torch.full((1, 4, 3, 8, 8), 100 / 255)
+    flicker = still.clone()
+    flicker[0, 1::2] = 151 / 255  # every other frame 51 levels brighter: every change is 51
+    videos = torch.cat([still, flicker])
+    assert get_reward_function("temporal_consistency") is temporal_consistency
+    assert temporal_consistency(["a", "b"], videos) == pytest.approx([1.0, 1 - 51 / 255])
+    # Whole videos reach it through score_images; an image batch is refused.
+    scores = score_images([temporal_consistency], ["a", "b"], videos, {}, video_frames=2)
+    torch.testing.assert_close(scores[:, 0], torch.tensor([1.0, 1 - 51 / 255]))
+    with pytest.raises(ValueError, match="scores videos"):
+        temporal_consistency(["a"], torch.rand(1, 3, 8, 8))
+
+
 def test_frame_helpers():
     assert frame_indices(81, 8).tolist() == [0, 11, 23, 34, 46, 57, 69, 80]
     assert frame_indices(5, None).tolist() == frame_indices(5, 9).tolist() == [0, 1, 2, 3, 4]
@@ -57,12 +71,12 @@ def test_frame_helpers():
     assert [p.size for p in to_pil(videos, size=16)] == [(4 * 6 * 16 // 8, 16)] * 2
 
 
-# Measured (seed 42, constant lr 1.5e-2, mean of the first 3 -> last 3 of 30 rollouts, sample std 0.008-0.009):
-# CFG 5: -1.348 -> -1.199 kB; without CFG: -1.347 -> -1.162 (rising almost every round). At lr 3e-2 with CFG the
-# reward rose for 5 rounds and fell back. The random Wan VAE's RMS norms leave the mean brightness of its videos
-# nearly fixed (0.529 -> 0.534 at best), so brightness is not the learning signal here.
-def test_jpeg_compressibility_of_videos_rises(tiny_model_dir, tmp_path):
-    """Learning on video: GRPO with CFG on the tiny Wan raises the frame-averaged JPEG compressibility."""
+# Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts): temporal consistency
+# 0.8889 -> 0.9011 (sample std 0.0016), rising every round; frame-averaged JPEG compressibility -1.348 -> -1.199 kB
+# (std 0.009; without CFG -1.347 -> -1.162). At lr 3e-2 with CFG compressibility rose for 5 rounds and fell back.
+# The random Wan VAE's RMS norms leave the mean brightness of its videos nearly fixed (0.529 -> 0.534 at best).
+def test_temporal_consistency_of_videos_rises(tiny_model_dir, tmp_path):
+    """Learning on video: GRPO with CFG on the tiny Wan raises a whole-video reward (``accepts_video``)."""
     args = tiny_grpo_config(
         tmp_path,
         generation_batch_size=32,
@@ -77,14 +91,14 @@ def test_jpeg_compressibility_of_videos_rises(tiny_model_dir, tmp_path):
     )
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_out"])
     trainer = DanceGRPOTrainer(
-        tiny_model_dir("wan"), "jpeg_compressibility", args=args, train_dataset=_dataset(), peft_config=lora
+        tiny_model_dir("wan"), "temporal_consistency", args=args, train_dataset=_dataset(), peft_config=lora
     )
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     initial_std = trainer.state.log_history[0]["reward_std"]
-    print(f"wan: jpeg compressibility {first:.4f} -> {last:.4f} (sample std {initial_std:.4f}); {rewards}")
-    assert last - first > 0.07 and last - first > 2 * initial_std
+    print(f"wan: temporal consistency {first:.4f} -> {last:.4f} (sample std {initial_std:.4f}); {rewards}")
+    assert last - first > 0.006 and last - first > 2 * initial_std
 
 
 def test_video_configuration_errors(tiny_model_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""Reward functions: ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``."""
+"""Reward functions: ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``
+(videos: see :func:`score_images`)."""
 
 from .aesthetic import AestheticReward
 from .base import RewardFunc, get_reward_function, registered_rewards, reward_name, score_images
@@ -6,7 +7,7 @@ from .clip import CLIPScore, PickScore
 from .hps import HPSv2Reward
 from .image_reward import ImageReward
 from .model_reward import RewardModel
-from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility
+from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
 
 __all__ = [
     "AestheticReward",
@@ -23,4 +24,5 @@ __all__ = [
     "registered_rewards",
     "reward_name",
     "score_images",
+    "temporal_consistency",
 ]

@@ -26,6 +26,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "brightness": pixel.brightness,
         "jpeg_compressibility": pixel.jpeg_compressibility,
         "jpeg_incompressibility": pixel.jpeg_incompressibility,
+        "temporal_consistency": pixel.temporal_consistency,
         "hpsv2": hps.HPSv2Reward,
         "image_reward": image_reward.ImageReward,
         "pickscore": clip.PickScore,

@@ -1,4 +1,5 @@
-"""Rewards computed from pixels alone: brightness (the demo's reward) and DDPO's JPEG (in)compressibility."""
+"""Rewards computed from pixels alone: brightness (the demo's reward), DDPO's JPEG (in)compressibility, and the
+temporal consistency of videos."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def jpeg_compressibility(prompts: list[str], images: torch.Tensor, **_) -> list[
 def jpeg_incompressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     """DDPO's incompressibility: the size in kB of the 8-bit image saved as JPEG at quality 95."""
     return _jpeg_kb(images)
+
+
+def temporal_consistency(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """Videos (B, F, 3, H, W) in [0, 1], F >= 2: 1 − the mean absolute change of an 8-bit pixel between consecutive
+    frames, over 255 (VBench's temporal-flickering score); 1 for a still video. Alone it favours static videos:
+    weight it beside a content reward."""
+    if images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 2:
+        raise ValueError(f"temporal_consistency scores videos (B, F >= 2, 3, H, W), got {tuple(images.shape)}")
+    frames = (images.detach().float().clamp(0, 1) * 255).round()
+    return (1 - (frames[:, 1:] - frames[:, :-1]).abs().mean(dim=(1, 2, 3, 4)) / 255).tolist()
+
+
+temporal_consistency.accepts_video = True
