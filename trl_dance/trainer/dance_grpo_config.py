@@ -20,8 +20,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     range 1e-4, 60% of the first N−1 steps trained, guidance embedding 3.5, 720×720, no KL). Field names follow
     [`trl.GRPOConfig`] where the meaning is the same.
 
-    Units. One *sample* is one generated image (a trajectory of N steps). One *transition* is one of its denoising
-    steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)`` transitions.
+    Units. One *sample* is one generated image or video (a trajectory of N steps). One *transition* is one of its
+    denoising steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)`` transitions.
     ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
     ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
     generation_batch_size / num_processes · K / per_device_train_batch_size`` micro-batches, each consumed by one
