@@ -11,6 +11,21 @@ from trl_dance import DanceGRPOConfig, DiffusionDPOConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.CompletedProcess:
+    """``python recipes/<script>.py --config recipes/configs/<config>.yaml <arguments>`` offline; must succeed."""
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", f"{script}.py"),
+        "--config",
+        os.path.join(ROOT, "recipes", "configs", f"{config}.yaml"),
+        *arguments,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.parametrize(
     ("script", "config", "kind"),
     [
@@ -24,23 +39,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
     """The README's main job, shortened: the real script, the shipped YAML, command-line overrides."""
     output_dir = tmp_path / "out"
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "recipes", f"{script}.py"),
-        "--config",
-        os.path.join(ROOT, "recipes", "configs", f"{config}.yaml"),
-        "--model_name_or_path",
-        tiny_model_dir(kind),
-        "--output_dir",
-        str(output_dir),
-        "--max_steps",
-        "3",
-        "--num_sample_images",
-        "2",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_recipe(
+        script,
+        config,
+        "--model_name_or_path", tiny_model_dir(kind), "--output_dir", str(output_dir), "--max_steps", "3",
+        "--num_sample_images", "2",
+    )  # fmt: skip
     assert "reward: first step" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
@@ -82,25 +86,13 @@ def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):
     from trl_dance.testing import main as testing_main
 
     testing_main(["wan-i2v", str(tmp_path / "tiny-wan-i2v"), "--image-prompts", str(tmp_path / "i2v")])
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "recipes", "grpo_wan.py"),
-        "--config",
-        os.path.join(ROOT, "recipes", "configs", "grpo_wan_i2v_tiny.yaml"),
-        "--model_name_or_path",
-        str(tmp_path / "tiny-wan-i2v"),
-        "--prompts_file",
-        str(tmp_path / "i2v" / "prompts.jsonl"),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--max_steps",
-        "2",
-        "--num_sample_images",
-        "2",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_recipe(
+        "grpo_wan",
+        "grpo_wan_i2v_tiny",
+        "--model_name_or_path", str(tmp_path / "tiny-wan-i2v"),
+        "--prompts_file", str(tmp_path / "i2v" / "prompts.jsonl"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--num_sample_images", "2",
+    )  # fmt: skip
     assert "reward: first step" in result.stdout
     assert Image.open(tmp_path / "out" / "samples.png").size == (2 * 4 * 128, 2 * 128)
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
@@ -110,23 +102,12 @@ def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     from trl_dance.testing import main as testing_main
 
     testing_main(["sd", str(tmp_path / "tiny-sd"), "--preferences", str(tmp_path / "prefs")])
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "recipes", "dpo_sd.py"),
-        "--config",
-        os.path.join(ROOT, "recipes", "configs", "dpo_sd_tiny.yaml"),
-        "--model_name_or_path",
-        str(tmp_path / "tiny-sd"),
-        "--dataset_name",
-        str(tmp_path / "prefs"),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--max_steps",
-        "2",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_recipe(
+        "dpo_sd",
+        "dpo_sd_tiny",
+        "--model_name_or_path", str(tmp_path / "tiny-sd"), "--dataset_name", str(tmp_path / "prefs"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+    )  # fmt: skip
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 
