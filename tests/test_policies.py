@@ -14,10 +14,22 @@ STEPS = 6
 
 
 @pytest.mark.parametrize(
-    ("kind", "guidance"),
-    [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 5.0), ("sdxl", 5.0), ("wan", 5.0), ("wan-i2v", 5.0)],
+    ("kind", "guidance", "negative_prompt"),
+    [
+        ("flux", 3.5, None),
+        ("sd3", 1.0, None),
+        ("sd3", 4.0, None),
+        ("sd3", 4.0, "blurry, dark"),
+        ("sd", 5.0, None),
+        ("sd", 5.0, "blurry, dark"),
+        ("sdxl", 5.0, None),  # the pipeline's zeros for the empty negative prompt
+        ("sdxl", 5.0, "blurry, dark"),
+        ("wan", 5.0, None),
+        ("wan", 5.0, "blurry, dark"),
+        ("wan-i2v", 5.0, None),
+    ],
 )
-def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
+def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt):
     pipeline = TINY_PIPELINES[kind](0)
     video, columns, image_input = {}, {}, {}
     if kind == "wan-i2v":
@@ -36,6 +48,7 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
         noise_level=0.0,
         sigma_schedule="pipeline",
         max_sequence_length=16,
+        negative_prompt=negative_prompt,
         **video,
     )
     policy = make_policy(pipeline, settings)
@@ -56,6 +69,7 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
             num_inference_steps=STEPS,
             guidance_scale=guidance,
             latents=initial.clone(),
+            negative_prompt=None if negative_prompt is None else [negative_prompt] * len(PROMPTS),
             output_type="pt",
             **video,
             **image_input,
@@ -64,3 +78,10 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance):
     expected = result.frames if kind.startswith("wan") else result.images
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sd3", 1.0)])
+def test_a_negative_prompt_without_cfg_is_refused(kind, guidance):
+    settings = SamplerSettings(height=32, width=32, guidance_scale=guidance, negative_prompt="blurry")
+    with pytest.raises(ValueError, match="negative_prompt feeds the unconditional branch of CFG"):
+        make_policy(TINY_PIPELINES[kind](0), settings)

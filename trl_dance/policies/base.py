@@ -36,6 +36,7 @@ class SamplerSettings:
     max_sequence_length: int = 512
     log_prob_reduction: Reduction = "mean"
     num_frames: int | None = None
+    negative_prompt: str | None = None
 
 
 class DiffusionPolicy(ABC):
@@ -64,6 +65,11 @@ class DiffusionPolicy(ABC):
         self.offload_text_encoders = False  # set by the trainer from its config
         if settings.num_frames is not None and not self.is_video:
             raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
+        if settings.negative_prompt is not None and not self.use_cfg:
+            raise ValueError(
+                f"negative_prompt feeds the unconditional branch of CFG, which {type(pipeline).__name__} with "
+                f"guidance_scale {settings.guidance_scale} does not use"
+            )
         vae_scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
         for name, size in (("height", settings.height), ("width", settings.width)):
             if size % (2 * vae_scale):
@@ -194,11 +200,14 @@ class DiffusionPolicy(ABC):
         """One call of the denoiser on a batch (no CFG combination)."""
 
     def negative_conditioning(self) -> Conditioning:
-        """Unconditional (empty-prompt) conditioning, first dimension 1. Needed by families that use CFG."""
+        """Conditioning of CFG's unconditional branch, first dimension 1: the pipeline's own (the empty prompt; zeros
+        for SDXL base), or ``settings.negative_prompt``, which pipelines encode like any prompt."""
         if not self.supports_cfg:
             raise NotImplementedError(f"{type(self).__name__} does not use classifier-free guidance")
         with self._text_encoders_on_device():
-            return self._encode([""], negative=True)
+            if self.settings.negative_prompt is None:
+                return self._encode([""], negative=True)
+            return self._encode([self.settings.negative_prompt])
 
     def _negative_cond(self, batch: int) -> Conditioning:
         # Encoded once, then expanded to the batch (no copy).

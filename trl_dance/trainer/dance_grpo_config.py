@@ -42,6 +42,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         guidance_scale (`float`, defaults to `3.5`): FLUX: the guidance embedding (no CFG). SD3: CFG scale, the
             loss then goes through the CFG-combined prediction (1 disables CFG).
         max_sequence_length (`int`, defaults to `512`): T5 tokens of the prompt.
+        negative_prompt (`str` or `None`, defaults to `None`): The prompt of CFG's unconditional branch (with CFG
+            only). `None`: the pipeline's own unconditional embedding (the empty prompt; zeros for SDXL base).
         sde_type (`str`, defaults to `"dance"`): Stochastic step: `"dance"` (constant diffusion η),
             `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
@@ -136,6 +138,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     )
     guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding; SD3 CFG scale."})
     max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
+    negative_prompt: str | None = field(
+        default=None, metadata={"help": "Prompt of the CFG unconditional branch (default: the pipeline's own)."}
+    )
     sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
     eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
     sigma_schedule: str = field(

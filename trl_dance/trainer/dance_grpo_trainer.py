@@ -48,6 +48,7 @@ def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
         max_sequence_length=args.max_sequence_length,
         log_prob_reduction=args.log_prob_reduction,
         num_frames=args.num_frames,
+        negative_prompt=args.negative_prompt,
     )
 
 
