@@ -396,7 +396,8 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
 
 
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
-    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v) and ``save_pretrained`` it to ``directory``."""
+    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v) and ``save_pretrained`` it to
+    ``directory``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
     TINY_PIPELINES[kind](seed).save_pretrained(directory)

@@ -1,4 +1,5 @@
-"""Wan text-to-video and image-to-video (rectified flow, UMT5 text encoder, causal 3D VAE), CFG in sampling and loss."""
+"""Wan text-to-video and image-to-video (rectified flow, UMT5 text encoder, causal 3D VAE), CFG in sampling and
+loss."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     [`trl.GRPOConfig`] where the meaning is the same.
 
     Units. One *sample* is one generated image or video (a trajectory of N steps). One *transition* is one of its
-    denoising steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)`` transitions.
-    ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
+    denoising steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)``
+    transitions. ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
     ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
     generation_batch_size / num_processes · K / per_device_train_batch_size`` micro-batches, each consumed by one
     ``training_step``, and ``steps_per_generation · num_iterations / gradient_accumulation_steps`` optimizer updates.

@@ -42,8 +42,9 @@ def log_rollout_media(
     rewards: torch.Tensor,
     all_rewards: torch.Tensor,
 ) -> list[str]:
-    """Log ``images`` (K, 3, H, W) in [0, 1] (videos (K, F, 3, H, W) as frame strips) captioned with their prompts and rewards (K,), and the histogram of
-    ``all_rewards`` (the round's rewards over all processes), at optimizer step ``step``.
+    """Log ``images`` (K, 3, H, W) in [0, 1] (videos (K, F, 3, H, W) as frame strips) captioned with their prompts
+    and rewards (K,), and the histogram of ``all_rewards`` (the round's rewards over all processes), at optimizer
+    step ``step``.
 
     Returns:
         the names of the trackers written to.
