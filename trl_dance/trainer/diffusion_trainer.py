@@ -15,6 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from transformers import set_seed
 
@@ -110,6 +111,7 @@ class DiffusionTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
+        self._toggle_cache: tuple = (None, None)
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -205,12 +207,24 @@ class DiffusionTrainer(_BaseTrainer):
         with torch.no_grad():
             if self.ref_model is not None:
                 return self.policy.predict_at(self.ref_model, latents, timestep, cond)
-            unwrapped = self.accelerator.unwrap_model(model)
-            unwrapped.disable_adapters()
+            unwrapped, lora_layers = self._reference_toggle(model)
+            for layer in lora_layers:
+                layer.enable_adapters(False)
             try:
                 return self.policy.predict_at(unwrapped, latents, timestep, cond)
             finally:
-                unwrapped.enable_adapters()
+                for layer in lora_layers:
+                    layer.enable_adapters(True)
+
+    def _reference_toggle(self, model) -> tuple[torch.nn.Module, list[BaseTunerLayer]]:
+        """``model`` unwrapped (a compiled module stays compiled) and its LoRA layers, found once per model: diffusers'
+        ``disable_adapters`` walks every module and accelerate's ``unwrap_model`` looks DeepSpeed up among the
+        installed packages, on every call (2.0 ms per step on the tiny SD3, against 0.2 ms over cached layers)."""
+        if self._toggle_cache[0] is not model:
+            unwrapped = self.accelerator.unwrap_model(model)
+            layers = [module for module in unwrapped.modules() if isinstance(module, BaseTunerLayer)]
+            self._toggle_cache = (model, (unwrapped, layers))
+        return self._toggle_cache[1]
 
     # Metrics: averaged over the micro-steps since the last log, then handed to the Trainer's log. They stay on the
     # device until then: reading one per micro-step would cost a host-device sync each time.
