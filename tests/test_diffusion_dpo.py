@@ -196,6 +196,22 @@ def test_pair_transform_is_joint():
     assert load_image(None) is None and load_image({"bytes": None, "path": None}) is None
 
 
+def test_dataloader_workers_draw_their_own_crops():
+    """Each worker holds a copy of the collator: without its own stream, worker 1 would repeat worker 0's crops, and
+    every epoch would repeat the last."""
+    collator = PreferenceCollator(resolution=16, random_crop=True, random_flip=True, seed=3)
+    image = Image.new("RGB", (48, 40))
+    rows = [{"prompt": "p", "chosen": image, "rejected": image} for _ in range(16)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=8, num_workers=2, collate_fn=collator)
+
+    def crops():  # batch 0 comes from worker 0, batch 1 from worker 1
+        return [tuple(map(tuple, batch["time_ids"][:, 2:4].tolist())) for batch in loader]
+
+    epoch_1, epoch_2 = crops(), crops()
+    assert epoch_1[0] != epoch_1[1] and epoch_2[0] != epoch_2[1]
+    assert epoch_1 != epoch_2
+
+
 def test_bad_inputs_fail_at_construction(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="needs the columns"):
         DiffusionDPOTrainer(

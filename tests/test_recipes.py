@@ -107,6 +107,8 @@ def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
         "dpo_sd_tiny",
         "--model_name_or_path", str(tmp_path / "tiny-sd"), "--dataset_name", str(tmp_path / "prefs"),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+        # as the real DPO configs load data: in persistent worker processes
+        "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true",
     )  # fmt: skip
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 

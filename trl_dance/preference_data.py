@@ -82,6 +82,10 @@ class PreferenceCollator:
     Returns a dict with ``pixel_values`` (B, 2, 3, R, R) float32 in [-1, 1] (chosen first), ``prompts`` (B strings,
     "" with probability ``proportion_empty_prompts``), ``weights`` (B,) (0.5 for ties), ``time_ids`` (B, 6) the SDXL
     micro-conditioning (original H, W of the chosen image, crop top, left, R, R), and ``num_missing``.
+
+    ``seed`` should differ between processes. Each ``DataLoader`` worker draws from its own stream, derived from the
+    seed and the worker's torch seed (new every epoch), so workers do not repeat each other's crops, flips and
+    prompt drops.
     """
 
     def __init__(
@@ -96,7 +100,16 @@ class PreferenceCollator:
         self.random_crop = random_crop
         self.random_flip = random_flip
         self.proportion_empty_prompts = proportion_empty_prompts
+        self.seed = seed
         self.rng = random.Random(seed)
+        self._worker_seed = None  # the torch seed of the DataLoader worker self.rng belongs to; None: main process
+
+    def _stream(self) -> random.Random:
+        worker = torch.utils.data.get_worker_info()
+        worker_seed = None if worker is None else worker.seed
+        if worker_seed != self._worker_seed:
+            self._worker_seed, self.rng = worker_seed, random.Random(f"{self.seed}/{worker_seed}")
+        return self.rng
 
     def _resize(self, image: Image.Image, size: tuple[int, int] | None = None) -> Image.Image:
         if size is None:
@@ -113,7 +126,7 @@ class PreferenceCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         pixels, prompts, weights, time_ids, missing = [], [], [], [], 0
-        r = self.resolution
+        r, rng = self.resolution, self._stream()
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
             chosen, rejected = load_image(chosen), load_image(rejected)
@@ -124,10 +137,10 @@ class PreferenceCollator:
             chosen = self._resize(chosen)
             rejected = self._resize(rejected, chosen.size)  # same size, so the same crop box fits both
             if self.random_crop:
-                top, left = self.rng.randint(0, chosen.height - r), self.rng.randint(0, chosen.width - r)
+                top, left = rng.randint(0, chosen.height - r), rng.randint(0, chosen.width - r)
             else:
                 top, left = (chosen.height - r) // 2, (chosen.width - r) // 2
-            flip = self.random_flip and self.rng.random() < 0.5
+            flip = self.random_flip and rng.random() < 0.5
             pair = []
             for image in (chosen, rejected):
                 image = image.crop((left, top, left + r, top + r))
@@ -135,7 +148,7 @@ class PreferenceCollator:
                     image = image.transpose(Image.FLIP_LEFT_RIGHT)
                 pair.append(self._to_tensor(image))
             pixels.append(torch.stack(pair))
-            prompts.append("" if self.rng.random() < self.proportion_empty_prompts else prompt)
+            prompts.append("" if rng.random() < self.proportion_empty_prompts else prompt)
             weights.append(weight)
             time_ids.append([*original, top, left, r, r])
         if not pixels:

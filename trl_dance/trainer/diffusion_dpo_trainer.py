@@ -106,7 +106,11 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
         collator = PreferenceCollator(
-            args.resolution, args.random_crop, args.random_flip, args.proportion_empty_prompts, seed=args.seed
+            args.resolution,
+            args.random_crop,
+            args.random_flip,
+            args.proportion_empty_prompts,
+            seed=args.seed + 7919 * args.process_index,
         )
         super().__init__(
             policy,
