@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory):
 
 def family_overrides(kind: str) -> dict:
     """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan."""
-    return {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
+    return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith("wan") else {}
 
 
 def tiny_grpo_config(output_dir, **overrides):

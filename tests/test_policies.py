@@ -30,6 +30,22 @@ STEPS = 6
     ],
 )
 def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt):
+    _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=negative_prompt)
+
+
+@pytest.mark.parametrize("train_expert", ["high_noise", "low_noise"])
+def test_two_expert_wan_reproduces_the_pipeline(train_expert):
+    """Wan 2.2 A14B: steps 0-1 of 6 are the high-noise expert's (CFG 5), the others the low-noise one's (CFG 3);
+    whichever is trained, the frozen one serves its steps with its own scale."""
+    policy = _assert_policy_reproduces_pipeline("wan22", 5.0, guidance_scale_2=3.0, train_expert=train_expert)
+    expected = [0, 1] if train_expert == "high_noise" else [2, 3, 4]
+    assert policy.trainable_steps() == expected
+    assert policy.denoiser is (
+        policy.pipeline.transformer if train_expert == "high_noise" else policy.pipeline.transformer_2
+    )
+
+
+def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, guidance_scale_2=None, **settings):
     pipeline = TINY_PIPELINES[kind](0)
     video, columns, image_input = {}, {}, {}
     if kind == "wan-i2v":
@@ -40,28 +56,33 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, n
         # Wan ships a multistep UniPC solver; the policy's deterministic step is Euler's.
         pipeline.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         video = {"num_frames": TINY_VIDEO_FRAMES}
-    settings = SamplerSettings(
-        num_inference_steps=STEPS,
-        height=32,
-        width=32,
-        guidance_scale=guidance,
-        noise_level=0.0,
-        sigma_schedule="pipeline",
-        max_sequence_length=16,
-        negative_prompt=negative_prompt,
-        **video,
+    if guidance_scale_2 is not None:
+        video["guidance_scale_2"] = guidance_scale_2
+    policy = make_policy(
+        pipeline,
+        SamplerSettings(
+            num_inference_steps=STEPS,
+            height=32,
+            width=32,
+            guidance_scale=guidance,
+            noise_level=0.0,
+            sigma_schedule="pipeline",
+            max_sequence_length=16,
+            negative_prompt=negative_prompt,
+            **video,
+            **settings,
+        ),
     )
-    policy = make_policy(pipeline, settings)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
     with torch.no_grad():
         cond, latents = policy.encode_prompts(PROMPTS, **columns), initial
         for i in range(STEPS):
+            output = policy.predict_step(policy.denoiser, latents, i, cond)
             index = torch.full((len(PROMPTS),), i)
-            output = policy.predict(policy.denoiser, latents, index, cond)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
         ours = policy.decode(latents)
 
-        kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3", "wan", "wan-i2v") else {}
+        kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3") or kind.startswith("wan") else {}
         result = pipeline(
             prompt=PROMPTS,
             height=32,
@@ -78,6 +99,7 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, n
     expected = result.frames if kind.startswith("wan") else result.images
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    return policy
 
 
 @pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sd3", 1.0)])

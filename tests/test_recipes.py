@@ -79,6 +79,14 @@ def test_shipped_configs_are_valid(name, tmp_path):
     config = config_class(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
     assert config_class is DiffusionDPOConfig or config.steps_per_generation >= 1
+    if "train_expert" in values:
+        # The tiny two-expert Wan has Wan 2.2's boundary (0.875 of 1000): the same steps fall to each expert.
+        from trl_dance.policies import make_policy
+        from trl_dance.testing import tiny_wan22_pipeline
+        from trl_dance.trainer.dance_grpo_trainer import sampler_settings
+
+        policy = make_policy(tiny_wan22_pipeline(), sampler_settings(config))
+        assert config.timesteps_per_sample <= len(policy.trainable_steps())
 
 
 def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):

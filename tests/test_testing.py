@@ -13,7 +13,7 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    if kind in ("flux", "wan", "wan-i2v"):
+    if kind == "flux" or kind.startswith("wan"):
         kwargs["max_sequence_length"] = 16
     if kind == "wan-i2v":
         kwargs["image"] = tiny_condition_images(1)[0]

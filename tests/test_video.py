@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import PROMPTS, family_overrides, tiny_grpo_config
 from datasets import Dataset
+from diffusers import DiffusionPipeline
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
@@ -202,3 +203,86 @@ def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path):
     dataset = _i2v_dataset()
     first, last, initial_std = _learning_run(tiny_model_dir("wan-i2v"), tmp_path, "jpeg_compressibility", dataset)
     assert last - first > 0.05 and last - first > 2 * initial_std
+
+
+# The tiny Wan 2.2's 6-step schedule (shift 3): steps 0-1 have timesteps >= 875 (high-noise expert), 2-5 below.
+@pytest.mark.parametrize(
+    ("train_expert", "fraction", "steps"), [("high_noise", 0.4, [0, 1]), ("low_noise", 0.6, [2, 3, 4])]
+)
+def test_two_expert_wan_trains_one_expert_on_its_own_steps(tiny_model_dir, tmp_path, train_expert, fraction, steps):
+    """Wan 2.2 A14B: rollouts go through both experts, transitions only through the trained one's steps (ratio 1
+    there), the frozen expert does not change, and the LoRA reloads into the right transformer."""
+    args = tiny_grpo_config(
+        tmp_path,
+        guidance_scale=5.0,
+        guidance_scale_2=3.0,
+        train_expert=train_expert,
+        timestep_fraction=fraction,
+        per_device_train_batch_size=len(steps) * 4,
+        max_steps=1,
+        gradient_accumulation_steps=2,
+        **WAN,
+    )
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian")
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("wan22"), "brightness", args=args, train_dataset=_dataset(), peft_config=lora
+    )
+    pipeline = trainer.policy.pipeline
+    trained, frozen = (
+        (pipeline.transformer, pipeline.transformer_2)
+        if train_expert == "high_noise"
+        else (pipeline.transformer_2, pipeline.transformer)
+    )
+    assert trainer.model is trained and trainer.policy.trainable_steps() == steps
+    assert not any(p.requires_grad for p in frozen.parameters())
+    frozen_before = {k: v.clone() for k, v in frozen.state_dict().items()}
+
+    trainer._generate_and_score([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])
+    planned = torch.cat([plan[1] for plan in trainer._microbatches])
+    assert sorted(set(planned.tolist())) == steps and len(planned) == 8 * len(steps)
+    worst = 0.0
+    for plan in trainer._microbatches:
+        inputs = trainer._microbatch(plan)
+        with torch.no_grad():
+            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+            step = trainer.policy.step(
+                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
+            )
+        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
+    assert worst < 1e-5
+
+    trainer.train()
+    assert all(torch.equal(v, frozen_before[k]) for k, v in frozen.state_dict().items())
+    trainer.save_model(str(tmp_path / "lora"))
+    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir("wan22"))
+    reloaded.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=train_expert == "low_noise")
+    latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    index = torch.tensor(steps[:2])
+    cond = trainer.policy.encode_prompts(["a cat", "a dog"])
+    with torch.no_grad():
+        expected = trainer.policy.predict(trainer.model, latents, index, cond)
+        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, index, cond)
+        untouched = getattr(reloaded, "transformer" if train_expert == "low_noise" else "transformer_2")
+        assert not getattr(untouched, "_hf_peft_config_loaded", False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert ("load_into_transformer_2=True" in card) == (train_expert == "low_noise")
+
+
+def test_two_expert_wan_configuration_errors(tiny_model_dir, tmp_path):
+    with pytest.raises(
+        ValueError, match=r"the high_noise expert serves only 2 \(\[0, 1\]\); use timestep_fraction <= 0.400"
+    ):
+        DanceGRPOTrainer(
+            tiny_model_dir("wan22"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
+        )
+    with pytest.raises(ValueError, match="apply to two-expert Wan 2.2 pipelines"):
+        DanceGRPOTrainer(
+            tiny_model_dir("wan"),
+            "brightness",
+            args=tiny_grpo_config(tmp_path, train_expert="low_noise", **WAN),
+            train_dataset=_dataset(),
+        )
+    with pytest.raises(ValueError, match="train_expert must be one of"):
+        tiny_grpo_config(tmp_path, train_expert="both")

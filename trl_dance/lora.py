@@ -45,7 +45,7 @@ def save_lora(
 
     Args:
         pipeline_class: e.g. ``FluxPipeline``; its ``save_lora_weights`` writes the file.
-        denoiser_name: ``"transformer"`` or ``"unet"``.
+        denoiser_name: the LoRA key prefix, ``"transformer"`` or ``"unet"``.
         denoiser: the unwrapped denoiser carrying the adapter.
         state_dict: a full state dict of the denoiser to take the LoRA weights from (e.g. gathered by DeepSpeed);
             defaults to the denoiser's own.

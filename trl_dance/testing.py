@@ -306,12 +306,29 @@ def wan_scheduler() -> UniPCMultistepScheduler:
 TINY_VIDEO_FRAMES = 5
 
 
-def _wan_components(image_to_video: bool = False) -> dict:
+def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> dict:
     """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
-    tiny CLIP vision encoder's features."""
+    tiny CLIP vision encoder's features. ``two_experts``: Wan 2.2 A14B's layout."""
     tokenizer = _t5_tokenizer()
     latent_channels, temporal = 4, 2
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=2 * latent_channels + temporal if image_to_video else latent_channels,
+            out_channels=latent_channels,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+            image_dim=_CLIP_DIM if image_to_video else None,
+            added_kv_proj_dim=24 if image_to_video else None,  # the attention width, 2 heads of 12
+        )
+
     components = {
         "tokenizer": tokenizer,
         "text_encoder": _t5_encoder(tokenizer, d_model=32, umt5=True),
@@ -326,22 +343,12 @@ def _wan_components(image_to_video: bool = False) -> dict:
             scale_factor_temporal=temporal,
             scale_factor_spatial=2,
         ),
-        "transformer": WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=2 * latent_channels + temporal if image_to_video else latent_channels,
-            out_channels=latent_channels,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=32,
-            num_layers=2,
-            rope_max_seq_len=32,
-            image_dim=_CLIP_DIM if image_to_video else None,
-            added_kv_proj_dim=24 if image_to_video else None,  # the attention width, 2 heads of 12
-        ),
+        "transformer": transformer(),
         "scheduler": wan_scheduler(),
     }
+    if two_experts:
+        # Wan 2.2 A14B: a second transformer (other weights) for the low-noise steps, its published boundary.
+        components["transformer_2"], components["boundary_ratio"] = transformer(), 0.875
     if image_to_video:
         components["image_encoder"] = CLIPVisionModel(
             CLIPVisionConfig(
@@ -368,6 +375,12 @@ def tiny_wan_pipeline(seed: int = 0) -> WanPipeline:
     return _build(lambda: WanPipeline(**_wan_components()), seed)
 
 
+def tiny_wan22_pipeline(seed: int = 0) -> WanPipeline:
+    """A two-expert WanPipeline (Wan 2.2 A14B layout): ``transformer`` for the steps with timestep >= 875,
+    ``transformer_2`` for the others."""
+    return _build(lambda: WanPipeline(**_wan_components(two_experts=True)), seed)
+
+
 def tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     """A WanImageToVideoPipeline (Wan 2.1 I2V layout: image latents and frame mask as extra input channels, CLIP
     vision features in an image cross-attention): videos of 32×32 that start from a given image."""
@@ -392,11 +405,12 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sdxl": tiny_sdxl_pipeline,
     "wan": tiny_wan_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
+    "wan22": tiny_wan22_pipeline,
 }
 
 
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
-    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v) and ``save_pretrained`` it to
+    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v | wan22) and ``save_pretrained`` it to
     ``directory``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")

@@ -37,6 +37,8 @@ class SamplerSettings:
     log_prob_reduction: Reduction = "mean"
     num_frames: int | None = None
     negative_prompt: str | None = None
+    guidance_scale_2: float | None = None
+    train_expert: Literal["high_noise", "low_noise"] = "high_noise"
 
 
 class DiffusionPolicy(ABC):
@@ -78,6 +80,11 @@ class DiffusionPolicy(ABC):
     @property
     def denoiser(self) -> torch.nn.Module:
         return getattr(self.pipeline, self.denoiser_name)
+
+    @property
+    def lora_name(self) -> str:
+        """The denoiser's name in the pipeline's LoRA files (``<lora_name>.`` key prefix)."""
+        return self.denoiser_name
 
     @property
     def num_steps(self) -> int:
@@ -158,6 +165,11 @@ class DiffusionPolicy(ABC):
     def use_cfg(self) -> bool:
         return self.supports_cfg and self.settings.guidance_scale > 1.0
 
+    def trainable_steps(self) -> list[int]:
+        """Indices of the steps whose transition depends on the trained denoiser and has a log-probability: the
+        first N − 1 (the last step's Gaussian is too sharp to train), or the trained expert's among them."""
+        return list(range(self.num_steps - 1))
+
     def predict(
         self, model: torch.nn.Module, latents: torch.Tensor, step_index: torch.Tensor, cond: Conditioning
     ) -> torch.Tensor:
@@ -166,9 +178,10 @@ class DiffusionPolicy(ABC):
         Both CFG branches go through one batched forward, so the training loss differentiates through both.
 
         Args:
-            model: the denoiser, possibly wrapped (DDP, DeepSpeed); called exactly once.
+            model: the trained denoiser, possibly wrapped (DDP, DeepSpeed); called exactly once.
             latents: (B, ...) float32 latents at ``step_index``.
-            step_index: (B,) long, the step of each sample (samples may be at different steps).
+            step_index: (B,) long, the step of each sample (samples may be at different steps), all among
+                :meth:`trainable_steps` when the policy has a frozen expert.
             cond: conditioning of each of the B samples.
 
         Returns:
@@ -176,18 +189,36 @@ class DiffusionPolicy(ABC):
         """
         return self.predict_at(model, latents, self.model_timestep(step_index), cond)
 
+    def predict_step(self, model: torch.nn.Module, latents: torch.Tensor, step: int, cond: Conditioning):
+        """:meth:`predict` for a batch all at step ``step`` (the sampler's loop), where a policy with several experts
+        calls the one that serves the step (``model`` for the trained one)."""
+        step_index = torch.full((latents.shape[0],), step, device=latents.device, dtype=torch.long)
+        return self.predict(model, latents, step_index, cond)
+
     def predict_at(
-        self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning
+        self,
+        model: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float | None = None,
     ) -> torch.Tensor:
-        """:meth:`predict` at explicit model timesteps (B,), in the units of :meth:`model_timestep`."""
+        """:meth:`predict` at explicit model timesteps (B,), in the units of :meth:`model_timestep`, with the trained
+        denoiser's CFG scale unless ``guidance_scale`` is given."""
         if not self.use_cfg:
             return self._forward(model, latents, timestep, cond).float()
+        scale = self.guidance_scale if guidance_scale is None else guidance_scale
         negative = self._negative_cond(latents.shape[0])
         # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches.
         both = {key: torch.cat([negative.get(key, cond[key]), cond[key]]) for key in cond}
         output = self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both).float()
         uncond, text = output.chunk(2)
-        return uncond + self.settings.guidance_scale * (text - uncond)
+        return uncond + scale * (text - uncond)
+
+    @property
+    def guidance_scale(self) -> float:
+        """The CFG scale of the trained denoiser's steps."""
+        return self.settings.guidance_scale
 
     @abstractmethod
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
@@ -230,17 +261,17 @@ class DiffusionPolicy(ABC):
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
 
     def check_schedule(self) -> None:
-        """Raise ``ValueError`` if a trainable step (index < N − 1) has zero noise, hence no log-probability.
+        """Raise ``ValueError`` if one of :meth:`trainable_steps` has zero noise, hence no log-probability.
 
         Checked once, on the CPU, through the same :meth:`step` the sampler uses; the step itself does not check
         its per-sample std, which would cost a host-device sync every step.
         """
-        trainable = self.num_steps - 1
-        if trainable > 0:
-            zeros = torch.zeros(trainable, 1)
-            std = self.step(zeros, zeros, torch.arange(trainable), prev_sample=zeros, compute_log_prob=False).std
+        trainable = torch.tensor(self.trainable_steps(), dtype=torch.long)
+        if len(trainable) > 0:
+            zeros = torch.zeros(len(trainable), 1)
+            std = self.step(zeros, zeros, trainable, prev_sample=zeros, compute_log_prob=False).std
             if (std <= 0).any():
-                steps = torch.nonzero(std <= 0).flatten().tolist()
+                steps = trainable[std <= 0].tolist()
                 raise ValueError(
                     f"steps {steps} of the {self.num_steps}-step schedule have zero standard deviation (noise level "
                     f"{self.settings.noise_level}, sde_type {self.settings.sde_type!r}): their log-probability is "

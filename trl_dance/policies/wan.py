@@ -14,10 +14,16 @@ from .flow_matching import FlowMatchingPolicy
 
 
 class WanPolicy(FlowMatchingPolicy):
-    """Policy over a :class:`~diffusers.WanPipeline` with one transformer (Wan 2.1 T2V, Wan 2.2 TI2V-5B as T2V).
+    """Policy over a :class:`~diffusers.WanPipeline`: Wan 2.1 T2V, Wan 2.2 TI2V-5B as T2V, and the two-expert Wan 2.2
+    A14B.
 
     Latents are (B, C, F', H/s, W/s) with F' = (F − 1)/t + 1 for the VAE's temporal and spatial factors t, s (4 and 8
     for Wan 2.1); :meth:`decode` returns videos (B, F, 3, H, W) in [0, 1].
+
+    Two experts (``transformer_2`` with ``boundary_ratio`` b): as in the pipeline, ``transformer`` serves the steps
+    whose timestep is at least b · T_train (high noise, CFG scale ``guidance_scale``) and ``transformer_2`` the others
+    (low noise, ``guidance_scale_2``, default the same). ``settings.train_expert`` picks the trained one; the other
+    stays frozen, and only the trained expert's steps become transitions.
     """
 
     is_video = True
@@ -25,11 +31,20 @@ class WanPolicy(FlowMatchingPolicy):
     """Wan 2.1's published frame count (5 s at 16 fps), used when ``settings.num_frames`` is None."""
 
     def __init__(self, pipeline: WanPipeline, settings: SamplerSettings):
-        if pipeline.transformer is None or pipeline.transformer_2 is not None:
+        if settings.train_expert not in ("high_noise", "low_noise"):
+            raise ValueError(f"train_expert must be 'high_noise' or 'low_noise', got {settings.train_expert!r}")
+        two_experts = pipeline.transformer_2 is not None
+        if pipeline.transformer is None or two_experts != (pipeline.config.boundary_ratio is not None):
             raise ValueError(
-                "two-expert Wan 2.2 pipelines (transformer_2 / boundary_ratio) are not supported: their high- and "
-                "low-noise steps use different transformers; load a single-transformer pipeline"
+                "a Wan pipeline needs a transformer, and a transformer_2 exactly when its config has a boundary_ratio"
             )
+        if not two_experts and (settings.train_expert != "high_noise" or settings.guidance_scale_2 is not None):
+            raise ValueError(
+                "train_expert='low_noise' and guidance_scale_2 apply to two-expert Wan 2.2 pipelines (transformer_2); "
+                "this one has a single transformer"
+            )
+        # An instance attribute: the trained expert is the pipeline component the trainer trains and saves.
+        self.denoiser_name = "transformer_2" if settings.train_expert == "low_noise" else "transformer"
         if settings.num_frames is None:
             settings = dataclasses.replace(settings, num_frames=self.default_num_frames)
         temporal = pipeline.vae_scale_factor_temporal
@@ -38,6 +53,50 @@ class WanPolicy(FlowMatchingPolicy):
                 f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
             )
         super().__init__(pipeline, settings)
+        # Which steps the trained expert serves, decided once on the CPU (the sampler must not read device values).
+        steps = torch.arange(self.num_steps)
+        if two_experts:
+            boundary = pipeline.config.boundary_ratio * pipeline.scheduler.config.num_train_timesteps
+            high_noise = self.model_timestep(steps) >= boundary
+            self._trained_steps = (high_noise if self.denoiser_name == "transformer" else ~high_noise).tolist()
+        else:
+            self._trained_steps = [True] * self.num_steps
+        if not self.trainable_steps():
+            raise ValueError(
+                f"the {settings.train_expert} expert serves none of the first {self.num_steps - 1} steps of this "
+                f"schedule (boundary_ratio {pipeline.config.boundary_ratio}); train the other expert or change the "
+                "schedule"
+            )
+
+    @property
+    def lora_name(self) -> str:
+        # diffusers saves and loads both experts' LoRAs under "transformer" (load_into_transformer_2 picks the second).
+        return "transformer"
+
+    def trainable_steps(self) -> list[int]:
+        return [i for i in range(self.num_steps - 1) if self._trained_steps[i]]
+
+    @property
+    def guidance_scale(self) -> float:
+        return self._expert_guidance_scale(self.denoiser_name)
+
+    def _expert_guidance_scale(self, name: str) -> float:
+        second = self.settings.guidance_scale_2
+        return second if name == "transformer_2" and second is not None else self.settings.guidance_scale
+
+    @property
+    def _frozen_expert_name(self) -> str | None:
+        if self.pipeline.transformer_2 is None:
+            return None
+        return "transformer_2" if self.denoiser_name == "transformer" else "transformer"
+
+    def predict_step(self, model: torch.nn.Module, latents: torch.Tensor, step: int, cond: Conditioning):
+        if self._trained_steps[step]:
+            return super().predict_step(model, latents, step, cond)
+        frozen = self._frozen_expert_name
+        timestep = self.model_timestep(torch.full((latents.shape[0],), step, device=latents.device))
+        scale = self._expert_guidance_scale(frozen)
+        return self.predict_at(getattr(self.pipeline, frozen), latents, timestep, cond, guidance_scale=scale)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -75,7 +134,9 @@ class WanPolicy(FlowMatchingPolicy):
             patch_t, patch_h, patch_w = self.denoiser.config.patch_size
             tokens = (latents.shape[2] // patch_t) * (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w)
             timestep = timestep[:, None].expand(-1, tokens)
-        dtype = self.denoiser.dtype
+        frozen = self._frozen_expert_name
+        # The frozen expert may be held in another dtype (frozen_dtype) than the trained one.
+        dtype = (model if frozen and model is getattr(self.pipeline, frozen) else self.denoiser).dtype
         # The timestep stays float32, as in WanPipeline: the transformer casts it after the sinusoidal projection.
         return model(
             hidden_states=self._model_input(latents, cond).to(dtype),

@@ -44,6 +44,12 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         max_sequence_length (`int`, defaults to `512`): T5 tokens of the prompt.
         negative_prompt (`str` or `None`, defaults to `None`): The prompt of CFG's unconditional branch (with CFG
             only). `None`: the pipeline's own unconditional embedding (the empty prompt; zeros for SDXL base).
+        train_expert (`str`, defaults to `"high_noise"`): Two-expert pipelines (Wan 2.2 A14B): the expert trained,
+            `"high_noise"` (`transformer`, the steps with timestep >= boundary_ratio · 1000) or `"low_noise"`
+            (`transformer_2`); the other serves its steps frozen, and the K transitions of each sample are drawn
+            among the trained expert's steps.
+        guidance_scale_2 (`float` or `None`, defaults to `None`): Two-expert pipelines: the CFG scale of the
+            low-noise expert's steps. `None`: `guidance_scale`.
         sde_type (`str`, defaults to `"dance"`): Stochastic step: `"dance"` (constant diffusion η),
             `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
@@ -141,6 +147,14 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     negative_prompt: str | None = field(
         default=None, metadata={"help": "Prompt of the CFG unconditional branch (default: the pipeline's own)."}
     )
+    train_expert: str = field(
+        default="high_noise",
+        metadata={"help": "Two-expert Wan 2.2: the expert trained.", "choices": ["high_noise", "low_noise"]},
+    )
+    guidance_scale_2: float | None = field(
+        default=None,
+        metadata={"help": "Two-expert Wan 2.2: CFG scale of the low-noise steps (default: guidance_scale)."},
+    )
     sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
     eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
     sigma_schedule: str = field(
@@ -194,6 +208,7 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
         _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))
         _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        _choice("train_expert", self.train_expert, ("high_noise", "low_noise"))
         if self.num_generations < (1 if self.scale_rewards == "per_prompt" else 2):
             raise ValueError(
                 f"num_generations must be >= 2 for group statistics (or scale_rewards='per_prompt'), got {self.num_generations}"

@@ -49,6 +49,8 @@ def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
         log_prob_reduction=args.log_prob_reduction,
         num_frames=args.num_frames,
         negative_prompt=args.negative_prompt,
+        guidance_scale_2=args.guidance_scale_2,
+        train_expert=args.train_expert,
     )
 
 
@@ -123,6 +125,13 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
         policy = make_policy(load_pipeline(model, args), sampler_settings(args))
         policy.check_schedule()
+        trainable = policy.trainable_steps()
+        if args.timesteps_per_sample > len(trainable):
+            raise ValueError(
+                f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} of the "
+                f"{args.num_inference_steps - 1} steps per sample, but the {args.train_expert} expert serves only "
+                f"{len(trainable)} ({trainable}); use timestep_fraction <= {len(trainable) / (args.num_inference_steps - 1):.3f}"
+            )
         missing = [name for name in policy.condition_columns if name not in train_dataset.column_names]
         if missing:
             raise ValueError(
@@ -285,7 +294,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
             trajectory, log_probs = [latents], []
             for i in range(num_steps):
                 step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
-                output = self.policy.predict(model, latents, step_index, cond)
+                output = self.policy.predict_step(model, latents, i, cond)
                 # The last step is never trained (its Gaussian is very sharp): no log-prob needed.
                 result = self.policy.step(
                     output, latents, step_index, noise=noise[i], compute_log_prob=i < num_steps - 1
@@ -381,10 +390,11 @@ class DanceGRPOTrainer(DiffusionTrainer):
     def _plan_microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration."""
         args = self.args
-        num_trainable = self.policy.num_steps - 1
+        trainable = torch.tensor(self.policy.trainable_steps())
         k = args.timesteps_per_sample
-        # Each sample independently draws K of its first N−1 steps.
-        steps = torch.rand(batch, num_trainable, generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
+        # Each sample independently draws K of the trainable steps (its first N−1, or the trained expert's).
+        draws = torch.rand(batch, len(trainable), generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
+        steps = trainable[draws]
         samples = torch.arange(batch).repeat_interleave(k)
         plan = []
         for _ in range(args.num_iterations):

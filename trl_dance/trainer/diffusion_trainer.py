@@ -158,9 +158,12 @@ class DiffusionTrainer(_BaseTrainer):
         pipeline_class = type(pipeline).__name__
         name = model_name or self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
         if lora:
+            # A LoRA of Wan 2.2's second expert is saved under "transformer" and loaded with load_into_transformer_2.
+            target = self.policy.denoiser_name
+            into = f", load_into_{target}=True" if target != self.policy.lora_name else ""
             usage = (
                 f"pipeline = {pipeline_class}.from_pretrained({base_model!r})\n"
-                f"pipeline.load_lora_weights({(self.args.hub_model_id or self.args.output_dir)!r})"
+                f"pipeline.load_lora_weights({(self.args.hub_model_id or self.args.output_dir)!r}{into})"
             )
         else:
             usage = (
@@ -250,7 +253,7 @@ class DiffusionTrainer(_BaseTrainer):
         os.makedirs(output_dir, exist_ok=True)
         denoiser = self.accelerator.unwrap_model(self.model)
         if has_lora(denoiser):
-            save_lora(type(self.policy.pipeline), self.policy.denoiser_name, denoiser, output_dir, state_dict)
+            save_lora(type(self.policy.pipeline), self.policy.lora_name, denoiser, output_dir, state_dict)
         elif state_dict is None:
             denoiser.save_pretrained(output_dir)
         else:
@@ -264,7 +267,7 @@ class DiffusionTrainer(_BaseTrainer):
         # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
         denoiser = self.accelerator.unwrap_model(model if model is not None else self.model)
         if has_lora(denoiser):
-            load_lora(self.policy.denoiser_name, denoiser, resume_from_checkpoint)
+            load_lora(self.policy.lora_name, denoiser, resume_from_checkpoint)
         else:
             trained = type(denoiser).from_pretrained(resume_from_checkpoint, torch_dtype=denoiser.dtype)
             denoiser.load_state_dict(trained.state_dict())
