@@ -288,7 +288,7 @@ def test_two_expert_wan_configuration_errors(tiny_model_dir, tmp_path):
         tiny_grpo_config(tmp_path, train_expert="both")
 
 
-# Measured (seed 42, constant lr 1.5e-2, CFG 5 / 3, 3 of the low-noise expert's 4 steps per sample, mean of the
+# Measured (seed 42, constant lr 1.5e-2, CFG 5 / 3, the low-noise expert's 3 trainable steps, mean of the
 # first 3 -> last 3 of 30 rollouts): -1.352 -> -1.255 kB (sample std 0.010), rising from round 13 on.
 def test_two_expert_wan_low_noise_expert_learns(tiny_model_dir, tmp_path):
     """Learning with two experts: training only the low-noise expert on its own steps, with the frozen high-noise
