@@ -33,11 +33,13 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, n
     _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=negative_prompt)
 
 
-@pytest.mark.parametrize("train_expert", ["high_noise", "low_noise"])
-def test_two_expert_wan_reproduces_the_pipeline(train_expert):
-    """Wan 2.2 A14B: steps 0-1 of 6 are the high-noise expert's (CFG 5), the others the low-noise one's (CFG 3);
-    whichever is trained, the frozen one serves its steps with its own scale."""
-    policy = _assert_policy_reproduces_pipeline("wan22", 5.0, guidance_scale_2=3.0, train_expert=train_expert)
+@pytest.mark.parametrize(
+    ("kind", "train_expert"), [("wan22", "high_noise"), ("wan22", "low_noise"), ("wan22-i2v", "low_noise")]
+)
+def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
+    """Wan 2.2 A14B (T2V, I2V): steps 0-1 of 6 are the high-noise expert's (CFG 5), the others the low-noise one's
+    (CFG 3); whichever is trained, the frozen one serves its steps with its own scale."""
+    policy = _assert_policy_reproduces_pipeline(kind, 5.0, guidance_scale_2=3.0, train_expert=train_expert)
     expected = [0, 1] if train_expert == "high_noise" else [2, 3, 4]
     assert policy.trainable_steps() == expected
     assert policy.denoiser is (
@@ -48,7 +50,7 @@ def test_two_expert_wan_reproduces_the_pipeline(train_expert):
 def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, guidance_scale_2=None, **settings):
     pipeline = TINY_PIPELINES[kind](0)
     video, columns, image_input = {}, {}, {}
-    if kind == "wan-i2v":
+    if kind.endswith("i2v"):
         # The pipeline takes one image for all its prompts; the policy one per prompt.
         (image,) = tiny_condition_images(1)
         columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}

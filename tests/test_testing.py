@@ -15,7 +15,7 @@ def _generate(pipeline, kind, seed=0):
     }
     if kind == "flux" or kind.startswith("wan"):
         kwargs["max_sequence_length"] = 16
-    if kind == "wan-i2v":
+    if kind.endswith("i2v"):
         kwargs["image"] = tiny_condition_images(1)[0]
     if kind.startswith("wan"):
         return pipeline(prompt=["a red cat", "a blue dog"], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames

@@ -207,11 +207,18 @@ def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path):
 
 # The tiny Wan 2.2's 6-step schedule (shift 3): steps 0-1 have timesteps >= 875 (high-noise expert), 2-5 below.
 @pytest.mark.parametrize(
-    ("train_expert", "fraction", "steps"), [("high_noise", 0.4, [0, 1]), ("low_noise", 0.6, [2, 3, 4])]
+    ("kind", "train_expert", "fraction", "steps"),
+    [
+        ("wan22", "high_noise", 0.4, [0, 1]),
+        ("wan22", "low_noise", 0.6, [2, 3, 4]),
+        ("wan22-i2v", "low_noise", 0.6, [2, 3, 4]),
+    ],
 )
-def test_two_expert_wan_trains_one_expert_on_its_own_steps(tiny_model_dir, tmp_path, train_expert, fraction, steps):
-    """Wan 2.2 A14B: rollouts go through both experts, transitions only through the trained one's steps (ratio 1
-    there), the frozen expert does not change, and the LoRA reloads into the right transformer."""
+def test_two_expert_wan_trains_one_expert_on_its_own_steps(
+    tiny_model_dir, tmp_path, kind, train_expert, fraction, steps
+):
+    """Wan 2.2 A14B (T2V, I2V): rollouts go through both experts, transitions only through the trained one's steps
+    (ratio 1 there), the frozen expert does not change, and the LoRA reloads into the right transformer."""
     args = tiny_grpo_config(
         tmp_path,
         guidance_scale=5.0,
@@ -224,9 +231,8 @@ def test_two_expert_wan_trains_one_expert_on_its_own_steps(tiny_model_dir, tmp_p
         **WAN,
     )
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian")
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("wan22"), "brightness", args=args, train_dataset=_dataset(), peft_config=lora
-    )
+    dataset = _i2v_dataset() if kind.endswith("i2v") else _dataset()
+    trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=lora)
     pipeline = trainer.policy.pipeline
     trained, frozen = (
         (pipeline.transformer, pipeline.transformer_2)
@@ -254,11 +260,12 @@ def test_two_expert_wan_trains_one_expert_on_its_own_steps(tiny_model_dir, tmp_p
     trainer.train()
     assert all(torch.equal(v, frozen_before[k]) for k, v in frozen.state_dict().items())
     trainer.save_model(str(tmp_path / "lora"))
-    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir("wan22"))
+    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir(kind))
     reloaded.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=train_expert == "low_noise")
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
     index = torch.tensor(steps[:2])
-    cond = trainer.policy.encode_prompts(["a cat", "a dog"])
+    columns = {"image": dataset["image"][:2]} if kind.endswith("i2v") else {}
+    cond = trainer.policy.encode_prompts(dataset["prompt"][:2], **columns)
     with torch.no_grad():
         expected = trainer.policy.predict(trainer.model, latents, index, cond)
         got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, index, cond)

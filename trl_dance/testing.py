@@ -309,9 +309,11 @@ TINY_VIDEO_FRAMES = 5
 def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> dict:
     """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
-    tiny CLIP vision encoder's features. ``two_experts``: Wan 2.2 A14B's layout."""
+    tiny CLIP vision encoder's features (Wan 2.1; Wan 2.2 A14B has no image encoder). ``two_experts``: Wan 2.2
+    A14B's layout."""
     tokenizer = _t5_tokenizer()
     latent_channels, temporal = 4, 2
+    clip_features = image_to_video and not two_experts
 
     def transformer():
         return WanTransformer3DModel(
@@ -325,8 +327,8 @@ def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> 
             ffn_dim=32,
             num_layers=2,
             rope_max_seq_len=32,
-            image_dim=_CLIP_DIM if image_to_video else None,
-            added_kv_proj_dim=24 if image_to_video else None,  # the attention width, 2 heads of 12
+            image_dim=_CLIP_DIM if clip_features else None,
+            added_kv_proj_dim=24 if clip_features else None,  # the attention width, 2 heads of 12
         )
 
     components = {
@@ -349,7 +351,7 @@ def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> 
     if two_experts:
         # Wan 2.2 A14B: a second transformer (other weights) for the low-noise steps, its published boundary.
         components["transformer_2"], components["boundary_ratio"] = transformer(), 0.875
-    if image_to_video:
+    if clip_features:
         components["image_encoder"] = CLIPVisionModel(
             CLIPVisionConfig(
                 hidden_size=_CLIP_DIM,
@@ -387,6 +389,12 @@ def tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True)), seed)
 
 
+def tiny_wan22_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
+    """A two-expert WanImageToVideoPipeline (Wan 2.2 I2V A14B layout): image latents and frame mask as extra input
+    channels, no CLIP image features."""
+    return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True, two_experts=True)), seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -406,11 +414,12 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "wan": tiny_wan_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,
+    "wan22-i2v": tiny_wan22_i2v_pipeline,
 }
 
 
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
-    """Build the tiny pipeline ``kind`` (flux | sd3 | sd | sdxl | wan | wan-i2v | wan22) and ``save_pretrained`` it to
+    """Build the tiny pipeline ``kind`` (one of ``TINY_PIPELINES``) and ``save_pretrained`` it to
     ``directory``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
