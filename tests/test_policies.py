@@ -27,6 +27,8 @@ STEPS = 6
         ("wan", 5.0, None),
         ("wan", 5.0, "blurry, dark"),
         ("wan-i2v", 5.0, None),
+        ("wan22-5b", 5.0, None),
+        ("wan22-5b-i2v", 5.0, None),
     ],
 )
 def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt):
@@ -82,7 +84,7 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
             output = policy.predict_step(policy.denoiser, latents, i, cond)
             index = torch.full((len(PROMPTS),), i)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
-        ours = policy.decode(latents)
+        ours = policy.decode(policy.final_latents(latents, cond))
 
         kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3") or kind.startswith("wan") else {}
         result = pipeline(

@@ -118,6 +118,13 @@ def test_video_configuration_errors(tiny_model_dir, tmp_path):
         DanceGRPOTrainer(
             tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
         )
+    with pytest.raises(ValueError, match="pipeline_class must name a diffusers pipeline class, got 'WanModel'"):
+        DanceGRPOTrainer(
+            tiny_model_dir("wan"),
+            "brightness",
+            args=tiny_grpo_config(tmp_path, pipeline_class="WanModel", **WAN),
+            train_dataset=_dataset(),
+        )
     with pytest.raises(ValueError, match="video_reward_frames must be >= 1"):
         tiny_grpo_config(tmp_path, video_reward_frames=0)
     dpo_args = DiffusionDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32)
@@ -150,13 +157,19 @@ def _i2v_dataset():
     return Dataset.from_dict({"prompt": PROMPTS, "image": tiny_condition_images(len(PROMPTS))})
 
 
-def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_model_dir, tmp_path):
-    """Wan I2V with CFG: on-policy ratio 1; one encoding per (prompt, image); the image changes the prediction."""
+# Wan2.2-TI2V-5B's folder names WanPipeline; image-to-video loads it as a WanImageToVideoPipeline.
+TI2V_AS_I2V = {"pipeline_class": "WanImageToVideoPipeline"}
+
+
+@pytest.mark.parametrize(("kind", "load"), [("wan-i2v", {}), ("wan22-5b", TI2V_AS_I2V)])
+def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_model_dir, tmp_path, kind, load):
+    """Wan I2V (2.1 layout: image latents as extra channels; 2.2 TI2V: as the first latent frame) with CFG: on-policy
+    ratio 1; one encoding per (prompt, image); the image changes the prediction."""
     dataset = _i2v_dataset()
     trainer = DanceGRPOTrainer(
-        tiny_model_dir("wan-i2v"),
+        tiny_model_dir(kind),
         "brightness",
-        args=tiny_grpo_config(tmp_path, guidance_scale=5.0, **WAN),
+        args=tiny_grpo_config(tmp_path, guidance_scale=5.0, share_initial_noise="none", **load, **WAN),
         train_dataset=dataset,
         peft_config=LoraConfig(
             r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
@@ -184,8 +197,32 @@ def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_
         two_images = trainer.policy.encode_prompts(["a cat"] * 2, image=images)
         output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), two_images)
     assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
+    if kind == "wan22-5b":
+        _assert_the_first_frame_is_given(trainer, inputs)
     trainer.create_model_card()
     assert "pipeline_tag: image-to-video" in (tmp_path / "README.md").read_text()
+
+
+def _assert_the_first_frame_is_given(trainer, inputs):
+    """Wan 2.2 TI2V: the first latent frame is the image's, not sampled: it stays as drawn through the trajectory,
+    the log-probability ignores it, and every video of one image starts with the same frame (the VAE is causal),
+    whatever its prompt and noise."""
+    trajectory = trainer._rollout["latents"]  # (B, N + 1, C, F', h, w)
+    assert torch.equal(trajectory[:, 1:, :, :1], trajectory[:, :1, :, :1].expand_as(trajectory[:, 1:, :, :1]))
+    with torch.no_grad():
+        output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+        moved = inputs["next_latents"].clone()
+        moved[:, :, 0] += 1.0
+        scores = [
+            trainer.policy.step(output, inputs["latents"], inputs["step_index"], prev_sample=x).log_prob
+            for x in (inputs["next_latents"], moved)
+        ]
+    torch.testing.assert_close(scores[0], scores[1], rtol=0, atol=0)
+    # (B, F, 3, H, W): samples 0-4 have one image (4 with another prompt), 5-7 another; all have their own noise.
+    videos = trainer._rollout["images"]
+    torch.testing.assert_close(videos[1:5, 0], videos[:1, 0].expand(4, -1, -1, -1), rtol=0, atol=1e-6)
+    assert (videos[5, 0] - videos[0, 0]).abs().amax() > 1e-2
+    assert (videos[1:5, 1:] - videos[:1, 1:]).abs().amax() > 1e-2
 
 
 def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
@@ -195,14 +232,16 @@ def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
         )
 
 
-# Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts, sample std 0.011):
-# -1.336 -> -1.235 kB; brightness in the same setting 0.526 -> 0.535 (sample std 0.001).
-def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path):
+# Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts): Wan 2.1 layout
+# -1.336 -> -1.235 kB (sample std 0.011; brightness in the same setting 0.526 -> 0.535, std 0.001); Wan 2.2 TI2V
+# layout, whose first frame is the image's and cannot change, -1.113 -> -1.057 kB (sample std 0.007).
+@pytest.mark.parametrize(("kind", "load", "rise"), [("wan-i2v", {}, 0.05), ("wan22-5b", TI2V_AS_I2V, 0.03)])
+def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path, kind, load, rise):
     """Learning on image-to-video: GRPO with CFG raises the frame-averaged JPEG compressibility of videos that
     start from the dataset's images."""
     dataset = _i2v_dataset()
-    first, last, initial_std = _learning_run(tiny_model_dir("wan-i2v"), tmp_path, "jpeg_compressibility", dataset)
-    assert last - first > 0.05 and last - first > 2 * initial_std
+    first, last, initial_std = _learning_run(tiny_model_dir(kind), tmp_path, "jpeg_compressibility", dataset, **load)
+    assert last - first > rise and last - first > 2 * initial_std
 
 
 # The tiny Wan 2.2's 6-step schedule (shift 3): steps 0-1 have timesteps >= 875 (high-noise expert), 2-5 below.

@@ -306,21 +306,23 @@ def wan_scheduler() -> UniPCMultistepScheduler:
 TINY_VIDEO_FRAMES = 5
 
 
-def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> dict:
+def _wan_components(image_to_video: bool = False, two_experts: bool = False, expand_timesteps: bool = False) -> dict:
     """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
     tiny CLIP vision encoder's features (Wan 2.1; Wan 2.2 A14B has no image encoder). ``two_experts``: Wan 2.2
-    A14B's layout."""
+    A14B's layout; ``expand_timesteps``: Wan 2.2 TI2V-5B's (one timestep per token, the image's latent as the first
+    latent frame)."""
     tokenizer = _t5_tokenizer()
     latent_channels, temporal = 4, 2
-    clip_features = image_to_video and not two_experts
+    concat_image = image_to_video and not expand_timesteps
+    clip_features = concat_image and not two_experts
 
     def transformer():
         return WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=2,
             attention_head_dim=12,
-            in_channels=2 * latent_channels + temporal if image_to_video else latent_channels,
+            in_channels=2 * latent_channels + temporal if concat_image else latent_channels,
             out_channels=latent_channels,
             text_dim=32,
             freq_dim=32,
@@ -351,6 +353,8 @@ def _wan_components(image_to_video: bool = False, two_experts: bool = False) -> 
     if two_experts:
         # Wan 2.2 A14B: a second transformer (other weights) for the low-noise steps, its published boundary.
         components["transformer_2"], components["boundary_ratio"] = transformer(), 0.875
+    if expand_timesteps:
+        components["expand_timesteps"] = True
     if clip_features:
         components["image_encoder"] = CLIPVisionModel(
             CLIPVisionConfig(
@@ -395,6 +399,17 @@ def tiny_wan22_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True, two_experts=True)), seed)
 
 
+def tiny_wan22_5b_pipeline(seed: int = 0) -> WanPipeline:
+    """A WanPipeline in the Wan 2.2 TI2V-5B layout used for text-to-video (one timestep per latent token)."""
+    return _build(lambda: WanPipeline(**_wan_components(expand_timesteps=True)), seed)
+
+
+def tiny_wan22_5b_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
+    """A WanImageToVideoPipeline in the Wan 2.2 TI2V-5B layout: the image's latent is the first latent frame (timestep
+    0 on its tokens), no extra input channels, no CLIP features."""
+    return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True, expand_timesteps=True)), seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -415,6 +430,8 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,
     "wan22-i2v": tiny_wan22_i2v_pipeline,
+    "wan22-5b": tiny_wan22_5b_pipeline,
+    "wan22-5b-i2v": tiny_wan22_5b_i2v_pipeline,
 }
 
 

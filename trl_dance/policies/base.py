@@ -299,6 +299,11 @@ class DiffusionPolicy(ABC):
         offset, scale = self._latent_affine(latents)
         return (latents - offset) * scale
 
+    def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The latents to decode after the sampler's last step (the same by default; Wan 2.2 TI2V image-to-video puts
+        the given first frame back)."""
+        return latents
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents to images: (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W))."""
         vae = self.pipeline.vae

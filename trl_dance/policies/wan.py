@@ -9,6 +9,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..sde import SDEStepOutput
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 
@@ -130,10 +131,7 @@ class WanPolicy(FlowMatchingPolicy):
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         image_embeds = cond.get("image_embeds")
         if self.pipeline.config.expand_timesteps:
-            # Wan 2.2 TI2V takes one timestep per latent token (all equal in text-to-video).
-            patch_t, patch_h, patch_w = self.denoiser.config.patch_size
-            tokens = (latents.shape[2] // patch_t) * (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w)
-            timestep = timestep[:, None].expand(-1, tokens)
+            timestep = timestep[:, None] * self._token_noise_mask(latents)[None]
         frozen = self._frozen_expert_name
         # The frozen expert may be held in another dtype (frozen_dtype) than the trained one.
         dtype = (model if frozen and model is getattr(self.pipeline, frozen) else self.denoiser).dtype
@@ -146,29 +144,71 @@ class WanPolicy(FlowMatchingPolicy):
             return_dict=False,
         )[0]
 
+    def _token_noise_mask(self, latents: torch.Tensor) -> torch.Tensor:
+        """Wan 2.2 TI2V takes one timestep per latent token, the step's timestep times this (T,) mask of ones (T
+        tokens in the transformer's order: frame, row, column of patches)."""
+        patch_t, patch_h, patch_w = self.denoiser.config.patch_size
+        frames, height, width = latents.shape[2:]
+        return latents.new_ones(frames // patch_t * (height // patch_h) * (width // patch_w))
+
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
         return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
 
 
 class WanImageToVideoPolicy(WanPolicy):
-    """Policy over a :class:`~diffusers.WanImageToVideoPipeline` (Wan 2.1 I2V): each sample starts from the image in
-    the dataset column ``image`` (PIL), which becomes its first frame.
+    """Policy over a :class:`~diffusers.WanImageToVideoPipeline`: each sample starts from the image in the dataset
+    column ``image`` (PIL), which becomes its first frame.
 
-    As in the pipeline, the image enters twice: its VAE latents (the image followed by black frames) with the
-    first-frame mask are concatenated to the noisy latents on the channel axis, and, when the transformer has an
-    image cross-attention (``image_dim``), its CLIP vision features. Both are shared by the CFG branches, which
-    differ in the prompt only.
+    As in the pipeline, Wan 2.1 and Wan 2.2 A14B concatenate the image's VAE latents (the image followed by black
+    frames) and a first-frame mask to the noisy latents on the channel axis, and Wan 2.1 also attends to its CLIP
+    vision features (``image_dim``); both are shared by the CFG branches, which differ in the prompt only. Wan 2.2
+    TI2V (``expand_timesteps``) instead puts the image's latent in place of the first latent frame, with timestep 0
+    on its tokens: that frame is given, not sampled, so the transitions and their log-probabilities cover the other
+    frames only.
     """
 
     condition_columns = ("image",)
 
     def __init__(self, pipeline: WanImageToVideoPipeline, settings: SamplerSettings):
-        if pipeline.config.expand_timesteps:
-            raise ValueError(
-                "Wan 2.2 TI2V image-to-video (expand_timesteps: the first frame replaces the latents) is not "
-                "supported; load it as a WanPipeline for text-to-video"
-            )
         super().__init__(pipeline, settings)
+        self._first_frame_given = bool(pipeline.config.expand_timesteps)
+        if self._first_frame_given and self.denoiser.config.patch_size[0] != 1:
+            raise ValueError("Wan 2.2 TI2V image-to-video needs one latent frame per token (patch_size[0] == 1)")
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        latents: torch.Tensor,
+        step_index: torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        compute_log_prob: bool = True,
+        noise: torch.Tensor | None = None,
+    ) -> SDEStepOutput:
+        # (check_schedule probes the noise with (B, 1) latents, which have no frames.)
+        if not self._first_frame_given or latents.ndim != 5:
+            return super().step(model_output, latents, step_index, prev_sample, generator, compute_log_prob, noise)
+        # The first latent frame is replaced by the image's in every model input and in the output: it carries
+        # over unchanged, and only the other frames are drawn and scored.
+        rest = super().step(
+            model_output[:, :, 1:],
+            latents[:, :, 1:],
+            step_index,
+            None if prev_sample is None else prev_sample[:, :, 1:],
+            generator,
+            compute_log_prob,
+            None if noise is None else noise[:, :, 1:],
+        )
+        first = latents[:, :, :1].float()
+        return SDEStepOutput(
+            prev_sample=torch.cat([first, rest.prev_sample], dim=2),
+            log_prob=rest.log_prob,
+            mean=torch.cat([first, rest.mean], dim=2),
+            std=rest.std,
+        )
+
+    def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return self._model_input(latents, cond) if self._first_frame_given else latents
 
     @torch.no_grad()
     def _encode_columns(self, image: list) -> Conditioning:
@@ -199,8 +239,19 @@ class WanImageToVideoPolicy(WanPolicy):
             )[1]
             for i in range(frames.shape[0])
         ]
-        cond["image_condition"] = torch.cat(conditions)  # (B, t + C, F', h, w): frame mask, image latents
+        # (B, t + C, F', h, w): frame mask and image latents; TI2V: (B, C, 1, h, w) the first frame's latents.
+        cond["image_condition"] = torch.cat(conditions)
         return cond
 
     def _model_input(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        if self._first_frame_given:
+            return torch.cat([cond["image_condition"].to(latents.dtype), latents[:, :, 1:]], dim=2)
         return torch.cat([latents, cond["image_condition"].to(latents.dtype)], dim=1)
+
+    def _token_noise_mask(self, latents: torch.Tensor) -> torch.Tensor:
+        mask = super()._token_noise_mask(latents)
+        if self._first_frame_given:
+            # The given first frame's tokens are noise-free (timestep 0), as in the pipeline.
+            _, patch_h, patch_w = self.denoiser.config.patch_size
+            mask[: (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w)] = 0
+        return mask

@@ -98,6 +98,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
 
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
             `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"torch_dtype": "bfloat16"}`.
+        pipeline_class (`str` or `None`, defaults to `None`): A diffusers pipeline class to load `model` with instead
+            of the one its `model_index.json` names, e.g. `"WanImageToVideoPipeline"` for image-to-video with
+            Wan2.2-TI2V-5B.
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
     """
@@ -198,6 +201,10 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
+    )
+    pipeline_class: str | None = field(
+        default=None,
+        metadata={"help": "Diffusers pipeline class to load the model with (default: its model_index.json's)."},
     )
 
     def __post_init__(self):

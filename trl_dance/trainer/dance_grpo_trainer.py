@@ -123,7 +123,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self._check_dataset(train_dataset, args)
 
-        policy = make_policy(load_pipeline(model, args), sampler_settings(args))
+        policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
         policy.check_schedule()
         trainable = policy.trainable_steps()
         if args.timesteps_per_sample > len(trainable):
@@ -303,7 +303,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 trajectory.append(latents)
                 if result.log_prob is not None:
                     log_probs.append(result.log_prob)
-            images = self.policy.decode(latents)
+            images = self.policy.decode(self.policy.final_latents(latents, cond))
         return {"latents": torch.stack(trajectory, 1), "log_probs": torch.stack(log_probs, 1), "images": images}
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:

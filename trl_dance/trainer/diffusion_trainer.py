@@ -11,6 +11,7 @@ import copy
 import os
 from collections import defaultdict
 
+import diffusers
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
@@ -42,9 +43,9 @@ def _without_zero3_init(args):
         set_hf_deepspeed_config(dschf)
 
 
-def load_pipeline(model: str | DiffusionPipeline, args) -> DiffusionPipeline:
-    """A pipeline instance from a Hub id or local folder (``DiffusionPipeline.from_pretrained`` with
-    ``args.model_init_kwargs``), or as given.
+def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | None = None) -> DiffusionPipeline:
+    """A pipeline instance from a Hub id or local folder (``from_pretrained`` of ``pipeline_class``, a diffusers
+    pipeline class name, default the folder's own, with ``args.model_init_kwargs``), or as given.
 
     Under DeepSpeed ZeRO-3 the text encoders load whole on every process (transformers would otherwise partition
     them with ``zero.Init``): they stay frozen outside the engine, which alone gathers its shards in forward.
@@ -57,8 +58,13 @@ def load_pipeline(model: str | DiffusionPipeline, args) -> DiffusionPipeline:
     dtype = kwargs.get("torch_dtype")
     if isinstance(dtype, str) and dtype != "auto":
         kwargs["torch_dtype"] = getattr(torch, dtype)
+    loader = DiffusionPipeline
+    if pipeline_class is not None:
+        loader = getattr(diffusers, pipeline_class, None)
+        if not (isinstance(loader, type) and issubclass(loader, DiffusionPipeline)):
+            raise ValueError(f"pipeline_class must name a diffusers pipeline class, got {pipeline_class!r}")
     with _without_zero3_init(args):
-        pipeline = DiffusionPipeline.from_pretrained(model, **kwargs)
+        pipeline = loader.from_pretrained(model, **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
