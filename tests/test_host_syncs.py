@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.policies import SamplerSettings, make_policy
-from trl_dance.testing import tiny_preference_dataset
+from trl_dance.testing import tiny_condition_images, tiny_preference_dataset
 
 _READS = {"item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__"}
 
@@ -63,17 +63,28 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS)
 
 
-@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sdxl", 4.0), ("wan", 5.0)])
-def test_grpo_denoising_loop_and_micro_step_never_read_the_device(tiny_model_dir, tmp_path, kind, guidance):
+@pytest.mark.parametrize(
+    ("kind", "guidance", "extra"),
+    [
+        ("flux", 3.5, {}),
+        ("sdxl", 4.0, {}),
+        ("wan", 5.0, {}),
+        ("wan22", 5.0, {"train_expert": "low_noise", "timestep_fraction": 0.6}),  # a frozen expert's steps
+        ("wan22-5b-i2v", 5.0, {}),  # per-token timesteps, the given first frame
+    ],
+)
+def test_grpo_denoising_loop_and_micro_step_never_read_the_device(tiny_model_dir, tmp_path, kind, guidance, extra):
+    images = {"image": tiny_condition_images(2)} if kind.endswith("i2v") else {}
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",
-        args=tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind)),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        args=tiny_grpo_config(tmp_path, guidance_scale=guidance, **extra, **family_overrides(kind)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2], **images}),
         peft_config=_lora(),
     )
-    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
-    cond = trainer.policy.encode_prompts(PROMPTS[:2])
+    rows = [dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)]
+    trainer._generate_and_score(rows)
+    cond = trainer.policy.encode_prompts(PROMPTS[:2], **images)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     with HostReads() as probe:
         trainer.sample(PROMPTS[:2], generators, cond=cond)
