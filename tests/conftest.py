@@ -65,3 +65,18 @@ def tiny_grpo_config(output_dir, **overrides):
     }
     values.update(overrides)
     return DanceGRPOConfig(**values)
+
+
+def max_ratio_deviation(trainer) -> float:
+    """max |ρ − 1| over the transitions planned for the last round: each log-prob recomputed by the policy, as the
+    loss does, against the one the rollout stored."""
+    worst = 0.0
+    for plan in trainer._microbatches:
+        inputs = trainer._microbatch(plan)
+        with torch.no_grad():
+            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+            step = trainer.policy.step(
+                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
+            )
+        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
+    return worst

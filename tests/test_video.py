@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PROMPTS, family_overrides, tiny_grpo_config
+from conftest import PROMPTS, family_overrides, max_ratio_deviation, tiny_grpo_config
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
@@ -106,25 +106,22 @@ def test_temporal_consistency_of_videos_rises(tiny_model_dir, tmp_path):
     assert last - first > 0.006 and last - first > 2 * initial_std
 
 
+def _assert_refused(model_dir, tmp_path, match, **config):
+    """DanceGRPOTrainer on ``model_dir`` with a prompt-only dataset raises ValueError matching ``match``."""
+    with pytest.raises(ValueError, match=match):
+        DanceGRPOTrainer(model_dir, "brightness", args=tiny_grpo_config(tmp_path, **config), train_dataset=_dataset())
+
+
 def test_video_configuration_errors(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="num_frames must be 1 \\+ a multiple of 2"):
-        DanceGRPOTrainer(
-            tiny_model_dir("wan"),
-            "brightness",
-            args=tiny_grpo_config(tmp_path, num_frames=4),
-            train_dataset=_dataset(),
-        )
-    with pytest.raises(ValueError, match="num_frames applies to video pipelines"):
-        DanceGRPOTrainer(
-            tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
-        )
-    with pytest.raises(ValueError, match="pipeline_class must name a diffusers pipeline class, got 'WanModel'"):
-        DanceGRPOTrainer(
-            tiny_model_dir("wan"),
-            "brightness",
-            args=tiny_grpo_config(tmp_path, pipeline_class="WanModel", **WAN),
-            train_dataset=_dataset(),
-        )
+    _assert_refused(tiny_model_dir("wan"), tmp_path, "num_frames must be 1 \\+ a multiple of 2", num_frames=4)
+    _assert_refused(tiny_model_dir("flux"), tmp_path, "num_frames applies to video pipelines", **WAN)
+    _assert_refused(
+        tiny_model_dir("wan"),
+        tmp_path,
+        "pipeline_class must name a diffusers pipeline class, got 'WanModel'",
+        pipeline_class="WanModel",
+        **WAN,
+    )
     with pytest.raises(ValueError, match="video_reward_frames must be >= 1"):
         tiny_grpo_config(tmp_path, video_reward_frames=0)
     dpo_args = DiffusionDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32)
@@ -180,16 +177,7 @@ def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_
     trainer._generate_and_score(rows)
     cond, index = trainer._rollout["cond"], trainer._rollout["prompt_index"].tolist()
     assert index == [0, 0, 0, 0, 1, 2, 2, 2] and cond["image_condition"].shape[0] == 3
-    worst = 0.0
-    for plan in trainer._microbatches:
-        inputs = trainer._microbatch(plan)
-        with torch.no_grad():
-            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
-            step = trainer.policy.step(
-                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
-            )
-        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
-    assert worst < 1e-5
+    assert max_ratio_deviation(trainer) < 1e-5
 
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
     images = [dataset[0]["image"], dataset[1]["image"]]
@@ -198,7 +186,7 @@ def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_
         output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), two_images)
     assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
     if kind == "wan22-5b":
-        _assert_the_first_frame_is_given(trainer, inputs)
+        _assert_the_first_frame_is_given(trainer, trainer._microbatch(trainer._microbatches[0]))
     trainer.create_model_card()
     assert "pipeline_tag: image-to-video" in (tmp_path / "README.md").read_text()
 
@@ -226,10 +214,8 @@ def _assert_the_first_frame_is_given(trainer, inputs):
 
 
 def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"conditions every sample on the dataset columns \['image'\]"):
-        DanceGRPOTrainer(
-            tiny_model_dir("wan-i2v"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
-        )
+    match = r"conditions every sample on the dataset columns \['image'\]"
+    _assert_refused(tiny_model_dir("wan-i2v"), tmp_path, match, **WAN)
 
 
 # Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts): Wan 2.1 layout
@@ -285,16 +271,7 @@ def test_two_expert_wan_trains_one_expert_on_its_own_steps(
     trainer._generate_and_score([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])
     planned = torch.cat([plan[1] for plan in trainer._microbatches])
     assert sorted(set(planned.tolist())) == steps and len(planned) == 8 * len(steps)
-    worst = 0.0
-    for plan in trainer._microbatches:
-        inputs = trainer._microbatch(plan)
-        with torch.no_grad():
-            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
-            step = trainer.policy.step(
-                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
-            )
-        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
-    assert worst < 1e-5
+    assert max_ratio_deviation(trainer) < 1e-5
 
     trainer.train()
     assert all(torch.equal(v, frozen_before[k]) for k, v in frozen.state_dict().items())
@@ -317,19 +294,15 @@ def test_two_expert_wan_trains_one_expert_on_its_own_steps(
 
 
 def test_two_expert_wan_configuration_errors(tiny_model_dir, tmp_path):
-    with pytest.raises(
-        ValueError, match=r"the high_noise expert serves only 2 \(\[0, 1\]\); use timestep_fraction <= 0.400"
-    ):
-        DanceGRPOTrainer(
-            tiny_model_dir("wan22"), "brightness", args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
-        )
-    with pytest.raises(ValueError, match="apply to two-expert Wan 2.2 pipelines"):
-        DanceGRPOTrainer(
-            tiny_model_dir("wan"),
-            "brightness",
-            args=tiny_grpo_config(tmp_path, train_expert="low_noise", **WAN),
-            train_dataset=_dataset(),
-        )
+    _assert_refused(
+        tiny_model_dir("wan22"),
+        tmp_path,
+        r"the high_noise expert serves only 2 \(\[0, 1\]\); use timestep_fraction <= 0.400",
+        **WAN,
+    )
+    _assert_refused(
+        tiny_model_dir("wan"), tmp_path, "apply to two-expert Wan 2.2 pipelines", train_expert="low_noise", **WAN
+    )
     with pytest.raises(ValueError, match="train_expert must be one of"):
         tiny_grpo_config(tmp_path, train_expert="both")
 
