@@ -1,8 +1,9 @@
 """Run by tests/test_deepspeed.py under `accelerate launch --config_file recipes/accelerate/deepspeed_zero*.yaml`:
 a short GRPO or Diffusion-DPO run on a tiny pipeline, LoRA or full fine-tune, then `save_model`.
 
-argv: trainer (grpo | dpo), mode (lora | full), model_dir, output_dir, result_path. The main process writes the
-trainable parameters it saw (name → numel, of the gathered model) to result_path as JSON.
+argv: trainer (grpo | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
+further GRPO config values. The main process writes what it saw (process count, ZeRO stage, whether the parameters
+were partitioned, the losses) to result_path as JSON.
 """
 
 import json
@@ -16,6 +17,7 @@ from trl_dance import DanceGRPOConfig, DanceGRPOTrainer, DiffusionDPOConfig, Dif
 from trl_dance.testing import tiny_preference_dataset
 
 trainer_name, mode, model_dir, output_dir, result_path = sys.argv[1:6]
+overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
 torch.set_num_threads(1)
 common = {
     "output_dir": output_dir,
@@ -43,18 +45,18 @@ def partition_everything(args):
 
 
 if trainer_name == "grpo":
-    args = DanceGRPOConfig(
-        **common,
-        num_generations=2,
-        generation_batch_size=4,
-        num_inference_steps=4,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        per_device_train_batch_size=3,
-        timestep_fraction=1.0,
-        eta=1.0,
-    )
+    grpo = {
+        "num_generations": 2,
+        "generation_batch_size": 4,
+        "num_inference_steps": 4,
+        "height": 32,
+        "width": 32,
+        "max_sequence_length": 16,
+        "per_device_train_batch_size": 3,
+        "timestep_fraction": 1.0,
+        "eta": 1.0,
+    }
+    args = DanceGRPOConfig(**common, **(grpo | overrides))
     dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
     trainer = DanceGRPOTrainer(
         model_dir, "brightness", args=partition_everything(args), train_dataset=dataset, peft_config=peft

@@ -10,19 +10,21 @@ import torch
 from diffusers import DiffusionPipeline
 from safetensors.torch import load_file
 
+from trl_dance.testing import TINY_VIDEO_FRAMES
+
 pytest.importorskip("deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "deepspeed_run.py")
 
 
-def _launch(stage, trainer, mode, model_dir, tmp_path, port):
+def _launch(stage, trainer, mode, model_dir, tmp_path, port, overrides):
     output_dir, result = tmp_path / "out", tmp_path / "result.json"
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", os.path.join(ROOT, "recipes", "accelerate", f"deepspeed_zero{stage}.yaml"),
         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port),
-        SCRIPT, trainer, mode, model_dir, str(output_dir), str(result),
+        SCRIPT, trainer, mode, model_dir, str(output_dir), str(result), json.dumps(overrides),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -31,20 +33,39 @@ def _launch(stage, trainer, mode, model_dir, tmp_path, port):
         return output_dir, json.load(handle)
 
 
+# Wan 2.2 A14B's low-noise expert trained under ZeRO-3 (sharded), the high-noise one frozen in bf16 beside the engine.
+LOW_NOISE_EXPERT = {
+    "num_frames": TINY_VIDEO_FRAMES,
+    "num_inference_steps": 6,
+    "train_expert": "low_noise",
+    "timestep_fraction": 0.6,
+    "guidance_scale": 4.0,
+    "guidance_scale_2": 3.0,
+    "frozen_dtype": "bfloat16",
+}
+
+
 @pytest.mark.parametrize(
-    ("stage", "trainer", "mode", "kind"),
-    [(2, "grpo", "lora", "flux"), (2, "dpo", "full", "sd"), (3, "grpo", "full", "flux"), (3, "dpo", "lora", "sd")],
+    ("stage", "trainer", "mode", "kind", "overrides"),
+    [
+        (2, "grpo", "lora", "flux", {}),
+        (2, "dpo", "full", "sd", {}),
+        (3, "grpo", "full", "flux", {}),
+        (3, "dpo", "lora", "sd", {}),
+        (3, "grpo", "lora", "wan22", LOW_NOISE_EXPERT),
+    ],
 )
-def test_zero_trains_and_saves_a_complete_model(tiny_model_dir, tmp_path, stage, trainer, mode, kind):
+def test_zero_trains_and_saves_a_complete_model(tiny_model_dir, tmp_path, stage, trainer, mode, kind, overrides):
     model_dir = tiny_model_dir(kind)
-    output_dir, result = _launch(stage, trainer, mode, model_dir, tmp_path, 29600 + 10 * stage + len(trainer + mode))
+    port = 29600 + 10 * stage + len(trainer + mode + kind)
+    output_dir, result = _launch(stage, trainer, mode, model_dir, tmp_path, port, overrides)
     assert result["num_processes"] == 2 and result["zero_stage"] == stage
     assert "DEEPSPEED" in result["distributed_type"]
     assert result["partitioned"] == (stage == 3)  # ZeRO-3 really sharded the parameters
     assert result["losses"] and all(torch.isfinite(torch.tensor(result["losses"])))
 
     pipeline = DiffusionPipeline.from_pretrained(model_dir)
-    denoiser_name = "transformer" if kind == "flux" else "unet"
+    denoiser_name = {"flux": "transformer", "sd": "unet", "wan22": "transformer_2"}[kind]
     base = getattr(pipeline, denoiser_name).state_dict()
     if mode == "lora":
         saved = load_file(output_dir / "pytorch_lora_weights.safetensors")
@@ -53,7 +74,9 @@ def test_zero_trains_and_saves_a_complete_model(tiny_model_dir, tmp_path, stage,
         targets = [k for k in base if k.endswith(("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight"))]
         assert len(lora_b) == len(targets) and len(saved) == 2 * len(targets)
         assert all(saved[key].numel() > 0 and saved[key].abs().sum() > 0 for key in lora_b)  # trained, not empty
-        pipeline.load_lora_weights(str(output_dir))  # and diffusers reads it
+        # and diffusers reads it, into the trained expert
+        pipeline.load_lora_weights(str(output_dir), **({"load_into_transformer_2": True} if kind == "wan22" else {}))
+        assert getattr(getattr(pipeline, denoiser_name), "_hf_peft_config_loaded", False)
     else:
         trained = type(getattr(pipeline, denoiser_name)).from_pretrained(str(output_dir)).state_dict()
         assert trained.keys() == base.keys()
