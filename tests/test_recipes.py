@@ -79,6 +79,10 @@ def test_shipped_configs_are_valid(name, tmp_path):
     config = config_class(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
     assert config_class is DiffusionDPOConfig or config.steps_per_generation >= 1
+    if "pipeline_class" in values:
+        import diffusers
+
+        assert issubclass(getattr(diffusers, values["pipeline_class"]), diffusers.DiffusionPipeline)
     if "train_expert" in values:
         # The tiny two-expert Wan has Wan 2.2's boundary (0.875 of 1000): the same steps fall to each expert.
         from trl_dance.policies import make_policy
