@@ -220,8 +220,9 @@ def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
 
 # Measured (seed 42, constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts): Wan 2.1 layout
 # -1.336 -> -1.235 kB (sample std 0.011; brightness in the same setting 0.526 -> 0.535, std 0.001); Wan 2.2 TI2V
-# layout, whose first frame is the image's and cannot change, -1.113 -> -1.057 kB (sample std 0.007).
-@pytest.mark.parametrize(("kind", "load", "rise"), [("wan-i2v", {}, 0.05), ("wan22-5b", TI2V_AS_I2V, 0.03)])
+# layout, whose first frame is the image's and cannot change and whose VAE leaves 2×2 tokens per latent frame,
+# -1.213 -> -1.193 kB (sample std 0.005), most of it in the last 10 rounds.
+@pytest.mark.parametrize(("kind", "load", "rise"), [("wan-i2v", {}, 0.05), ("wan22-5b", TI2V_AS_I2V, 0.012)])
 def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path, kind, load, rise):
     """Learning on image-to-video: GRPO with CFG raises the frame-averaged JPEG compressibility of videos that
     start from the dataset's images."""

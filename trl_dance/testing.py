@@ -306,6 +306,26 @@ def wan_scheduler() -> UniPCMultistepScheduler:
 TINY_VIDEO_FRAMES = 5
 
 
+def _wan_vae(latent_channels: int, temporal: int, wan22: bool) -> AutoencoderKLWan:
+    """A tiny causal 3D VAE downsampling frames by ``temporal``. Wan 2.1 layout: pixels by 2. Wan 2.2 layout (TI2V-5B):
+    residual blocks behind a 2×2 pixel patchify, pixels by 8."""
+    layout = (
+        {"dim_mult": [1, 2, 2], "temperal_downsample": [False, True], "is_residual": True, "patch_size": 2}
+        | {"in_channels": 12, "out_channels": 12, "decoder_base_dim": 8, "scale_factor_spatial": 8}
+        if wan22
+        else {"dim_mult": [1, 2], "temperal_downsample": [True], "scale_factor_spatial": 2}
+    )
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=latent_channels,
+        num_res_blocks=1,
+        latents_mean=[0.1, -0.1, 0.05, -0.05],
+        latents_std=[1.2, 0.8, 1.0, 1.1],
+        scale_factor_temporal=temporal,
+        **layout,
+    )
+
+
 def _wan_components(image_to_video: bool = False, two_experts: bool = False, expand_timesteps: bool = False) -> dict:
     """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
@@ -336,17 +356,7 @@ def _wan_components(image_to_video: bool = False, two_experts: bool = False, exp
     components = {
         "tokenizer": tokenizer,
         "text_encoder": _t5_encoder(tokenizer, d_model=32, umt5=True),
-        "vae": AutoencoderKLWan(
-            base_dim=8,
-            z_dim=latent_channels,
-            dim_mult=[1, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True],
-            latents_mean=[0.1, -0.1, 0.05, -0.05],
-            latents_std=[1.2, 0.8, 1.0, 1.1],
-            scale_factor_temporal=temporal,
-            scale_factor_spatial=2,
-        ),
+        "vae": _wan_vae(latent_channels, temporal, wan22=expand_timesteps),
         "transformer": transformer(),
         "scheduler": wan_scheduler(),
     }
@@ -400,7 +410,8 @@ def tiny_wan22_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
 
 
 def tiny_wan22_5b_pipeline(seed: int = 0) -> WanPipeline:
-    """A WanPipeline in the Wan 2.2 TI2V-5B layout used for text-to-video (one timestep per latent token)."""
+    """A WanPipeline in the Wan 2.2 TI2V-5B layout used for text-to-video: one timestep per latent token, a residual
+    VAE behind a pixel patchify (32×32 pixels: 4×4 latents, 2×2 tokens per latent frame)."""
     return _build(lambda: WanPipeline(**_wan_components(expand_timesteps=True)), seed)
 
 
