@@ -338,14 +338,26 @@ def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
     assert args.timesteps_per_sample == 9 and args.steps_per_generation == 12 * 9
 
 
-@pytest.mark.parametrize("use_lora", [True, False])
-def test_checkpoints_resume(tiny_model_dir, tmp_path, use_lora):
+@pytest.mark.parametrize(
+    ("kind", "use_lora", "extra"),
+    [
+        ("flux", True, {}),
+        ("flux", False, {}),
+        # A LoRA of Wan 2.2's low-noise expert: saved under "transformer", loaded back into transformer_2.
+        ("wan22", True, {"train_expert": "low_noise", "timestep_fraction": 0.6, **family_overrides("wan22")}),
+    ],
+)
+def test_checkpoints_resume(tiny_model_dir, tmp_path, kind, use_lora, extra):
     """Checkpoints are diffusers-format and `resume_from_checkpoint` loads them back (weights, optimizer, step)."""
     peft = _lora() if use_lora else None
-    args = tiny_grpo_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, learning_rate=1e-3)
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
-    )
+    args = tiny_grpo_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, learning_rate=1e-3, **extra)
+
+    def new_trainer():
+        return DanceGRPOTrainer(
+            tiny_model_dir(kind), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
+        )
+
+    trainer = new_trainer()
     trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
     assert (
@@ -353,17 +365,13 @@ def test_checkpoints_resume(tiny_model_dir, tmp_path, use_lora):
     ).exists()
     trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
-    resumed = DanceGRPOTrainer(
-        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
-    )
+    resumed = new_trainer()
     resumed._load_from_checkpoint(str(checkpoint))
     for key, value in resumed.model.state_dict().items():
         assert torch.equal(value, trained[key]), key
 
     # Interrupted after step 1: resuming restores weights, optimizer and step counter, and trains on to step 2.
-    again = DanceGRPOTrainer(
-        tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset(), peft_config=peft
-    )
+    again = new_trainer()
     again._load_from_checkpoint(str(tmp_path / "checkpoint-1"))
     at_step_1 = {k: v.clone() for k, v in again.model.state_dict().items()}
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
