@@ -327,7 +327,7 @@ def _wan_vae(latent_channels: int, temporal: int, wan22: bool) -> AutoencoderKLW
 
 
 def _wan_components(image_to_video: bool = False, two_experts: bool = False, expand_timesteps: bool = False) -> dict:
-    """The components of a tiny Wan pipeline: VAE downsampling frames and pixels by 2, 4 latent channels. For
+    """The components of a tiny Wan pipeline: a VAE (:func:`_wan_vae`) downsampling frames by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
     tiny CLIP vision encoder's features (Wan 2.1; Wan 2.2 A14B has no image encoder). ``two_experts``: Wan 2.2
     A14B's layout; ``expand_timesteps``: Wan 2.2 TI2V-5B's (one timestep per token, the image's latent as the first
