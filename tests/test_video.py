@@ -306,6 +306,40 @@ def test_two_expert_wan_configuration_errors(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="train_expert must be one of"):
         tiny_grpo_config(tmp_path, train_expert="both")
+    _assert_refused(
+        tiny_model_dir("wan"),
+        tmp_path,
+        "offload_frozen_expert applies to two-expert",
+        offload_frozen_expert=True,
+        **WAN,
+    )
+
+
+def test_an_offloaded_frozen_expert_moves_once_each_way_per_round(tiny_model_dir, tmp_path):
+    """offload_frozen_expert: the frozen expert goes to the accelerator for a round's rollouts (all its chunks) and
+    back to the CPU, and training never moves it."""
+    args = tiny_grpo_config(
+        tmp_path,
+        train_expert="low_noise",
+        timestep_fraction=0.6,
+        offload_frozen_expert=True,
+        rollout_batch_size=2,
+        **WAN,
+    )
+    trainer = DanceGRPOTrainer(tiny_model_dir("wan22"), "brightness", args=args, train_dataset=_dataset())
+    policy = trainer.policy
+    frozen = policy.frozen_expert
+    assert frozen is policy.pipeline.transformer and policy.offloaded_modules() == [frozen]
+    assert next(frozen.parameters()).device.type == "cpu"
+    moves, move = [], frozen.to
+    frozen.to = lambda device: moves.append(str(device)) or move(device)
+
+    trainer._generate_and_score([dict(trainer.train_dataset[i]) for i in (0, 1) for _ in range(4)])  # 4 chunks
+    assert moves == [str(policy.device), "cpu"]
+    trainer.generate_images(["a cat"])
+    assert moves == [str(policy.device), "cpu"] * 2
+    trainer.compute_loss(trainer.model, trainer._microbatch(trainer._microbatches[0])).backward()
+    assert len(moves) == 4 and policy._sampling_depth == 0
 
 
 # Measured (seed 42, constant lr 1.5e-2, CFG 5 / 3, the low-noise expert's 3 trainable steps, mean of the

@@ -64,7 +64,10 @@ class DiffusionPolicy(ABC):
         self.pipeline = pipeline
         self.settings = settings
         self._negative: Conditioning | None = None
-        self.offload_text_encoders = False  # set by the trainer from its config
+        # Memory settings, set by the trainer from its config.
+        self.offload_text_encoders = False
+        self.offload_frozen_expert = False
+        self._sampling_depth = 0
         if settings.num_frames is not None and not self.is_video:
             raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
         if settings.negative_prompt is not None and not self.use_cfg:
@@ -105,10 +108,39 @@ class DiffusionPolicy(ABC):
             if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)
         ]
 
-    def to(self, device: torch.device | str) -> DiffusionPolicy:
-        """Move the frozen modules to ``device`` (the trainer places the denoiser); text encoders stay on the CPU
-        when ``offload_text_encoders`` is set."""
+    @property
+    def frozen_expert(self) -> torch.nn.Module | None:
+        """The denoiser that serves the steps of the trained one's frozen partner (two-expert Wan 2.2), else None."""
+        return None
+
+    def offloaded_modules(self) -> list[torch.nn.Module]:
+        """Frozen modules kept on the CPU and moved to the accelerator only while used: the text encoders with
+        ``offload_text_encoders``, the frozen expert with ``offload_frozen_expert``."""
         offloaded = self.text_encoders() if self.offload_text_encoders else []
+        if self.offload_frozen_expert and self.frozen_expert is not None:
+            offloaded.append(self.frozen_expert)
+        return offloaded
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """Hold around rollouts: with ``offload_frozen_expert`` the frozen expert is on the accelerator only inside.
+        Re-entrant, so a round of several rollout chunks moves it once each way."""
+        module = self.frozen_expert if self.offload_frozen_expert else None
+        outermost = module is not None and self._sampling_depth == 0
+        if outermost:
+            module.to(self.device)
+        self._sampling_depth += 1
+        try:
+            yield
+        finally:
+            self._sampling_depth -= 1
+            if outermost:
+                module.to("cpu")
+
+    def to(self, device: torch.device | str) -> DiffusionPolicy:
+        """Move the frozen modules to ``device`` (the trainer places the denoiser), except
+        :meth:`offloaded_modules`, which stay on the CPU."""
+        offloaded = self.offloaded_modules()
         for module in self.frozen_modules():
             module.requires_grad_(False).to("cpu" if any(module is m for m in offloaded) else device)
         return self

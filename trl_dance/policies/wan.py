@@ -91,13 +91,17 @@ class WanPolicy(FlowMatchingPolicy):
             return None
         return "transformer_2" if self.denoiser_name == "transformer" else "transformer"
 
+    @property
+    def frozen_expert(self) -> torch.nn.Module | None:
+        frozen = self._frozen_expert_name
+        return None if frozen is None else getattr(self.pipeline, frozen)
+
     def predict_step(self, model: torch.nn.Module, latents: torch.Tensor, step: int, cond: Conditioning):
         if self._trained_steps[step]:
             return super().predict_step(model, latents, step, cond)
-        frozen = self._frozen_expert_name
         timestep = self.model_timestep(torch.full((latents.shape[0],), step, device=latents.device))
-        scale = self._expert_guidance_scale(frozen)
-        return self.predict_at(getattr(self.pipeline, frozen), latents, timestep, cond, guidance_scale=scale)
+        scale = self._expert_guidance_scale(self._frozen_expert_name)
+        return self.predict_at(self.frozen_expert, latents, timestep, cond, guidance_scale=scale)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -132,9 +136,8 @@ class WanPolicy(FlowMatchingPolicy):
         image_embeds = cond.get("image_embeds")
         if self.pipeline.config.expand_timesteps:
             timestep = timestep[:, None] * self._token_noise_mask(latents)[None]
-        frozen = self._frozen_expert_name
         # The frozen expert may be held in another dtype (frozen_dtype) than the trained one.
-        dtype = (model if frozen and model is getattr(self.pipeline, frozen) else self.denoiser).dtype
+        dtype = (model if model is self.frozen_expert else self.denoiser).dtype
         # The timestep stays float32, as in WanPipeline: the transformer casts it after the sinusoidal projection.
         return model(
             hidden_states=self._model_input(latents, cond).to(dtype),

@@ -50,6 +50,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             among the trained expert's steps.
         guidance_scale_2 (`float` or `None`, defaults to `None`): Two-expert pipelines: the CFG scale of the
             low-noise expert's steps. `None`: `guidance_scale`.
+        offload_frozen_expert (`bool`, defaults to `False`): Two-expert pipelines: keep the frozen expert on the CPU
+            except during rollouts, one transfer each way per round, so training does not hold it (Wan 2.2 A14B:
+            28 GB in bf16).
         sde_type (`str`, defaults to `"dance"`): Stochastic step: `"dance"` (constant diffusion η),
             `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
@@ -157,6 +160,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     guidance_scale_2: float | None = field(
         default=None,
         metadata={"help": "Two-expert Wan 2.2: CFG scale of the low-noise steps (default: guidance_scale)."},
+    )
+    offload_frozen_expert: bool = field(
+        default=False, metadata={"help": "Two-expert Wan 2.2: keep the frozen expert on the CPU except in rollouts."}
     )
     sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
     eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})

@@ -124,6 +124,12 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._check_dataset(train_dataset, args)
 
         policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
+        if args.offload_frozen_expert and policy.frozen_expert is None:
+            raise ValueError(
+                f"offload_frozen_expert applies to two-expert pipelines (Wan 2.2 A14B); {type(policy.pipeline).__name__} "
+                "has one denoiser"
+            )
+        policy.offload_frozen_expert = args.offload_frozen_expert
         policy.check_schedule()
         trainable = policy.trainable_steps()
         if args.timesteps_per_sample > len(trainable):
@@ -285,7 +291,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         if cond is None:
             cond = self.policy.encode_prompts(prompts, **(columns or {}))
         num_steps = self.policy.num_steps
-        with self.compute_loss_context_manager():
+        with self.compute_loss_context_manager(), self.policy.sampling():
             latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
             # (N, B, ...): every step's noise of every sample, moved to the device once.
             noise = torch.stack(
@@ -336,27 +342,29 @@ class DanceGRPOTrainer(DiffusionTrainer):
         generators = self._sample_generators(batch, first_index)
         chunk = args.rollout_batch_size or batch
         parts, scores = [], []
-        for chunk_start in range(0, batch, chunk):
-            part = slice(chunk_start, chunk_start + chunk)
-            idx = prompt_index[part]
-            parts.append(
-                self.sample(
-                    prompts[part],
-                    generators[part],
-                    cond={key: value[idx] for key, value in cond_table.items()},
-                    initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
+        # One move each way of an offloaded frozen expert per round, not per chunk.
+        with self.policy.sampling():
+            for chunk_start in range(0, batch, chunk):
+                part = slice(chunk_start, chunk_start + chunk)
+                idx = prompt_index[part]
+                parts.append(
+                    self.sample(
+                        prompts[part],
+                        generators[part],
+                        cond={key: value[idx] for key, value in cond_table.items()},
+                        initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
+                    )
                 )
-            )
-            # Score this chunk (in the worker thread, while the next chunk is denoised).
-            score = functools.partial(
-                score_images,
-                self.reward_funcs,
-                prompts[part],
-                parts[-1]["images"],
-                {key: values[part] for key, values in columns.items()},
-                args.video_reward_frames,
-            )
-            scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
+                # Score this chunk (in the worker thread, while the next chunk is denoised).
+                score = functools.partial(
+                    score_images,
+                    self.reward_funcs,
+                    prompts[part],
+                    parts[-1]["images"],
+                    {key: values[part] for key, values in columns.items()},
+                    args.video_reward_frames,
+                )
+                scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
