@@ -81,8 +81,8 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
     with torch.no_grad():
         cond, latents = policy.encode_prompts(PROMPTS, **columns), initial
         for i in range(STEPS):
-            output = policy.predict_step(policy.denoiser, latents, i, cond)
             index = torch.full((len(PROMPTS),), i)
+            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
         ours = policy.decode(policy.final_latents(latents, cond))
 

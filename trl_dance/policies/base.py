@@ -221,10 +221,12 @@ class DiffusionPolicy(ABC):
         """
         return self.predict_at(model, latents, self.model_timestep(step_index), cond)
 
-    def predict_step(self, model: torch.nn.Module, latents: torch.Tensor, step: int, cond: Conditioning):
-        """:meth:`predict` for a batch all at step ``step`` (the sampler's loop), where a policy with several experts
-        calls the one that serves the step (``model`` for the trained one)."""
-        step_index = torch.full((latents.shape[0],), step, device=latents.device, dtype=torch.long)
+    def predict_step(
+        self, model: torch.nn.Module, latents: torch.Tensor, step: int, step_index: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """:meth:`predict` for a batch all at step ``step`` (the sampler's loop; ``step_index`` is (B,) filled with
+        it), where a policy with several experts calls the one that serves the step (``model`` for the trained one):
+        the host-side ``step`` picks it without reading the device."""
         return self.predict(model, latents, step_index, cond)
 
     def predict_at(

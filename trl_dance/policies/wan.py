@@ -96,12 +96,15 @@ class WanPolicy(FlowMatchingPolicy):
         frozen = self._frozen_expert_name
         return None if frozen is None else getattr(self.pipeline, frozen)
 
-    def predict_step(self, model: torch.nn.Module, latents: torch.Tensor, step: int, cond: Conditioning):
+    def predict_step(
+        self, model: torch.nn.Module, latents: torch.Tensor, step: int, step_index: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
         if self._trained_steps[step]:
-            return super().predict_step(model, latents, step, cond)
-        timestep = self.model_timestep(torch.full((latents.shape[0],), step, device=latents.device))
+            return super().predict_step(model, latents, step, step_index, cond)
         scale = self._expert_guidance_scale(self._frozen_expert_name)
-        return self.predict_at(self.frozen_expert, latents, timestep, cond, guidance_scale=scale)
+        return self.predict_at(
+            self.frozen_expert, latents, self.model_timestep(step_index), cond, guidance_scale=scale
+        )
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

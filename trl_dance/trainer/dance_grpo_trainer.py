@@ -300,7 +300,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
             trajectory, log_probs = [latents], []
             for i in range(num_steps):
                 step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
-                output = self.policy.predict_step(model, latents, i, cond)
+                output = self.policy.predict_step(model, latents, i, step_index, cond)
                 # The last step is never trained (its Gaussian is very sharp): no log-prob needed.
                 result = self.policy.step(
                     output, latents, step_index, noise=noise[i], compute_log_prob=i < num_steps - 1
