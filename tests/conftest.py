@@ -1,3 +1,4 @@
+import json
 import os
 import tempfile
 
@@ -12,8 +13,11 @@ import torch  # noqa: E402
 
 from trl_dance.testing import TINY_VIDEO_FRAMES, save_tiny_pipeline  # noqa: E402
 
-# Two pytest-xdist workers share two cores: one intra-op thread each.
-torch.set_num_threads(1)
+# Two pytest-xdist workers share two cores: one intra-op thread each. TRL_DANCE_TEST_THREADS and
+# TRL_DANCE_TEST_SEED let benchmarks/learning_spread.py rerun the learning tests under other reduction orders and
+# noise streams, which is how their margins were measured.
+torch.set_num_threads(int(os.environ.get("TRL_DANCE_TEST_THREADS", "1")))
+LEARNING_SEED = int(os.environ.get("TRL_DANCE_TEST_SEED", "42"))
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 # Attention plus output projections (FLUX proj_mlp, UNet conv_out); names a family lacks are skipped by peft.
@@ -80,3 +84,18 @@ def max_ratio_deviation(trainer) -> float:
             )
         worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
     return worst
+
+
+def assert_learned(metric: str, first: float, last: float, noise: float, margin: float) -> None:
+    """A learning test's verdict: the gain of ``metric`` ``last − first`` exceeds ``margin`` and twice the sample std
+    ``noise``. Each verdict is also appended, as a JSON line, to $TRL_DANCE_LEARNING_LOG when set (xdist workers
+    print nothing), so that benchmarks/learning_spread.py can tabulate gains across seeds and thread counts."""
+    gain = last - first
+    record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "metric": metric, "seed": LEARNING_SEED}
+    record |= {"threads": torch.get_num_threads(), "first": first, "last": last, "gain": gain, "noise": noise}
+    record["margin"] = margin
+    print(f"learning: {record}")
+    if os.environ.get("TRL_DANCE_LEARNING_LOG"):
+        with open(os.environ["TRL_DANCE_LEARNING_LOG"], "a") as log:
+            log.write(json.dumps(record) + "\n")
+    assert gain > margin and gain > 2 * noise, record

@@ -2,7 +2,15 @@ import math
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, family_overrides, max_ratio_deviation, tiny_grpo_config
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    assert_learned,
+    family_overrides,
+    max_ratio_deviation,
+    tiny_grpo_config,
+)
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxTransformer2DModel
 from peft import LoraConfig
@@ -88,6 +96,7 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
 # Measured (seed 42, constant lr 3e-2, mean of the first 3 -> last 3 rollouts of 30 rounds): flux 0.402 -> 0.532,
 # sd3 0.410 -> 0.582, sd 0.437 -> 0.464, sdxl 0.436 -> 0.489; sample std of the first rollout 0.003-0.005. Gains vary
 # between noise streams (an earlier stream gave sd +0.073, sdxl +0.060); margins are at most half the smaller gain.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "rounds", "margin"), [("flux", 30, 0.035), ("sd3", 30, 0.07), ("sd", 30, 0.012), ("sdxl", 30, 0.02)]
 )
@@ -101,7 +110,7 @@ def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, margin):
         max_steps=rounds,
         guidance_scale=3.5 if kind == "flux" else 1.0,
         lr_scheduler_type="constant",
-        seed=42,
+        seed=LEARNING_SEED,
     )
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind), "brightness", args=args, train_dataset=_dataset(), peft_config=_lora()
@@ -109,10 +118,11 @@ def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, margin):
     trainer.train()
     first, last, rewards = _mean_reward(trainer, 3)
     initial_std = trainer.state.log_history[0]["reward_std"]
-    print(f"{kind}: brightness {first:.4f} -> {last:.4f} (sample std {initial_std:.4f}); per round {rewards}")
-    assert last - first > margin and last - first > 2 * initial_std
+    print(f"{kind}: per round {rewards}")
+    assert_learned("brightness", first, last, initial_std, margin)
 
 
+@pytest.mark.slow
 def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path):
     """DDPO as a configuration: DDIM η=1, per-prompt statistics, all trainable steps, per-sample noise."""
     args = tiny_grpo_config(
@@ -126,7 +136,7 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
         guidance_scale=1.0,
         max_steps=30,
         lr_scheduler_type="constant",
-        seed=42,
+        seed=LEARNING_SEED,
     )
     trainer = DanceGRPOTrainer(
         tiny_model_dir("sd"), "jpeg_compressibility", args=args, train_dataset=_dataset(), peft_config=_lora()
@@ -134,9 +144,9 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
     trainer.train()
     first, last, rewards = _mean_reward(trainer, 3)
     initial_std = trainer.state.log_history[0]["reward_std"]
-    print(f"jpeg compressibility (-kB) {first:.4f} -> {last:.4f} (sample std {initial_std:.4f}); {rewards}")
+    print(f"per round {rewards}")
     # Measured: -1.519 -> -1.170 kB in 30 rounds, sample std 0.010 (an earlier noise stream: -1.519 -> -1.323).
-    assert last - first > 0.1 and last - first > 2 * initial_std
+    assert_learned("jpeg_compressibility", first, last, initial_std, 0.1)
     assert len(trainer.stat_tracker.buffers) == 8  # every prompt has its running statistics
 
 

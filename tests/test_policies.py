@@ -4,7 +4,7 @@ deterministic sampler, so everything between them (text conditioning, CFG and it
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
 from trl_dance.policies import SamplerSettings, make_policy
 from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images
@@ -22,6 +22,8 @@ STEPS = 6
         ("sd3", 4.0, "blurry, dark"),
         ("sd", 5.0, None),
         ("sd", 5.0, "blurry, dark"),
+        ("sd2", 1.0, None),  # v-prediction
+        ("sd2", 5.0, None),
         ("sdxl", 5.0, None),  # the pipeline's zeros for the empty negative prompt
         ("sdxl", 5.0, "blurry, dark"),
         ("wan", 5.0, None),
@@ -60,6 +62,10 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
         # Wan ships a multistep UniPC solver; the policy's deterministic step is Euler's.
         pipeline.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         video = {"num_frames": TINY_VIDEO_FRAMES}
+    if kind.startswith("sd") and kind != "sd3":
+        # SD1.5 ships PNDM, SDXL Euler, neither clipping x̂0: the policy samples with DDIM from the same config (η = 0
+        # here), which must not take DDIM's default clip_sample=True either.
+        pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config, clip_sample=False)
     if guidance_scale_2 is not None:
         video["guidance_scale_2"] = guidance_scale_2
     policy = make_policy(
@@ -111,3 +117,31 @@ def test_a_negative_prompt_without_cfg_is_refused(kind, guidance):
     settings = SamplerSettings(height=32, width=32, guidance_scale=guidance, negative_prompt="blurry")
     with pytest.raises(ValueError, match="negative_prompt feeds the unconditional branch of CFG"):
         make_policy(TINY_PIPELINES[kind](0), settings)
+
+
+@pytest.mark.parametrize(
+    ("kind", "shipped"), [("sd", "PNDMScheduler"), ("sd2", "DDIMScheduler"), ("sdxl", "EulerDiscreteScheduler")]
+)
+def test_unet_policies_start_from_ddim_noise_whatever_scheduler_ships(kind, shipped):
+    """The tiny UNet pipelines ship the real checkpoints' schedulers; the policy's DDIM starts from unit-variance
+    noise, not from the shipped scheduler's init_noise_sigma (SDXL's Euler: 14.6)."""
+    pipeline = TINY_PIPELINES[kind](0)
+    assert type(pipeline.scheduler).__name__ == shipped
+    policy = make_policy(pipeline, SamplerSettings(num_inference_steps=STEPS, height=32, width=32, guidance_scale=1.0))
+    noise = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(64)])
+    assert noise.shape == (64, 4, 16, 16)
+    assert abs(noise.std().item() - 1) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("prediction_type", "flow_prediction", "prediction_type 'flow_prediction' is not supported"),
+        ("thresholding", True, "sets thresholding=True"),
+    ],
+)
+def test_unsupported_unet_scheduler_settings_are_refused(option, value, match):
+    pipeline = TINY_PIPELINES["sd"](0)
+    pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config, **{option: value})
+    with pytest.raises(ValueError, match=match):
+        make_policy(pipeline, SamplerSettings(height=32, width=32))

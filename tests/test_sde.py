@@ -5,7 +5,7 @@ import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
 from trl_dance.schedulers import ddim_alpha_pairs, flow_match_sigmas, patch_scheduler
-from trl_dance.sde import dance_sigmas, ddim_sde_step, flow_sde_step
+from trl_dance.sde import dance_sigmas, ddim_sde_step, diffusion_target, epsilon_and_x0, flow_sde_step
 
 SHAPE = (3, 4, 5, 6)
 
@@ -90,23 +90,51 @@ def test_zero_noise_flow_step_equals_diffusers_euler(shift):
         torch.testing.assert_close(out.mean, expected, atol=1e-6, rtol=1e-6)
 
 
-def test_zero_noise_ddim_step_equals_diffusers_ddim():
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+@pytest.mark.parametrize(("set_alpha_to_one", "clip_sample"), [(False, False), (True, False), (False, True)])
+def test_zero_noise_ddim_step_equals_diffusers_ddim(prediction_type, set_alpha_to_one, clip_sample):
+    """Every prediction type (SD 2.x 768 predicts v), the last step's ᾱ_{t'} = final_alpha_cumprod, clip_sample."""
     scheduler = DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
         beta_schedule="scaled_linear",
-        set_alpha_to_one=False,
+        set_alpha_to_one=set_alpha_to_one,
         steps_offset=1,
-        clip_sample=False,
+        clip_sample=clip_sample,
+        clip_sample_range=0.5,
+        prediction_type=prediction_type,
     )
     scheduler.set_timesteps(10)
     alpha_t, alpha_prev = ddim_alpha_pairs(scheduler)
-    eps, x = _inputs()
+    output, x = _inputs()
     for i in (0, 4, 9):
         t = scheduler.timesteps[i]
-        expected = scheduler.step(eps, t, x, eta=0.0).prev_sample
-        out = ddim_sde_step(eps, x, alpha_t[i], alpha_prev[i], eta=0.0, compute_log_prob=False)
+        expected = scheduler.step(output, t, x, eta=0.0).prev_sample
+        out = ddim_sde_step(
+            output,
+            x,
+            alpha_t[i],
+            alpha_prev[i],
+            eta=0.0,
+            prediction_type=prediction_type,
+            clip_sample_range=0.5 if clip_sample else None,
+            compute_log_prob=False,
+        )
         torch.testing.assert_close(out.prev_sample, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_diffusion_target_inverts_the_prediction(prediction_type):
+    """The training target at x_t = √ᾱ x0 + √(1 − ᾱ) ε, read back by epsilon_and_x0, gives (ε, x0) again."""
+    x0, noise = torch.randn(2, 2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).unbind(0)
+    alpha = torch.tensor([0.3, 0.9], dtype=torch.float64).view(2, 1, 1)
+    x_t = alpha.sqrt() * x0 + (1 - alpha).sqrt() * noise
+    target = diffusion_target(x0, noise, alpha, prediction_type)
+    eps, x0_hat = epsilon_and_x0(target, x_t, alpha, prediction_type)
+    torch.testing.assert_close(eps.double(), noise, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x0_hat.double(), x0, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="prediction_type must be one of"):
+        diffusion_target(x0, noise, alpha, "flow_prediction")
 
 
 def test_ddim_eta_std_equals_diffusers_variance():
@@ -244,7 +272,10 @@ def test_patch_scheduler_ddim_matches_function():
     alpha_t, alpha_prev = ddim_alpha_pairs(scheduler)
     eps, x = _inputs()
     out = scheduler.step_with_logprob(eps, scheduler.timesteps[3], x, generator=torch.Generator().manual_seed(0))
-    ref = ddim_sde_step(eps, x, alpha_t[3], alpha_prev[3], eta=1.0, prev_sample=out.prev_sample)
+    # DDIMScheduler's defaults clip x̂0 to [-1, 1]; the patched step honours it.
+    ref = ddim_sde_step(
+        eps, x, alpha_t[3], alpha_prev[3], eta=1.0, clip_sample_range=1.0, prev_sample=out.prev_sample
+    )
     torch.testing.assert_close(out.log_prob, ref.log_prob)
     with pytest.raises(TypeError):
         patch_scheduler(object())

@@ -29,10 +29,10 @@ def flow_match_sigmas(scheduler: FlowMatchEulerDiscreteScheduler) -> torch.Tenso
 def ddim_alpha_pairs(
     scheduler: DDIMScheduler, timesteps: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cumulative alphas ``(ᾱ_t, ᾱ_{t'})`` for DDIM timesteps, as DDPO computes them.
+    """Cumulative alphas ``(ᾱ_t, ᾱ_{t'})`` for DDIM timesteps, as ``DDIMScheduler.step`` and DDPO compute them.
 
-    ``t' = t − T_train / N`` clamped to ``[0, T_train − 1]``, so the last step uses ``ᾱ_0`` (equal to the scheduler's
-    ``final_alpha_cumprod`` when ``set_alpha_to_one=False``, the Stable Diffusion setting).
+    ``t' = t − T_train / N``; where ``t' < 0`` (the last step) ``ᾱ_{t'}`` is the scheduler's ``final_alpha_cumprod``
+    (``ᾱ_0`` with ``set_alpha_to_one=False``, the Stable Diffusion setting; 1 otherwise).
 
     Args:
         scheduler: a ``DDIMScheduler`` after ``set_timesteps``.
@@ -46,9 +46,10 @@ def ddim_alpha_pairs(
     timesteps = scheduler.timesteps if timesteps is None else torch.as_tensor(timesteps)
     timesteps = timesteps.to("cpu", torch.long)
     num_train = scheduler.config.num_train_timesteps
-    prev = (timesteps - num_train // scheduler.num_inference_steps).clamp(0, num_train - 1)
+    prev = timesteps - num_train // scheduler.num_inference_steps
     alphas = scheduler.alphas_cumprod.to("cpu", torch.float32)
-    return alphas[timesteps], alphas[prev]
+    final = torch.as_tensor(scheduler.final_alpha_cumprod, dtype=torch.float32)
+    return alphas[timesteps], torch.where(prev >= 0, alphas[prev.clamp(0, num_train - 1)], final)
 
 
 def _step_indices(scheduler: FlowMatchEulerDiscreteScheduler, timestep: float | torch.Tensor) -> torch.Tensor:
@@ -109,6 +110,8 @@ def patch_scheduler(
                 alpha_t.to(device).expand(sample.shape[0]),
                 alpha_prev.to(device).expand(sample.shape[0]),
                 eta=level,
+                prediction_type=self.config.prediction_type,
+                clip_sample_range=self.config.clip_sample_range if self.config.clip_sample else None,
                 prev_sample=prev_sample,
                 generator=generator,
             )

@@ -21,6 +21,8 @@ import torch
 
 SDEType = Literal["dance", "flow_grpo", "cps"]
 Reduction = Literal["mean", "sum"]
+PredictionType = Literal["epsilon", "v_prediction", "sample"]
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -170,6 +172,44 @@ def flow_sde_step(
     return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise)
 
 
+def _check_prediction_type(prediction_type: str) -> None:
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+
+
+def epsilon_and_x0(
+    model_output: torch.Tensor, sample: torch.Tensor, alpha_prod_t: torch.Tensor, prediction_type: PredictionType
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ε̂, x̂0)`` from a diffusion model's output at ``x_t = √ᾱ x0 + √(1 − ᾱ) ε``, float32.
+
+    Args:
+        model_output: (B, ...) the network's ε (``"epsilon"``), ``v = √ᾱ ε − √(1 − ᾱ) x0`` (``"v_prediction"``, SD 2.x
+            768) or x0 (``"sample"``).
+        sample: (B, ...) ``x_t``.
+        alpha_prod_t: ``ᾱ_t`` broadcastable to ``sample`` (B, 1, ..., 1).
+    """
+    _check_prediction_type(prediction_type)
+    out, x, a = model_output.to(torch.float32), sample.to(torch.float32), alpha_prod_t
+    if prediction_type == "epsilon":
+        return out, (x - torch.sqrt(1 - a) * out) / torch.sqrt(a)
+    if prediction_type == "v_prediction":
+        return torch.sqrt(a) * out + torch.sqrt(1 - a) * x, torch.sqrt(a) * x - torch.sqrt(1 - a) * out
+    return (x - torch.sqrt(a) * out) / torch.sqrt(1 - a), out
+
+
+def diffusion_target(
+    x0: torch.Tensor, noise: torch.Tensor, alpha_prod_t: torch.Tensor, prediction_type: PredictionType
+) -> torch.Tensor:
+    """What a diffusion model of ``prediction_type`` is trained to output at ``x_t = √ᾱ x0 + √(1 − ᾱ) noise``: ε,
+    ``v = √ᾱ ε − √(1 − ᾱ) x0`` or x0 (the inverse of :func:`epsilon_and_x0`). ``alpha_prod_t`` broadcasts to x0."""
+    _check_prediction_type(prediction_type)
+    if prediction_type == "epsilon":
+        return noise
+    if prediction_type == "v_prediction":
+        return torch.sqrt(alpha_prod_t) * noise - torch.sqrt(1 - alpha_prod_t) * x0
+    return x0
+
+
 def ddim_sde_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -177,27 +217,33 @@ def ddim_sde_step(
     alpha_prod_t_prev: float | torch.Tensor,
     *,
     eta: float = 1.0,
+    prediction_type: PredictionType = "epsilon",
+    clip_sample_range: float | None = None,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
     noise: torch.Tensor | None = None,
 ) -> SDEStepOutput:
-    """One DDIM step with noise ``eta`` (DDPO) for ε-prediction models, with its log-probability.
+    """One DDIM step with noise ``eta`` (DDPO) for diffusion models, with its log-probability.
 
     Args:
-        model_output: (B, ...) predicted noise ε̂.
+        model_output: (B, ...) the network's output, converted by :func:`epsilon_and_x0` per ``prediction_type``.
         sample: (B, ...) current latent ``x_t``.
         alpha_prod_t, alpha_prod_t_prev: cumulative alphas ``ᾱ_t`` and ``ᾱ_{t'}`` in (0, 1]; floats or (B,).
         eta: DDIM η; 0 is the deterministic DDIM step, 1 the DDPM-like posterior variance.
+        prediction_type: ``"epsilon"`` (SD1.x, SDXL), ``"v_prediction"`` (SD 2.x 768) or ``"sample"``.
+        clip_sample_range: clamp x̂0 to ``[−r, r]`` (a scheduler's ``clip_sample``), ε̂ kept as predicted, as
+            ``DDIMScheduler.step`` does; the transition stays Gaussian, its mean a function of the clamped x̂0.
         prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
     """
     _check_noise_level(eta, compute_log_prob)
-    eps = model_output.to(torch.float32)
     x = sample.to(torch.float32)
     a_t = _per_sample(alpha_prod_t, x)
     a_prev = _per_sample(alpha_prod_t_prev, x)
-    x0_hat = (x - torch.sqrt(1 - a_t) * eps) / torch.sqrt(a_t)
+    eps, x0_hat = epsilon_and_x0(model_output, x, a_t, prediction_type)
+    if clip_sample_range is not None:
+        x0_hat = x0_hat.clamp(-clip_sample_range, clip_sample_range)
     variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
     std = eta * torch.sqrt(variance.clamp_min(0))
     mean = torch.sqrt(a_prev) * x0_hat + torch.sqrt((1 - a_prev - std**2).clamp_min(0)) * eps

@@ -25,9 +25,11 @@ from diffusers import (
     AutoencoderKLWan,
     DDIMScheduler,
     DiffusionPipeline,
+    EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    PNDMScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -142,14 +144,32 @@ def _vae(latent_channels: int, scaling_factor: float, shift_factor: float | None
     )
 
 
-def _sd_scheduler() -> DDIMScheduler:
-    return DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
+# The schedulers the real checkpoints ship, with their published configurations: the policies sample with DDIM built
+# from these configs, and must not inherit anything else from them (SDXL's Euler scales initial noise by 14.6).
+_SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
+
+
+def sd15_scheduler() -> PNDMScheduler:
+    """Stable Diffusion 1.5's shipped scheduler: PNDM (PLMS), ε-prediction."""
+    return PNDMScheduler(**_SD_BETAS, set_alpha_to_one=False, skip_prk_steps=True, steps_offset=1)
+
+
+def sdxl_scheduler() -> EulerDiscreteScheduler:
+    """SDXL 1.0 base's shipped scheduler: Euler with "leading" spacing, ε-prediction (initial noise σ_max ≈ 14.6)."""
+    return EulerDiscreteScheduler(
+        **_SD_BETAS,
+        interpolation_type="linear",
+        prediction_type="epsilon",
         steps_offset=1,
+        timestep_spacing="leading",
+        use_karras_sigmas=False,
+    )
+
+
+def sd21_scheduler() -> DDIMScheduler:
+    """Stable Diffusion 2.1 (768)'s shipped scheduler: DDIM, v-prediction."""
+    return DDIMScheduler(
+        **_SD_BETAS, clip_sample=False, set_alpha_to_one=False, steps_offset=1, prediction_type="v_prediction"
     )
 
 
@@ -254,7 +274,8 @@ def _unet(**kwargs) -> UNet2DConditionModel:
 
 
 def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
-    """A StableDiffusionPipeline (SD1.x layout: UNet, one CLIP, DDIM scheduler), 32×32 images, no safety checker."""
+    """A StableDiffusionPipeline (SD1.5 layout: UNet, one CLIP, SD1.5's PNDM scheduler), 32×32 images, no safety
+    checker."""
 
     def factory():
         tokenizer = _clip_tokenizer()
@@ -263,7 +284,27 @@ def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
             text_encoder=_clip_text_encoder(tokenizer),
             tokenizer=tokenizer,
             unet=_unet(cross_attention_dim=_CLIP_DIM),
-            scheduler=_sd_scheduler(),
+            scheduler=sd15_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    return _build(factory, seed)
+
+
+def tiny_sd2_pipeline(seed: int = 0) -> StableDiffusionPipeline:
+    """A StableDiffusionPipeline in the SD 2.1 (768) layout: v-prediction DDIM scheduler, linear attention projections
+    and upcast attention in the UNet, 32×32 images."""
+
+    def factory():
+        tokenizer = _clip_tokenizer()
+        return StableDiffusionPipeline(
+            vae=_vae(latent_channels=4, scaling_factor=_UNET_VAE_SCALING, shift_factor=None),
+            text_encoder=_clip_text_encoder(tokenizer),
+            tokenizer=tokenizer,
+            unet=_unet(cross_attention_dim=_CLIP_DIM, use_linear_projection=True, upcast_attention=True),
+            scheduler=sd21_scheduler(),
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
@@ -273,7 +314,8 @@ def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
 
 
 def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
-    """A StableDiffusionXLPipeline (two CLIPs, pooled embeddings, ``add_time_ids``), 32×32 images."""
+    """A StableDiffusionXLPipeline (two CLIPs, pooled embeddings, ``add_time_ids``, SDXL's Euler scheduler), 32×32
+    images."""
 
     def factory():
         tokenizer, tokenizer_2 = _clip_tokenizer(), _clip_tokenizer()
@@ -290,7 +332,7 @@ def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
                 addition_time_embed_dim=addition_time_embed_dim,
                 projection_class_embeddings_input_dim=6 * addition_time_embed_dim + _CLIP_DIM,
             ),
-            scheduler=_sd_scheduler(),
+            scheduler=sdxl_scheduler(),
         )
 
     return _build(factory, seed)
@@ -431,11 +473,12 @@ def tiny_condition_images(count: int, seed: int = 0) -> list:
     return to_pil(images)
 
 
-_IMAGE_KINDS = ("flux", "sd3", "sd", "sdxl")
+_IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
+    "sd2": tiny_sd2_pipeline,
     "sdxl": tiny_sdxl_pipeline,
     "wan": tiny_wan_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,

@@ -1,21 +1,23 @@
-"""Stable Diffusion 1.x/2.x and SDXL (ε-prediction UNets) sampled with DDIM-η steps (DDPO), CFG in the loss."""
+"""Stable Diffusion 1.x/2.x and SDXL (ε- or v-prediction UNets) sampled with DDIM-η steps (DDPO), CFG in the loss."""
 
 from __future__ import annotations
 
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers.utils.torch_utils import randn_tensor
 
 from ..schedulers import ddim_alpha_pairs
-from ..sde import SDEStepOutput, ddim_sde_step
+from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 
 
 class StableDiffusionPolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.StableDiffusionPipeline`; latents are (B, 4, H/8, W/8).
 
-    Steps follow a ``DDIMScheduler`` built from the pipeline's scheduler config (whatever scheduler it ships),
-    with ``noise_level`` as DDIM's η (1.0 in DDPO). With ``guidance_scale > 1`` the ε used in sampling and in
-    the loss is the CFG combination of both branches.
+    Steps follow a ``DDIMScheduler`` built from the pipeline's scheduler config (whatever scheduler it ships: PNDM for
+    SD1.5, Euler for SDXL), with ``noise_level`` as DDIM's η (1.0 in DDPO), and start from DDIM's unit-variance noise.
+    The UNet's ``prediction_type`` (ε; v for SD 2.x 768; x0) is read from that config and converted in every step. With
+    ``guidance_scale > 1`` the output used in sampling and in the loss is the CFG combination of both branches.
     """
 
     denoiser_name = "unet"
@@ -23,10 +25,35 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     def __init__(self, pipeline: StableDiffusionPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)
-        scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
-        scheduler.set_timesteps(settings.num_inference_steps)
-        self.timesteps = scheduler.timesteps.to(torch.long).clone()
-        self.alpha_prod_t, self.alpha_prod_t_prev = ddim_alpha_pairs(scheduler)
+        config = pipeline.scheduler.config
+        name = type(pipeline.scheduler).__name__
+        self.prediction_type = config.get("prediction_type", "epsilon")
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(
+                f"{name}'s prediction_type {self.prediction_type!r} is not supported; use one of {PREDICTION_TYPES}"
+            )
+        if config.get("thresholding", False):
+            raise ValueError(
+                f"{name} sets thresholding=True: dynamic thresholding of x̂0 is not supported by the DDIM-η step; set "
+                "thresholding=False in the pipeline's scheduler config"
+            )
+        # clip_sample as the given config says; a config without it (PNDM, Euler) does not clip, whatever DDIM's
+        # default.
+        clip = bool(config.get("clip_sample", False))
+        self.scheduler = DDIMScheduler.from_config(config, clip_sample=clip, thresholding=False)
+        self.clip_sample_range = self.scheduler.config.clip_sample_range if clip else None
+        self.scheduler.set_timesteps(settings.num_inference_steps)
+        self.timesteps = self.scheduler.timesteps.to(torch.long).clone()
+        self.alpha_prod_t, self.alpha_prod_t_prev = ddim_alpha_pairs(self.scheduler)
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        # The pipeline's prepare_latents scales by the shipped scheduler's init_noise_sigma (SDXL's Euler: 14.6); the
+        # policy samples with DDIM, whose initial noise has unit variance.
+        scale = self.pipeline.vae_scale_factor
+        shape = (len(generators), self.denoiser.config.in_channels)
+        shape += (self.settings.height // scale, self.settings.width // scale)
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+        return noise * self.scheduler.init_noise_sigma
 
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
         return self.timesteps.to(step_index.device)[step_index]
@@ -48,6 +75,8 @@ class StableDiffusionPolicy(DiffusionPolicy):
             self.alpha_prod_t.to(device)[step_index],
             self.alpha_prod_t_prev.to(device)[step_index],
             eta=self.settings.noise_level,
+            prediction_type=self.prediction_type,
+            clip_sample_range=self.clip_sample_range,
             prev_sample=prev_sample,
             generator=generator,
             reduction=self.settings.log_prob_reduction,

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 
 from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy
 from ..preference_data import PreferenceCollator, drop_ties, preference_format
+from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
 
@@ -148,17 +149,13 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             sigma = sigma.repeat_interleave(2)
             noisy = (1 - sigma.view(shape)) * latents + sigma.view(shape) * noise
             return noisy, noise - latents, self.policy.timestep_from_sigma(sigma)
-        scheduler = self.policy.pipeline.scheduler
+        scheduler = self.policy.scheduler
         timesteps = torch.randint(
             0, scheduler.config.num_train_timesteps, (pairs,), generator=gen, device=device
         ).repeat_interleave(2)
         alpha = scheduler.alphas_cumprod.to(device)[timesteps].view(shape)
         noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
-        if scheduler.config.prediction_type == "v_prediction":
-            target = alpha.sqrt() * noise - (1 - alpha).sqrt() * latents
-        else:
-            target = noise
-        return noisy, target, timesteps
+        return noisy, diffusion_target(latents, noise, alpha, self.policy.prediction_type), timesteps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         pixels = inputs["pixel_values"]  # (B, 2, 3, R, R), chosen first
