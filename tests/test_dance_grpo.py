@@ -40,7 +40,7 @@ def _mean_reward(trainer, rounds):
 
 @pytest.mark.parametrize(
     ("kind", "guidance"),
-    [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 1.0), ("sd", 5.0), ("sdxl", 5.0), ("wan", 5.0)],
+    [("flux", 3.5), ("sd3", 1.0), ("sd3", 4.0), ("sd", 1.0), ("sd", 5.0), ("sd2", 5.0), ("sdxl", 5.0), ("wan", 5.0)],
 )
 def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guidance):
     """On-policy, the training log-prob of every stored transition equals the rollout's: ratio 1."""

@@ -291,8 +291,10 @@ class DiffusionPolicy(ABC):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
+        noise_level: float | None = None,
     ) -> SDEStepOutput:
-        """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`)."""
+        """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
+        ``noise_level`` (default ``settings.noise_level``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
 
     def check_schedule(self) -> None:
         """Raise ``ValueError`` if one of :meth:`trainable_steps` has zero noise, hence no log-probability.

@@ -67,6 +67,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
+        noise_level: float | None = None,
     ) -> SDEStepOutput:
         device = latents.device
         return ddim_sde_step(
@@ -74,7 +75,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             latents,
             self.alpha_prod_t.to(device)[step_index],
             self.alpha_prod_t_prev.to(device)[step_index],
-            eta=self.settings.noise_level,
+            eta=self.settings.noise_level if noise_level is None else noise_level,
             prediction_type=self.prediction_type,
             clip_sample_range=self.clip_sample_range,
             prev_sample=prev_sample,

@@ -64,6 +64,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             noise; `"none"`: every sample has its own.
         log_prob_reduction (`str`, defaults to `"mean"`): Reduce per-element log-densities by `"mean"` (the
             convention the clip range 1e-4 is tuned for) or `"sum"`.
+        last_step_sde (`bool`, defaults to `False`): The last step is never trained. `False`: it is the
+            deterministic step (for flow models exactly the predicted clean sample x̂0, as DanceGRPO decodes), so the
+            rewarded image carries no sampling noise. `True`: it is an SDE step like the others (Flow-GRPO).
 
         > Optimization
 
@@ -175,6 +178,10 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         metadata={"help": "group | none: initial noise shared within a group.", "choices": ["group", "none"]},
     )
     log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
+    last_step_sde: bool = field(
+        default=False,
+        metadata={"help": "Sample the last (never trained) step with the SDE too (Flow-GRPO); default: deterministic."},
+    )
 
     # Optimization
     num_iterations: int = field(default=1, metadata={"help": "Passes over each round's transitions."})

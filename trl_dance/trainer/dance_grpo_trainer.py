@@ -285,7 +285,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
         Returns:
             ``latents`` (B, N+1, ...) float32, ``log_probs`` (B, N−1) float32 of the trainable steps, ``images``
-            (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)).
+            (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)) decoded from the last latent, which is the last
+            step's deterministic result unless ``last_step_sde``.
         """
         model = self.model_wrapped if model is None else model
         if cond is None:
@@ -301,9 +302,16 @@ class DanceGRPOTrainer(DiffusionTrainer):
             for i in range(num_steps):
                 step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
                 output = self.policy.predict_step(model, latents, i, step_index, cond)
-                # The last step is never trained (its Gaussian is very sharp): no log-prob needed.
+                # The last step is never trained (its Gaussian is very sharp): no log-prob needed, and by default
+                # no noise either (its noise is still drawn above, so the other steps' noise does not depend on it).
+                last = i == num_steps - 1
                 result = self.policy.step(
-                    output, latents, step_index, noise=noise[i], compute_log_prob=i < num_steps - 1
+                    output,
+                    latents,
+                    step_index,
+                    noise=noise[i],
+                    compute_log_prob=not last,
+                    noise_level=0.0 if last and not self.args.last_step_sde else None,
                 )
                 latents = result.prev_sample
                 trajectory.append(latents)

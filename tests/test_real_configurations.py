@@ -1,0 +1,81 @@
+"""Training in the configurations users run: bf16 pipelines with fp32 trainable weights, the schedulers and prediction
+types the real checkpoints ship, and what the rollout hands to the rewards."""
+
+import pytest
+import torch
+from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_dance import DanceGRPOTrainer
+
+
+def _rows(prompts, generations=4):
+    return [{"prompt": p} for p in prompts for _ in range(generations)]
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd"])
+def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
+    """A pipeline loaded in bf16 (as every real GRPO config loads it) trains its LoRA in fp32 under bf16 autocast:
+    one Adam update at lr 1e-5 moves every entry (in bf16 most of them would round away), the base stays bf16."""
+    args = tiny_grpo_config(
+        tmp_path,
+        bf16=True,
+        model_init_kwargs={"torch_dtype": "bfloat16"},
+        learning_rate=1e-5,
+        max_steps=1,
+        gradient_accumulation_steps=5,  # the round's 5 micro-batches: one update
+        guidance_scale=3.5 if kind == "flux" else 1.0,
+    )
+    # Both LoRA matrices random (not B = 0), so every entry has a gradient in the first update.
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=lora)
+    trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name and p.dtype == torch.float32 for name, p in trained.items())
+    frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+    assert all(p.dtype == torch.bfloat16 for p in frozen)
+    before = {name: p.detach().clone() for name, p in trained.items()}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    moved = torch.cat([(p.detach() != before[name]).flatten() for name, p in trained.items()])
+    print(f"{moved.float().mean().item():.4f} of {moved.numel()} LoRA entries moved")
+    assert moved.float().mean() > 0.999
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "sd", "wan"])
+def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, tmp_path, kind):
+    """The last step (never trained) is the deterministic step by default: for flow models its result is exactly the
+    predicted clean sample x̂0 = x − σ v (DanceGRPO), so no sampling noise reaches the reward; ``last_step_sde``
+    keeps the SDE sample (Flow-GRPO). The other steps' noise is the same either way."""
+    overrides = {"num_frames": 5} if kind == "wan" else {}
+    trainers = {
+        sde: DanceGRPOTrainer(
+            tiny_model_dir(kind),
+            "brightness",
+            args=tiny_grpo_config(tmp_path, last_step_sde=sde, guidance_scale=1.0, **overrides),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )
+        for sde in (False, True)
+    }
+    rollouts = {}
+    for sde, trainer in trainers.items():
+        generators = [torch.Generator().manual_seed(i) for i in range(2)]
+        rollouts[sde] = trainer.sample(PROMPTS[:2], generators)
+    latents = rollouts[False]["latents"]
+    torch.testing.assert_close(rollouts[True]["latents"][:, :-1], latents[:, :-1], rtol=0, atol=0)
+    assert (rollouts[True]["latents"][:, -1] - latents[:, -1]).abs().max() > 1e-3
+
+    policy = trainers[False].policy
+    last = policy.num_steps - 1
+    index = torch.full((2,), last)
+    cond = policy.encode_prompts(PROMPTS[:2])
+    with torch.no_grad():
+        output = policy.predict(trainers[False].model, latents[:, last], index, cond)
+    expected = policy.step(output, latents[:, last], index, compute_log_prob=False, noise_level=0.0).prev_sample
+    torch.testing.assert_close(latents[:, -1], expected, rtol=1e-5, atol=1e-5)
+    if kind != "sd":
+        sigma = policy.sigmas[last]
+        assert policy.sigmas[-1] == 0
+        torch.testing.assert_close(latents[:, -1], latents[:, last] - sigma * output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollouts[False]["images"], policy.decode(latents[:, -1]), rtol=1e-5, atol=1e-5)
