@@ -65,7 +65,9 @@ def main() -> None:
                 entry["margin"] = record["margin"]
             print(f"seed {seed}, {threads} thread(s): {len(records)} verdicts, pytest exit {code}", flush=True)
             for record in records:
-                print(f"  {record['test']} {record['metric']}: {record['first']:.4f} -> {record['last']:.4f}", flush=True)
+                print(
+                    f"  {record['test']} {record['metric']}: {record['first']:.4f} -> {record['last']:.4f}", flush=True
+                )
 
     print(f"\n{'test / metric':<92} {'min gain':>9} {'margin':>8} {'min/margin':>10}  gains (seed/threads)")
     for name, entry in sorted(table.items()):

@@ -61,7 +61,7 @@ def tiny_grpo_config(output_dir, **overrides):
         "width": 32,
         "max_sequence_length": 16,
         "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 3,
+        "gradient_accumulation_steps": 5,  # the 5 micro-batches of a round (8 samples x 5 steps / 8)
         "timestep_fraction": 1.0,
         "eta": 1.0,
         "learning_rate": 3e-2,

@@ -200,8 +200,8 @@ def test_groups_rounds_and_advantages(tiny_model_dir, tmp_path):
         calls.append((list(prompts), values))
         return values
 
-    # 8 samples x 5 steps / 8 = 5 micro-steps per round; GA 2 -> updates straddle rounds; 5 updates = 10 micro-steps.
-    args = tiny_grpo_config(tmp_path, gradient_accumulation_steps=2, max_steps=5, learning_rate=1e-3)
+    # 8 samples x 5 steps / 8 = 5 micro-steps per round; GA 5 -> one update per round; 2 updates = 2 rounds.
+    args = tiny_grpo_config(tmp_path, gradient_accumulation_steps=5, max_steps=2, learning_rate=1e-3)
     trainer = DanceGRPOTrainer(
         tiny_model_dir("flux"), recording_reward, args=args, train_dataset=_dataset(), peft_config=_lora()
     )

@@ -79,3 +79,55 @@ def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, 
         assert policy.sigmas[-1] == 0
         torch.testing.assert_close(latents[:, -1], latents[:, last] - sigma * output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rollouts[False]["images"], policy.decode(latents[:, -1]), rtol=1e-5, atol=1e-5)
+
+
+def _dpo_args(tmp_path, **overrides):
+    from trl_dance import DiffusionDPOConfig
+
+    values = {"output_dir": str(tmp_path / "dpo"), "use_cpu": True, "bf16": False, "report_to": "none"}
+    values |= {"save_strategy": "no", "disable_tqdm": True, "resolution": 32, "max_sequence_length": 16}
+    values |= {"per_device_train_batch_size": 4, "max_steps": 1}
+    return DiffusionDPOConfig(**(values | overrides))
+
+
+@pytest.mark.parametrize(("scheme", "expected"), [("none", 0.676), ("logit_normal", 0.714)])
+def test_flow_dpo_draws_sigma_on_the_shifted_training_grid(tiny_model_dir, tmp_path, scheme, expected):
+    """SD3 trains at σ = shift(u), shift 3, as diffusers' SD3 scripts do: E[3u / (1 + 2u)] = 0.676 for u ~ U(0, 1)
+    (unshifted: 0.5), 0.714 for u = sigmoid(N(0, 1)) (unshifted: 0.5)."""
+    from trl_dance import DiffusionDPOTrainer
+    from trl_dance.testing import tiny_preference_dataset
+
+    trainer = DiffusionDPOTrainer(
+        tiny_model_dir("sd3"),
+        args=_dpo_args(tmp_path, weighting_scheme=scheme),
+        train_dataset=tiny_preference_dataset("sd3", 4),
+    )
+    _, _, timesteps = trainer._noise_and_timesteps(torch.zeros(2 * 20000, 4, 2, 2))
+    sigma = timesteps[0::2] / 1000
+    assert torch.equal(timesteps[0::2], timesteps[1::2])  # one σ per pair
+    assert abs(sigma.mean().item() - expected) < 0.01
+
+
+@pytest.mark.parametrize("trainer_kind", ["dpo", "grpo"])
+def test_full_finetune_reference_in_bf16_gives_zero_margin_and_kl(tiny_model_dir, tmp_path, trainer_kind):
+    """Full fine-tuning of a bf16 pipeline: the frozen reference copy is the fp32 policy's copy and runs under the
+    same autocast, so at step 0 the DPO margin and the GRPO KL are exactly 0."""
+    from trl_dance import DiffusionDPOTrainer
+    from trl_dance.testing import tiny_preference_dataset
+
+    precision = {"bf16": True, "model_init_kwargs": {"torch_dtype": "bfloat16"}}
+    if trainer_kind == "dpo":
+        data = tiny_preference_dataset("sd3", 4)
+        trainer = DiffusionDPOTrainer(tiny_model_dir("sd3"), args=_dpo_args(tmp_path, **precision), train_dataset=data)
+        batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(4)]))
+    else:
+        args = tiny_grpo_config(tmp_path, beta=0.1, guidance_scale=1.0, **precision)
+        dataset = Dataset.from_dict({"prompt": PROMPTS})
+        trainer = DanceGRPOTrainer(tiny_model_dir("sd3"), "brightness", args=args, train_dataset=dataset)
+        trainer._generate_and_score(_rows(PROMPTS[:2]))
+        batch = trainer._microbatch(trainer._microbatches[0])
+    assert trainer.ref_model is not None and all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        trainer.compute_loss(trainer.model, batch)
+    key = "margin" if trainer_kind == "dpo" else "kl"
+    assert [value.item() for value in trainer._metrics[key]] == [0.0]

@@ -273,9 +273,7 @@ def test_patch_scheduler_ddim_matches_function():
     eps, x = _inputs()
     out = scheduler.step_with_logprob(eps, scheduler.timesteps[3], x, generator=torch.Generator().manual_seed(0))
     # DDIMScheduler's defaults clip x̂0 to [-1, 1]; the patched step honours it.
-    ref = ddim_sde_step(
-        eps, x, alpha_t[3], alpha_prev[3], eta=1.0, clip_sample_range=1.0, prev_sample=out.prev_sample
-    )
+    ref = ddim_sde_step(eps, x, alpha_t[3], alpha_prev[3], eta=1.0, clip_sample_range=1.0, prev_sample=out.prev_sample)
     torch.testing.assert_close(out.log_prob, ref.log_prob)
     with pytest.raises(TypeError):
         patch_scheduler(object())

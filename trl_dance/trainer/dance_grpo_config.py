@@ -74,6 +74,11 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio.
         beta (`float`, defaults to `0.0`): KL coefficient to the reference (the model with LoRA disabled, or a
             frozen copy for full fine-tuning). 0 disables the KL term and its extra forward pass.
+        kl_scaling (`str`, defaults to `"gaussian"`): Units of the KL term, mean((μ_θ − μ_ref)²) over the latent
+            divided by: `"gaussian"`, 2·std² with std the step's standard deviation (the exact KL between the two
+            steps' Gaussians); `"flow_grpo"`, 2·s² with s the SDE's diffusion coefficient (std = s·√Δ), i.e. the
+            exact KL times Δ = σ_i − σ_{i+1}, as Flow-GRPO computes it, so its β (0.01–0.04) transfers. Flow models
+            only.
         timestep_fraction (`float`, defaults to `0.6`): Fraction of the first N−1 steps trained per sample, drawn
             at random per sample; the last step is never trained.
         scale_rewards (`str`, defaults to `"group"`): Advantage statistics. `"group"`: group mean and std
@@ -116,6 +121,9 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     # Overridden TrainingArguments defaults.
     learning_rate: float = field(
         default=1e-5, metadata={"help": "AdamW learning rate (DanceGRPO FLUX: 1e-5 full, 3e-4 LoRA)."}
+    )
+    lr_scheduler_type: str = field(
+        default="constant", metadata={"help": "Learning-rate schedule (constant, as DanceGRPO, Flow-GRPO and DDPO)."}
     )
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
@@ -180,13 +188,22 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
     last_step_sde: bool = field(
         default=False,
-        metadata={"help": "Sample the last (never trained) step with the SDE too (Flow-GRPO); default: deterministic."},
+        metadata={
+            "help": "Sample the last (never trained) step with the SDE too (Flow-GRPO); default: deterministic."
+        },
     )
 
     # Optimization
     num_iterations: int = field(default=1, metadata={"help": "Passes over each round's transitions."})
     epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no KL)."})
+    kl_scaling: str = field(
+        default="gaussian",
+        metadata={
+            "help": "gaussian (exact KL) | flow_grpo (exact KL × Δσ, Flow-GRPO's units).",
+            "choices": ["gaussian", "flow_grpo"],
+        },
+    )
     timestep_fraction: float = field(default=0.6, metadata={"help": "Fraction of the first N-1 steps trained."})
     scale_rewards: str = field(
         default="group",
@@ -229,6 +246,7 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))
         _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
         _choice("train_expert", self.train_expert, ("high_noise", "low_noise"))
+        _choice("kl_scaling", self.kl_scaling, ("gaussian", "flow_grpo"))
         if self.num_generations < (1 if self.scale_rewards == "per_prompt" else 2):
             raise ValueError(
                 f"num_generations must be >= 2 for group statistics (or scale_rewards='per_prompt'), got {self.num_generations}"
@@ -271,6 +289,14 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
                 f"(= {transitions} transitions per process per round / per_device_train_batch_size); leave it unset"
             )
         self.steps_per_generation = derived
+        round_steps = derived * self.num_iterations
+        if round_steps % self.gradient_accumulation_steps:
+            divisors = [d for d in range(1, round_steps + 1) if round_steps % d == 0]
+            raise ValueError(
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide the {round_steps} "
+                f"micro-batches of a round (steps_per_generation {derived} × num_iterations {self.num_iterations}): "
+                f"otherwise an optimizer update mixes transitions of two rounds' rollouts. Divisors: {divisors}"
+            )
         if self.video_reward_frames is not None and self.video_reward_frames < 1:
             raise ValueError(f"video_reward_frames must be >= 1 or None, got {self.video_reward_frames}")
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
-from ..policies import SamplerSettings, make_policy
+from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
@@ -130,6 +130,11 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 "has one denoiser"
             )
         policy.offload_frozen_expert = args.offload_frozen_expert
+        if args.kl_scaling == "flow_grpo" and not isinstance(policy, FlowMatchingPolicy):
+            raise ValueError(
+                f"kl_scaling='flow_grpo' scales the KL by the step's Δσ, which {type(policy.pipeline).__name__}'s "
+                "DDIM steps do not have; use kl_scaling='gaussian'"
+            )
         policy.check_schedule()
         trainable = policy.trainable_steps()
         if args.timesteps_per_sample > len(trainable):
@@ -449,6 +454,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
             ref_mean = self._reference_mean(model, inputs)
             dims = tuple(range(1, step.mean.ndim))
             kl = ((step.mean - ref_mean) ** 2).mean(dim=dims) / (2 * step.std**2)
+            if self.args.kl_scaling == "flow_grpo":
+                kl = kl * (self.policy.sigma(step_index) - self.policy.sigma(step_index + 1))
             per_transition = per_transition + self.args.beta * kl
             self._record("kl", kl)
         loss = per_transition.mean()

@@ -8,6 +8,7 @@ from .._compat import _BaseConfig
 from .frozen_components import FrozenComponentsArguments
 
 _LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+_SCHEMES = ("none", "logit_normal", "mode")
 
 
 @dataclass
@@ -26,9 +27,13 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
             much smaller values (e.g. 100).
         loss_type (`str`, defaults to `"sigmoid"`): `"sigmoid"`, `"hinge"` or `"ipo"`.
         sft (`bool`, defaults to `False`): Train the plain denoising loss on the chosen images only (no reference).
-        timestep_sampling (`str`, defaults to `"uniform"`): Flow models: σ ~ U(0, 1) or `"logit_normal"`
-            (σ = sigmoid(N(logit_mean, logit_std))). ε models always draw t uniformly in [0, T_train).
-        logit_mean (`float`, defaults to `0.0`), logit_std (`float`, defaults to `1.0`): of the logit-normal.
+        weighting_scheme (`str`, defaults to `"none"`): Flow models, as diffusers' training scripts
+            (`compute_density_for_timestep_sampling`): u ~ U(0, 1) (`"none"`), sigmoid(N(logit_mean, logit_std))
+            (`"logit_normal"`) or the SD3 paper's `"mode"` density; then σ = the scheduler's own training grid at
+            ⌊u · T_train⌋, so the pipeline's shift applies (SD3: 3; FLUX's dynamic shift: none). ε models always draw
+            t uniformly in [0, T_train).
+        logit_mean (`float`, defaults to `0.0`), logit_std (`float`, defaults to `1.0`), mode_scale (`float`,
+            defaults to `1.29`): parameters of those densities.
         resolution (`int`, defaults to `512`): Training images are resized (shorter side) and cropped to this.
         random_crop (`bool`, defaults to `False`): Random instead of centre crop (the same box for both images).
         random_flip (`bool`, defaults to `True`): Flip a pair horizontally with probability ½ (both images).
@@ -59,12 +64,13 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
         default="sigmoid", metadata={"help": "sigmoid | hinge | ipo.", "choices": list(_LOSS_TYPES)}
     )
     sft: bool = field(default=False, metadata={"help": "Plain denoising loss on the chosen images only."})
-    timestep_sampling: str = field(
-        default="uniform",
-        metadata={"help": "uniform | logit_normal (flow models).", "choices": ["uniform", "logit_normal"]},
+    weighting_scheme: str = field(
+        default="none",
+        metadata={"help": "Flow models' timestep density: none | logit_normal | mode.", "choices": list(_SCHEMES)},
     )
-    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal σ sampling."})
-    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal σ sampling."})
+    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal density."})
+    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal density."})
+    mode_scale: float = field(default=1.29, metadata={"help": "Scale of the 'mode' density."})
     resolution: int = field(default=512, metadata={"help": "Training resolution in pixels."})
     random_crop: bool = field(default=False, metadata={"help": "Random crop (same box for both images)."})
     random_flip: bool = field(default=True, metadata={"help": "Random horizontal flip of both images."})
@@ -81,8 +87,8 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
         self._check_frozen_components()
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(_LOSS_TYPES)}, got {self.loss_type!r}")
-        if self.timestep_sampling not in ("uniform", "logit_normal"):
-            raise ValueError(f"timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
+        if self.weighting_scheme not in _SCHEMES:
+            raise ValueError(f"weighting_scheme must be one of {list(_SCHEMES)}, got {self.weighting_scheme!r}")
         if self.ties not in ("drop", "keep"):
             raise ValueError(f"ties must be 'drop' or 'keep', got {self.ties!r}")
         if not (self.beta > 0 and math.isfinite(self.beta)):

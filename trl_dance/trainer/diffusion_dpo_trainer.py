@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 from diffusers import DiffusionPipeline
+from diffusers.training_utils import compute_density_for_timestep_sampling
 from peft import LoraConfig
 from transformers import TrainerCallback
 
@@ -126,6 +127,10 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         self._noise_generator = torch.Generator(device=self.accelerator.device).manual_seed(
             args.seed + 7919 * (self.accelerator.process_index + 1)
         )
+        if isinstance(policy, FlowMatchingPolicy):
+            # A fresh copy's T_train σ values, from 1 down to 1/T_train, with the config's static shift (SD3: 3).
+            scheduler = policy.pipeline.scheduler
+            self._training_sigmas = type(scheduler).from_config(scheduler.config).sigmas.float().cpu()
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -141,12 +146,12 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         noise = torch.randn(latents[::2].shape, generator=gen, device=device).repeat_interleave(2, dim=0)
         shape = (-1,) + (1,) * (latents.ndim - 1)
         if isinstance(self.policy, FlowMatchingPolicy):
-            if self.args.timestep_sampling == "logit_normal":
-                u = torch.randn(pairs, generator=gen, device=device) * self.args.logit_std + self.args.logit_mean
-                sigma = torch.sigmoid(u)
-            else:
-                sigma = torch.rand(pairs, generator=gen, device=device)
-            sigma = sigma.repeat_interleave(2)
+            args = self.args
+            u = compute_density_for_timestep_sampling(
+                args.weighting_scheme, pairs, args.logit_mean, args.logit_std, args.mode_scale, device, gen
+            )
+            grid = self._training_sigmas.to(device)  # the scheduler's training σ, shifted as the pipeline trains
+            sigma = grid[(u * len(grid)).long().clamp_max(len(grid) - 1)].repeat_interleave(2)
             noisy = (1 - sigma.view(shape)) * latents + sigma.view(shape) * noise
             return noisy, noise - latents, self.policy.timestep_from_sigma(sigma)
         scheduler = self.policy.scheduler
