@@ -33,6 +33,7 @@ def run(seed: int, threads: int, select: str | None, workers: int) -> tuple[list
             "TRL_DANCE_TEST_SEED": str(seed),
             "TRL_DANCE_TEST_THREADS": str(threads),
             "TRL_DANCE_LEARNING_LOG": str(log),
+            "PYTHONPATH": str(ROOT),  # this checkout's trl_dance, whichever one the environment installed
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }

@@ -20,6 +20,10 @@ class ScriptArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub id, save_to_disk folder or data file."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
+    dataset_streaming: bool = field(
+        default=False, metadata={"help": "Stream the dataset (e.g. Pick-a-Pic's 850k pairs) instead of preparing it."}
+    )
+    shuffle_buffer_size: int = field(default=10_000, metadata={"help": "Rows shuffled together when streaming."})
 
 
 def main(
@@ -27,8 +31,15 @@ def main(
 ) -> DiffusionDPOTrainer:
     if script_args.dataset_name is None:
         raise ValueError("--dataset_name is required")
-    # Arrow-backed and memory-mapped: a large dataset such as Pick-a-Pic is not loaded into memory.
-    dataset = load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+    # Arrow-backed and memory-mapped (a large dataset such as Pick-a-Pic is not loaded into memory), or streamed.
+    dataset = load_any_dataset(
+        script_args.dataset_name,
+        script_args.dataset_config,
+        script_args.dataset_train_split,
+        streaming=script_args.dataset_streaming,
+    )
+    if script_args.dataset_streaming:
+        dataset = dataset.shuffle(seed=training_args.seed, buffer_size=script_args.shuffle_buffer_size)
     if model_args.dtype is not None:
         training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "torch_dtype": model_args.dtype}
     trainer = DiffusionDPOTrainer(

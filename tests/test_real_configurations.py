@@ -1,6 +1,9 @@
 """Training in the configurations users run: bf16 pipelines with fp32 trainable weights, the schedulers and prediction
 types the real checkpoints ship, and what the rollout hands to the rewards."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
@@ -131,3 +134,71 @@ def test_full_finetune_reference_in_bf16_gives_zero_margin_and_kl(tiny_model_dir
         trainer.compute_loss(trainer.model, batch)
     key = "margin" if trainer_kind == "dpo" else "kl"
     assert [value.item() for value in trainer._metrics[key]] == [0.0]
+
+
+def test_every_save_pushes_what_load_lora_weights_reads_with_a_licensed_card(tiny_model_dir, tmp_path, monkeypatch):
+    """hub_strategy="every_save": each checkpoint's push carries the diffusers LoRA and a card written at that save,
+    with the base model's licence (read from its own card) and the sample gallery once samples exist. Only the Hub
+    calls are stubbed."""
+    import shutil
+    import types
+
+    import transformers.trainer
+    import yaml
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir("flux"), base)
+    (base / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: flux-1-dev-non-commercial-license\nlicense_link: LICENSE.md\n---\n# base\n"
+    )
+    uploads = []
+
+    class FakeHubApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, repo_id, folder_path, commit_message="", **kwargs):
+            files = sorted(os.listdir(folder_path))
+            card = (Path(folder_path) / "README.md").read_text() if "README.md" in files else ""
+            uploads.append({"message": commit_message, "files": files, "card": card})
+            return types.SimpleNamespace(done=lambda: True)
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", FakeHubApi)
+    args = tiny_grpo_config(
+        tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=1, push_to_hub=True, hub_model_id="me/x"
+    )
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"])
+    trainer = DanceGRPOTrainer(
+        str(base), "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora
+    )
+    trainer.train()
+    mid_run = [upload for upload in uploads if upload["message"].startswith("Training in progress")]
+    assert mid_run and all({"pytorch_lora_weights.safetensors", "README.md"} <= set(u["files"]) for u in mid_run)
+    header = yaml.safe_load(mid_run[-1]["card"].split("---")[1])
+    assert header["license"] == "other" and header["license_name"] == "flux-1-dev-non-commercial-license"
+    assert os.path.isfile(tmp_path / "out" / "checkpoint-1" / "README.md")  # every save writes its card
+
+    trainer.save_samples(PROMPTS[:2], torch.rand(2, 3, 32, 32))
+    header = yaml.safe_load((tmp_path / "out" / "README.md").read_text().split("---")[1])
+    assert header["widget"] == [{"text": p, "output": {"url": f"image_{i}.png"}} for i, p in enumerate(PROMPTS[:2])]
+    assert os.path.isfile(tmp_path / "out" / "image_1.png")
+
+
+def test_full_denoiser_state_dict_is_saved_in_shards_that_from_pretrained_reads(tiny_model_dir, tmp_path, monkeypatch):
+    """The ZeRO-3 path (a gathered state dict) writes diffusers' sharded layout instead of one file (FLUX in fp32:
+    48 GB); here with a 20 kB shard limit."""
+    from diffusers import SD3Transformer2DModel
+
+    from trl_dance.trainer import diffusion_trainer
+
+    monkeypatch.setattr(diffusion_trainer, "MAX_SHARD_SIZE", 20_000)
+    args = tiny_grpo_config(tmp_path, guidance_scale=1.0)
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("sd3"), "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
+    )
+    state = {key: value + 1 for key, value in trainer.model.state_dict().items()}
+    trainer._save(str(tmp_path / "full"), state_dict=state)
+    shards = [name for name in os.listdir(tmp_path / "full") if name.startswith("diffusion_pytorch_model-")]
+    assert len(shards) > 1 and os.path.isfile(tmp_path / "full" / "diffusion_pytorch_model.safetensors.index.json")
+    loaded = SD3Transformer2DModel.from_pretrained(str(tmp_path / "full")).state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import os
 
-from datasets import Dataset, Image, Value, load_dataset, load_from_disk
+from datasets import Dataset, Image, IterableDataset, Value, load_dataset, load_from_disk
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_any_dataset(name_or_path: str, config: str | None = None, split: str = "train") -> Dataset:
+def load_any_dataset(
+    name_or_path: str, config: str | None = None, split: str = "train", streaming: bool = False
+) -> Dataset | IterableDataset:
     """A map-style (memory-mapped) dataset from a data file (.json/.jsonl/.csv/.parquet), a ``save_to_disk``
-    folder, or a Hub id / script folder for ``datasets.load_dataset``."""
+    folder, or a Hub id / script folder for ``datasets.load_dataset``; with ``streaming``, an ``IterableDataset``
+    read as it is consumed (nothing downloaded or converted up front)."""
     extension = os.path.splitext(name_or_path)[1].lower()
     if os.path.isfile(name_or_path):
         if extension not in _FILE_BUILDERS:
             raise ValueError(f"unsupported data file type {extension!r}: use {sorted(_FILE_BUILDERS)}")
-        return load_dataset(_FILE_BUILDERS[extension], data_files=name_or_path, split="train")
+        return load_dataset(_FILE_BUILDERS[extension], data_files=name_or_path, split="train", streaming=streaming)
     if os.path.isfile(os.path.join(name_or_path, "dataset_info.json")):
-        return load_from_disk(name_or_path)
-    return load_dataset(name_or_path, config, split=split)
+        dataset = load_from_disk(name_or_path)
+        return dataset.to_iterable_dataset() if streaming else dataset
+    return load_dataset(name_or_path, config, split=split, streaming=streaming)
 
 
 def load_prompt_dataset(

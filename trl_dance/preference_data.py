@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from PIL import Image
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,12 @@ def preference_format(column_names: list[str]) -> str:
     )
 
 
-def drop_ties(dataset: Dataset) -> tuple[Dataset, int]:
-    """Drop Pick-a-Pic ties (``label_0 == 0.5``). Reads only the label column; the result is an index mapping."""
+def drop_ties(dataset: Dataset | IterableDataset) -> tuple[Dataset | IterableDataset, int | None]:
+    """Drop Pick-a-Pic ties (``label_0 == 0.5``) and count them. Reads only the label column; the result is an index
+    mapping. A streaming dataset is filtered lazily, as it streams: the count is then ``None``."""
     kept = dataset.filter(lambda label: label != 0.5, input_columns="label_0")
+    if isinstance(dataset, IterableDataset):
+        return kept, None
     return kept, len(dataset) - len(kept)
 
 

@@ -498,9 +498,12 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
     return directory
 
 
-def tiny_preference_dataset(kind: str, count: int = 32, offset: float = 0.2, seed: int = 0):
-    """Synthetic preference pairs from the tiny pipeline's own samples: the brightened image (+``offset``) is chosen
-    over the darkened one (−``offset``). A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (PIL)."""
+def tiny_preference_dataset(
+    kind: str, count: int = 32, offset: float = 0.2, seed: int = 0, color: tuple[float, float, float] = (1, 1, 1)
+):
+    """Synthetic preference pairs from the tiny pipeline's own samples: the image shifted by ``+offset · color`` (RGB)
+    is chosen over its twin shifted by ``−offset · color``: brighter over darker by default, redder over cyan with
+    ``color=(1, -1, -1)``. A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (PIL)."""
     from datasets import Dataset
 
     from .visualization import to_pil
@@ -520,11 +523,12 @@ def tiny_preference_dataset(kind: str, count: int = 32, offset: float = 0.2, see
             generator=torch.Generator().manual_seed(seed),
             **extra,
         ).images
+    shift = offset * torch.tensor(color, dtype=images.dtype).view(1, 3, 1, 1)
     return Dataset.from_dict(
         {
             "prompt": prompts,
-            "chosen": to_pil((images + offset).clamp(0, 1)),
-            "rejected": to_pil((images - offset).clamp(0, 1)),
+            "chosen": to_pil((images + shift).clamp(0, 1)),
+            "rejected": to_pil((images - shift).clamp(0, 1)),
         }
     )
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling
 from peft import LoraConfig
@@ -61,7 +61,9 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance.
         args: the configuration.
         train_dataset: rows in TRL's preference format (``prompt``, ``chosen``, ``rejected`` images) or Pick-a-Pic's
-            (``caption``, ``jpg_0``, ``jpg_1``, ``label_0``). Images are decoded and transformed per batch.
+            (``caption``, ``jpg_0``, ``jpg_1``, ``label_0``), a ``Dataset`` or a streaming ``IterableDataset`` (then
+            ``max_steps`` sets the length; ties are dropped as they stream). Images are decoded and transformed per
+            batch.
         peft_config: a ``peft.LoraConfig``; the reference is then the model with the adapter disabled (no copy).
             ``None`` fine-tunes the whole denoiser against a frozen copy.
         callbacks, optimizers: as in ``transformers.Trainer``.
@@ -86,13 +88,24 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
     ):
         args = self._resolve_args(model, args, DiffusionDPOConfig, "DiffusionDPO")
-        if not isinstance(train_dataset, Dataset):
-            raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(train_dataset).__name__}")
-        self.data_format = preference_format(train_dataset.column_names)
+        if not isinstance(train_dataset, (Dataset, IterableDataset)):
+            raise TypeError(
+                f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(train_dataset).__name__}"
+            )
+        streaming = isinstance(train_dataset, IterableDataset)
+        if streaming and args.max_steps <= 0:
+            raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
+        columns = train_dataset.column_names
+        if columns is None:  # a stream whose features are not declared: read them off its first row
+            columns = list(next(iter(train_dataset)))
+        self.data_format = preference_format(columns)
         self.num_ties_dropped = 0
         if self.data_format == "pickapic" and args.ties == "drop":
             train_dataset, self.num_ties_dropped = drop_ties(train_dataset)
-            logger.warning(f"Diffusion-DPO: dropped {self.num_ties_dropped} tie pairs; {len(train_dataset)} remain")
+            if not streaming:
+                logger.warning(
+                    f"Diffusion-DPO: dropped {self.num_ties_dropped} tie pairs; {len(train_dataset)} remain"
+                )
 
         settings = SamplerSettings(
             height=args.resolution,

@@ -9,6 +9,7 @@ checkpointing's name, DDP defaults, diffusers-format saving and resuming, and me
 import contextlib
 import copy
 import os
+import shutil
 from collections import defaultdict
 
 import diffusers
@@ -16,13 +17,13 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.training_utils import cast_training_params
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import save_file
 from transformers import set_seed
 
 from .._compat import _BaseTrainer
-from ..lora import add_lora, has_lora, load_lora, save_lora
+from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from .media import use_diffusers_callbacks
 
@@ -68,6 +69,35 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
         pipeline = loader.from_pretrained(model, **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
+_SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+
+
+def base_model_license(base_model: str | None) -> dict[str, str]:
+    """``license`` (and ``license_name``, ``license_link``) of the base model's card: from the local folder's
+    README.md, the Hub cache, or the Hub when online; empty if none is found (never fails)."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if not base_model:
+        return {}
+    path = os.path.join(base_model, "README.md")
+    if not os.path.isfile(path):
+        cached = None if os.path.isdir(base_model) else try_to_load_from_cache(base_model, "README.md")
+        path = (
+            cached
+            if isinstance(cached, str)
+            else (None if HF_HUB_OFFLINE or os.path.isdir(base_model) else base_model)
+        )
+    if path is None:
+        return {}
+    try:
+        data = ModelCard.load(path).data.to_dict()
+    except Exception:  # no card, no network, malformed metadata: the card is written without a licence
+        return {}
+    return {key: data[key] for key in ("license", "license_name", "license_link") if data.get(key)}
 
 
 class DiffusionTrainer(_BaseTrainer):
@@ -138,17 +168,41 @@ class DiffusionTrainer(_BaseTrainer):
         """Trainer-specific lines of the model card (name: value)."""
         return {}
 
+    def save_samples(self, prompts: list[str], images: torch.Tensor) -> None:
+        """Write ``image_<i>.png`` (a frame strip for videos) in ``output_dir`` for each prompt's sample, and show them
+        in the model card's ``widget`` gallery, as diffusers' training scripts do. Main process only."""
+        if not self.is_world_process_zero():
+            return
+        from ..visualization import to_pil
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self._widget = []
+        for i, (prompt, image) in enumerate(zip(prompts, to_pil(images))):
+            image.save(os.path.join(self.args.output_dir, f"image_{i}.png"))
+            self._widget.append({"text": prompt, "output": {"url": f"image_{i}.png"}})
+        self.create_model_card()
+
     def create_model_card(
-        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None, **_
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        output_dir: str | None = None,
+        **_,
     ) -> None:
-        """Write ``README.md`` in ``output_dir``: a diffusers model card (base model, TRL-style tags, how to load the
-        LoRA or the denoiser, the run's settings, ``samples.png`` when present). ``push_to_hub`` uploads it."""
+        """Write ``README.md`` in ``output_dir`` (default ``args.output_dir``): a diffusers model card (base model and
+        its licence, TRL-style tags, how to load the LoRA or the denoiser, the run's settings, ``samples.png`` and the
+        :meth:`save_samples` gallery when present). Written at every save; ``push_to_hub`` uploads it."""
         if not self.is_world_process_zero():
             return
         from huggingface_hub import ModelCard, ModelCardData
 
         from .. import __version__
 
+        folder = output_dir or self.args.output_dir
+        # The dataset and tags given to push_to_hub stay on the cards of later saves.
+        self._card_names = {**getattr(self, "_card_names", {}), "dataset_name": dataset_name, "tags": tags}
+        dataset_name, tags = (self._card_names.get(key) for key in ("dataset_name", "tags"))
         pipeline = self.policy.pipeline
         base_model = getattr(pipeline, "name_or_path", None) or pipeline.config.get("_name_or_path")
         hub_base = base_model if base_model and not os.path.isdir(base_model) else None
@@ -165,6 +219,8 @@ class DiffusionTrainer(_BaseTrainer):
             pipeline_tag=task,
             tags=card_tags,
             datasets=[dataset_name] if dataset_name else None,
+            widget=getattr(self, "_widget", None) or None,
+            **base_model_license(base_model),
         )
         pipeline_class = type(pipeline).__name__
         name = model_name or self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
@@ -204,13 +260,13 @@ class DiffusionTrainer(_BaseTrainer):
             "",
             *[f"- {key}: {value}" for key, value in details.items()],
         ]
-        if os.path.isfile(os.path.join(self.args.output_dir, "samples.png")):
+        if os.path.isfile(os.path.join(folder, "samples.png")):
             lines += ["", "![samples: before (top) and after (bottom) training](samples.png)"]
         if self._paper.get("citation"):
             lines += ["", "## Citation", "", "```bibtex", self._paper["citation"], "```"]
         card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        card.save(os.path.join(self.args.output_dir, "README.md"))
+        os.makedirs(folder, exist_ok=True)
+        card.save(os.path.join(folder, "README.md"))
 
     def _send_telemetry(self):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
@@ -266,13 +322,31 @@ class DiffusionTrainer(_BaseTrainer):
         if has_lora(denoiser):
             save_lora(type(self.policy.pipeline), self.policy.lora_name, denoiser, output_dir, state_dict)
         elif state_dict is None:
-            denoiser.save_pretrained(output_dir)
+            denoiser.save_pretrained(output_dir, max_shard_size=MAX_SHARD_SIZE)
         else:
-            # DeepSpeed ZeRO-3 hands over the gathered weights: the module's own parameters are empty shards.
+            # DeepSpeed ZeRO-3 hands over the gathered weights: the module's own parameters are empty shards. Written
+            # in shards with diffusers' index name, which from_pretrained reads (FLUX in fp32 is 48 GB).
             denoiser.save_config(output_dir)
-            state_dict = {key: value.detach().to("cpu").contiguous() for key, value in state_dict.items()}
-            save_file(state_dict, os.path.join(output_dir, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+            save_torch_state_dict(
+                {key: value.detach().to("cpu").contiguous() for key, value in state_dict.items()},
+                output_dir,
+                filename_pattern=_SHARD_PATTERN,
+                max_shard_size=MAX_SHARD_SIZE,
+                metadata={"format": "pt"},
+            )
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.create_model_card(output_dir=output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies only transformers' file names from the checkpoint to the folder it uploads: copy what
+        # diffusers loads (the LoRA file, the denoiser's config, weights and shard index) and the card too.
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            for name in os.listdir(checkpoint_folder):
+                if name in (LORA_WEIGHTS_NAME, "config.json", "README.md") or name.startswith(
+                    "diffusion_pytorch_model"
+                ):
+                    shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.
