@@ -256,6 +256,31 @@ def test_kl_to_reference(tiny_model_dir, tmp_path, use_lora):
     assert kls[-1] > 0 and all(math.isfinite(k) for k in kls)
 
 
+def test_kl_scalings_differ_by_the_steps_delta_sigma(tiny_model_dir, tmp_path):
+    """kl_scaling="flow_grpo" is the exact Gaussian KL times Δσ = σ_i − σ_{i+1}: Flow-GRPO's units."""
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"),
+        "brightness",
+        args=tiny_grpo_config(tmp_path, beta=0.04),
+        train_dataset=_dataset(),
+        peft_config=_lora(init_lora_weights=False),  # a random adapter: the policy differs from the reference
+    )
+    trainer._generate_and_score(_rows(PROMPTS[:2]))
+    inputs = trainer._microbatch(trainer._microbatches[0])
+    kls = {}
+    for scaling in ("gaussian", "flow_grpo"):
+        trainer.args.kl_scaling = scaling
+        recorded = {}
+        trainer._record = lambda name, values, recorded=recorded: recorded.setdefault(name, values)
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, inputs)
+        kls[scaling] = recorded["kl"]
+    step = inputs["step_index"]
+    delta = trainer.policy.sigma(step) - trainer.policy.sigma(step + 1)
+    assert (kls["gaussian"] > 0).all() and len(set(step.tolist())) > 1
+    torch.testing.assert_close(kls["flow_grpo"], kls["gaussian"] * delta)
+
+
 def _reward_returning(value):
     def bad_reward(prompts, images, **kwargs):
         return value(len(prompts))
@@ -314,6 +339,12 @@ def test_extra_columns_reach_the_reward(tiny_model_dir, tmp_path):
         ({"num_generations": 1, "generation_batch_size": 4}, "num_generations must be >= 2"),
         ({"sde_type": "ode"}, "sde_type"),
         ({"steps_per_generation": 3}, "steps_per_generation"),
+        # 5 micro-batches per round: an accumulation of 3 would mix two rounds' rollouts in one update.
+        (
+            {"gradient_accumulation_steps": 3},
+            r"gradient_accumulation_steps \(3\) must divide the 5 .* Divisors: \[1, 5\]",
+        ),
+        ({"kl_scaling": "k3"}, "kl_scaling must be one of"),
     ],
 )
 def test_bad_configs_fail_at_construction(tmp_path, overrides, message):
@@ -338,6 +369,9 @@ def test_bad_trainer_inputs_fail_at_construction(tiny_model_dir, tmp_path):
         DanceGRPOTrainer(path, "brightness", args=args, train_dataset=_dataset(), peft_config=_lora(lora_dropout=0.1))
     with pytest.raises(ValueError, match="height=34 must be a multiple of 4"):
         DanceGRPOTrainer(path, "brightness", args=tiny_grpo_config(tmp_path, height=34), train_dataset=_dataset())
+    with pytest.raises(ValueError, match="kl_scaling='flow_grpo' scales the KL by the step's Δσ"):
+        args = tiny_grpo_config(tmp_path, beta=0.1, kl_scaling="flow_grpo", guidance_scale=1.0)
+        DanceGRPOTrainer(tiny_model_dir("sd"), "brightness", args=args, train_dataset=_dataset())
 
 
 def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
