@@ -292,7 +292,8 @@ def _reward_returning(value):
     ("values", "message"),
     [
         (lambda n: [0.0] * (n - 1), "returned 7 values for 8 images"),
-        (lambda n: [float("nan")] * n, "non-finite"),
+        (lambda n: [float("nan")] * n, "not finite in float32 at positions"),
+        (lambda n: [1e300] * n, r"not finite in float32 at positions \[0, 1, .*1e\+300"),  # finite in float64
         (lambda n: ["high"] * n, "must return 8 numbers"),
     ],
 )
@@ -305,6 +306,23 @@ def test_bad_rewards_fail_with_the_function_name(tiny_model_dir, tmp_path, value
         peft_config=_lora(),
     )
     with pytest.raises(ValueError, match=f"'bad_reward'.*{message}|{message}.*"):
+        trainer.train()
+
+
+def test_a_non_finite_loss_stops_training_naming_it(tiny_model_dir, tmp_path):
+    """The Trainer's logging_nan_inf_filter would log a NaN loss as a finite number and train on NaN weights."""
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, max_steps=3), train_dataset=_dataset()
+    )
+    compute_loss, calls = trainer.compute_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss = compute_loss(*args, **kwargs)
+        return loss * float("nan") if len(calls) > 5 else loss  # from the second round on
+
+    trainer.compute_loss = poisoned
+    with pytest.raises(FloatingPointError, match="optimizer step 2: grad_norm and loss became non-finite"):
         trainer.train()
 
 

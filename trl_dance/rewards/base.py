@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,7 +128,12 @@ def _call(func: RewardFunc, prompts: list[str], images: torch.Tensor, columns: d
         raise ValueError(f"reward function {name!r} must return {batch} numbers, got {values!r:.200}") from err
     if len(values) != batch:
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {batch} {unit}")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    # Checked in the dtype training uses: 1e300 is a finite float64 but inf in float32.
+    tensor = torch.tensor(values, dtype=torch.float32)
+    bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
     if bad:
-        raise ValueError(f"reward function {name!r} returned non-finite values at positions {bad[:10]}")
-    return torch.tensor(values, dtype=torch.float32)
+        raise ValueError(
+            f"reward function {name!r} returned values that are not finite in float32 at positions {bad[:10]}: "
+            f"{[values[i] for i in bad[:10]]}"
+        )
+    return tensor

@@ -8,6 +8,7 @@ checkpointing's name, DDP defaults, diffusers-format saving and resuming, and me
 
 import contextlib
 import copy
+import math
 import os
 import shutil
 from collections import defaultdict
@@ -153,6 +154,7 @@ class DiffusionTrainer(_BaseTrainer):
             self.ref_model.to(self.accelerator.device)
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
         self._toggle_cache: tuple = (None, None)
+        self._loss_finite: torch.Tensor | None = None  # all micro-step losses since the last log were finite
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -303,11 +305,28 @@ class DiffusionTrainer(_BaseTrainer):
         """Append the all-process mean of ``values`` (any shape) to the metric ``name``."""
         self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean())
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # On the device, read at the next log: a NaN loss would otherwise be hidden by logging_nan_inf_filter.
+        finite = torch.isfinite(loss.detach())
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        return loss
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         names = [key for key, values in self._metrics.items() if values]
         if names:
             means = torch.stack([torch.stack(self._metrics[key]).mean() for key in names]).tolist()  # one sync
             logs.update(zip(names, means))
+        bad = [key for key in ("grad_norm", "loss") if key in logs and not math.isfinite(logs[key])]
+        if self._loss_finite is not None and not bool(self._loss_finite) and "loss" not in bad:
+            bad.append("loss")
+        self._loss_finite = None
+        if bad:
+            raise FloatingPointError(
+                f"training stopped at optimizer step {self.state.global_step}: {' and '.join(bad)} became non-finite "
+                f"(logged: { {key: logs.get(key) for key in ('loss', 'grad_norm')} }). Check the rewards and the "
+                "learning rate; the last checkpoint holds the last finite state."
+            )
         super().log(logs, start_time)
         self._metrics.clear()
 
