@@ -90,6 +90,7 @@ def assert_learned(metric: str, first: float, last: float, noise: float, margin:
     """A learning test's verdict: the gain of ``metric`` ``last − first`` exceeds ``margin`` and twice the sample std
     ``noise``. Each verdict is also appended, as a JSON line, to $TRL_DANCE_LEARNING_LOG when set (xdist workers
     print nothing), so that benchmarks/learning_spread.py can tabulate gains across seeds and thread counts."""
+    first, last, noise = float(first), float(last), float(noise)
     gain = last - first
     record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "metric": metric, "seed": LEARNING_SEED}
     record |= {"threads": torch.get_num_threads(), "first": first, "last": last, "gain": gain, "noise": noise}
