@@ -406,7 +406,16 @@ def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
         ("flux", True, {}),
         ("flux", False, {}),
         # A LoRA of Wan 2.2's low-noise expert: saved under "transformer", loaded back into transformer_2.
-        ("wan22", True, {"train_expert": "low_noise", "timestep_fraction": 0.6, **family_overrides("wan22")}),
+        (
+            "wan22",
+            True,
+            {
+                "train_expert": "low_noise",
+                "timestep_fraction": 0.6,
+                "gradient_accumulation_steps": 3,  # 8 samples x 3 steps / 8: 3 micro-batches per round
+                **family_overrides("wan22"),
+            },
+        ),
     ],
 )
 def test_checkpoints_resume(tiny_model_dir, tmp_path, kind, use_lora, extra):
@@ -483,35 +492,36 @@ def test_rollout_does_not_depend_on_rollout_batch_size(tiny_model_dir, tmp_path,
     torch.testing.assert_close(rollouts[0]["advantages"], rollouts[1]["advantages"], rtol=1e-3, atol=1e-3)
 
 
-def test_resume_at_a_round_boundary_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    """Interrupted after 2 rounds and resumed: the same parameters after 4 rounds as a run never interrupted."""
+@pytest.mark.parametrize(("prompts", "resume_at"), [(32, 2), (8, 3), (8, 4)])
+def test_resume_at_a_round_boundary_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, prompts, resume_at):
+    """Interrupted and resumed at a round boundary: bit-identical parameters after 6 rounds to a run never
+    interrupted. 32 prompts: all 6 rounds in one epoch; 8 prompts (the demo's): 2 rounds per epoch, resumed in the
+    middle of epoch 2 (after round 3) or at the end of epoch 2 (after round 4), so every epoch's prompt order must be
+    reproduced."""
 
     def run(output_dir, max_steps, resume=None):
         # One optimizer update per round (5 micro-batches, accumulation 5): every checkpoint is at a round boundary.
         args = tiny_grpo_config(
             output_dir,
             max_steps=max_steps,
-            gradient_accumulation_steps=5,
             save_strategy="steps",
-            save_steps=2,
+            save_steps=resume_at,
             learning_rate=1e-2,
-            lr_scheduler_type="constant",  # the same schedule whatever max_steps the interrupted run had
             scale_rewards="per_prompt",
             num_generations=2,
         )
-        # 32 prompts, 4 per round: the 4 rounds lie within one epoch.
-        prompts = Dataset.from_dict({"prompt": [f"{p} {i}" for i in range(4) for p in PROMPTS]})
+        dataset = Dataset.from_dict({"prompt": [f"{p} {i}" for i in range(4) for p in PROMPTS][:prompts]})
         trainer = DanceGRPOTrainer(
-            tiny_model_dir("flux"), "brightness", args=args, train_dataset=prompts, peft_config=_lora()
+            tiny_model_dir("flux"), "brightness", args=args, train_dataset=dataset, peft_config=_lora()
         )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
-    full = run(tmp_path / "full", 4)
-    run(tmp_path / "first", 2)
-    resumed = run(tmp_path / "first", 4, resume=str(tmp_path / "first" / "checkpoint-2"))
-    assert resumed.state.global_step == 4
+    full = run(tmp_path / "full", 6)
+    run(tmp_path / "first", resume_at)
+    resumed = run(tmp_path / "first", 6, resume=str(tmp_path / "first" / f"checkpoint-{resume_at}"))
+    assert resumed.state.global_step == 6 and full.state.epoch == (0.75 if prompts == 32 else 3)
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         if a.requires_grad:
-            torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+            assert torch.equal(a, b), name
     assert resumed.stat_tracker.state_dict() == full.stat_tracker.state_dict()

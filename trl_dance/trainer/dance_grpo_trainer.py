@@ -17,7 +17,8 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from PIL import Image
 from torch.utils.data import Sampler
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 
 from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
@@ -67,6 +68,26 @@ def _seed(*parts: int) -> int:
     for part in parts:
         value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & 0x7FFFFFFFFFFFFFFF
     return value
+
+
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's ``RepeatSampler`` with epoch ``e``'s order drawn from ``seed + e`` instead of a generator carried across
+    epochs, so a resumed run (a new sampler, created at the checkpoint's epoch) draws every epoch's prompt order again
+    (epoch 0's is ``RepeatSampler``'s). The epoch advances with each pass; ``set_epoch`` sets it where the Trainer
+    reaches the sampler (with several processes accelerate's wrappers hide it after a resume)."""
+
+    def __init__(self, *args, epoch: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            self.generator.manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        return super().__iter__()
 
 
 class DanceGRPOTrainer(DiffusionTrainer):
@@ -170,6 +191,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
+        self._resume_epoch = 0  # the epoch a resumed run starts in (its sampler draws that epoch's order)
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
@@ -225,13 +247,14 @@ class DanceGRPOTrainer(DiffusionTrainer):
         # Every process draws the same global order (same seed); accelerate gives process p the p-th slice of each
         # global generation batch. Groups are contiguous and may span processes: rewards are gathered before the
         # advantages are computed.
-        return RepeatSampler(
+        return EpochSeededRepeatSampler(
             data_source=dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size // self.args.num_generations,
             repeat_count=self.args.num_iterations * self.args.steps_per_generation,
             shuffle=True,
             seed=self.args.seed,
+            epoch=self._resume_epoch,
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -541,6 +564,9 @@ class DanceGRPOTrainer(DiffusionTrainer):
             self._generation_round, self._step = state["generation_round"], state["step"]
             self._cpu_generator.set_state(state["cpu_generator"])
             self._rollout = None
+        trainer_state = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+        if os.path.isfile(trainer_state):
+            self._resume_epoch = int((TrainerState.load_from_json(trainer_state).epoch or 0) + 1e-6)  # 1.9999999: 1
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
