@@ -450,6 +450,49 @@ def test_checkpoints_resume(tiny_model_dir, tmp_path, kind, use_lora, extra):
     assert any(not torch.equal(v, at_step_1[k]) for k, v in again.model.state_dict().items())
 
 
+def test_incomplete_checkpoints_are_refused_naming_the_file(tiny_model_dir, tmp_path, caplog):
+    """A save interrupted before its manifest, a missing optimizer.pt or a truncated file are refused with the file
+    named; resume_from_checkpoint=True (or "true" from the command line) takes the latest complete checkpoint."""
+    import shutil
+
+    args = tiny_grpo_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", args=args, train_dataset=_dataset())
+    trainer.train()
+    first, last = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
+    assert (last / "trl_dance_checkpoint.json").is_file() and (last / "trl_dance_state_0.pt").is_file()
+
+    def resume(checkpoint, message):
+        again = DanceGRPOTrainer(
+            tiny_model_dir("flux"),
+            "brightness",
+            args=tiny_grpo_config(tmp_path, max_steps=3),
+            train_dataset=_dataset(),
+        )
+        with pytest.raises(ValueError, match=message):
+            again.train(resume_from_checkpoint=checkpoint)
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(last, damaged)
+    (damaged / "optimizer.pt").unlink()
+    resume(str(damaged), "lacks optimizer.pt, which exact resume needs")
+    shutil.copy(last / "optimizer.pt", damaged / "optimizer.pt")
+    with open(damaged / "scheduler.pt", "r+b") as handle:
+        handle.truncate(10)
+    resume(str(damaged), "scheduler.pt has 10 bytes, .* when saved")
+    (last / "trl_dance_checkpoint.json").unlink()  # as a kill during the save leaves it
+    resume(str(last), "has no trl_dance_checkpoint.json, .* its save was interrupted")
+
+    # "true" skips the interrupted checkpoint-2 and resumes from checkpoint-1.
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, max_steps=2), train_dataset=_dataset()
+    )
+    trainer.train(resume_from_checkpoint="true")
+    assert trainer.state.global_step == 2 and "skipping" in caplog.text and str(first) not in caplog.text
+    shutil.rmtree(first)
+    shutil.rmtree(tmp_path / "checkpoint-2")
+    resume(True, "has no complete checkpoint")
+
+
 @pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "wan"])
 def test_lora_export_round_trips_for_every_family(tiny_model_dir, tmp_path, kind):
     """A LoRA on attention, output projections and conv_out reloads with load_lora_weights to identical outputs."""

@@ -224,6 +224,38 @@ def test_streaming_pickapic_dataset_trains_and_drops_ties_as_it_streams(tiny_mod
         DiffusionDPOTrainer(tiny_model_dir("sd"), args=_config(tmp_path, max_steps=-1), train_dataset=stream)
 
 
+@pytest.mark.parametrize("resume_at", [3, 4])
+def test_resume_reproduces_the_uninterrupted_run_across_epochs(tiny_model_dir, tmp_path, resume_at):
+    """8 pairs, 4 per step: 2 steps per epoch, 6 steps. Interrupted in the middle of epoch 2 (after step 3) or at its
+    end (after step 4) and resumed: the LoRA is bit-identical to the uninterrupted run's, random crops, flips, caption
+    dropout, timesteps and noise included."""
+    data = _synthetic_pairs("sd", count=8)
+
+    def run(output_dir, max_steps, resume=None):
+        args = _config(
+            output_dir,
+            resolution=16,
+            random_crop=True,
+            proportion_empty_prompts=0.3,
+            per_device_train_batch_size=4,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=resume_at,
+            beta=1000.0,
+        )
+        trainer = DiffusionDPOTrainer(tiny_model_dir("sd"), args=args, train_dataset=data, peft_config=_lora())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", 6)
+    run(tmp_path / "first", resume_at)
+    resumed = run(tmp_path / "first", 6, resume=str(tmp_path / "first" / "out" / f"checkpoint-{resume_at}"))
+    assert resumed.state.global_step == 6 and full.state.epoch == 3
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        if a.requires_grad:
+            assert torch.equal(a, b), name
+
+
 def test_pair_transform_is_joint():
     collator = PreferenceCollator(resolution=16, random_crop=True, random_flip=True, seed=3)
     gradient = Image.fromarray((torch.arange(48 * 40 * 3) % 256).to(torch.uint8).reshape(48, 40, 3).numpy())

@@ -67,6 +67,26 @@ def load_image(value: Any) -> Image.Image | None:
     return value.convert("RGB")
 
 
+INDEX_KEY = "__row_index__"
+
+
+class IndexedRows(torch.utils.data.Dataset):
+    """A map-style ``datasets.Dataset`` whose rows carry their index (``INDEX_KEY``), for :class:`PreferenceCollator`
+    to seed each batch's crops, flips and prompt drops by the rows it holds."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], INDEX_KEY: index}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [{**row, INDEX_KEY: i} for i, row in zip(indices, self.dataset.__getitems__(indices))]
+
+
 def pair_from_row(row: dict[str, Any]) -> tuple[str, Any, Any, float]:
     """``(prompt, chosen, rejected, weight)`` of a row in either format; weight 0.5 for a (kept) tie."""
     if "jpg_0" in row:
@@ -86,7 +106,9 @@ class PreferenceCollator:
     "" with probability ``proportion_empty_prompts``), ``weights`` (B,) (0.5 for ties), ``time_ids`` (B, 6) the SDXL
     micro-conditioning (original H, W of the chosen image, crop top, left, R, R), and ``num_missing``.
 
-    ``seed`` should differ between processes. Each ``DataLoader`` worker draws from its own stream, derived from the
+    ``seed`` should differ between processes. Rows from :class:`IndexedRows` (the trainer's map-style data) seed each
+    batch by ``seed`` and the batch's row indices, so a resumed run draws what the uninterrupted one drew. Other rows
+    (streams): each ``DataLoader`` worker draws from its own stream, derived from the
     seed and the worker's torch seed (new every epoch), so workers do not repeat each other's crops, flips and
     prompt drops.
     """
@@ -130,6 +152,10 @@ class PreferenceCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         pixels, prompts, weights, time_ids, missing = [], [], [], [], 0
         r, rng = self.resolution, self._stream()
+        if rows and all(INDEX_KEY in row for row in rows):
+            # Rows from IndexedRows: the batch's draws are a function of its rows, the same whichever worker
+            # collates it and whether earlier batches were skipped (a resumed run).
+            rng = random.Random(f"{self.seed}/{[row[INDEX_KEY] for row in rows]}")
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
             chosen, rejected = load_image(chosen), load_image(rejected)

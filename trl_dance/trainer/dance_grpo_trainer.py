@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -17,8 +15,7 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from PIL import Image
 from torch.utils.data import Sampler
-from transformers import TrainerCallback, TrainerState
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers import TrainerCallback
 
 from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
@@ -27,9 +24,6 @@ from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
 from .media import log_rollout_media
-
-_TRACKER_FILE = "per_prompt_stats.json"
-_RANK_STATE_FILE = "dance_grpo_state_{}.pt"
 
 
 def _identity(rows: list[dict]) -> list[dict]:
@@ -537,37 +531,23 @@ class DanceGRPOTrainer(DiffusionTrainer):
             f"{args.timestep_fraction:.0%} of the steps trained, advantages: {args.scale_rewards}",
         }
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        # Per process: the round counter (it seeds the sampling noise), the micro-step counter and the generator of
-        # timestep choice and shuffling. With a checkpoint at a round boundary, resuming reproduces the uninterrupted
-        # run exactly; a checkpoint inside a round regenerates that round's rollout.
-        state = {
-            "generation_round": self._generation_round,
-            "step": self._step,
-            "cpu_generator": self._cpu_generator.get_state(),
-        }
-        torch.save(state, os.path.join(folder, _RANK_STATE_FILE.format(self.accelerator.process_index)))
-        if self.stat_tracker is not None and self.args.should_save:
-            with open(os.path.join(folder, _TRACKER_FILE), "w") as handle:
-                json.dump(self.stat_tracker.state_dict(), handle)
+    def _resume_state(self) -> dict[str, Any]:
+        # The round counter (it seeds the sampling noise), the micro-step counter, the generator of timestep choice and
+        # shuffling, and DDPO's per-prompt statistics. At a round boundary, resuming reproduces the uninterrupted run
+        # exactly; a checkpoint inside a round regenerates that round's rollout.
+        state = {"generation_round": self._generation_round, "step": self._step}
+        state["cpu_generator"] = self._cpu_generator.get_state()
+        if self.stat_tracker is not None:
+            state["stat_tracker"] = self.stat_tracker.state_dict()
+        return state
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        tracker_path = os.path.join(resume_from_checkpoint, _TRACKER_FILE)
-        if self.stat_tracker is not None and os.path.isfile(tracker_path):
-            with open(tracker_path) as handle:
-                self.stat_tracker.load_state_dict(json.load(handle))
-        state_path = os.path.join(resume_from_checkpoint, _RANK_STATE_FILE.format(self.accelerator.process_index))
-        if os.path.isfile(state_path):
-            state = torch.load(state_path, weights_only=True)
-            self._generation_round, self._step = state["generation_round"], state["step"]
-            self._cpu_generator.set_state(state["cpu_generator"])
-            self._rollout = None
-        trainer_state = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
-        if os.path.isfile(trainer_state):
-            self._resume_epoch = int((TrainerState.load_from_json(trainer_state).epoch or 0) + 1e-6)  # 1.9999999: 1
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
+        self._generation_round, self._step = state["generation_round"], state["step"]
+        self._cpu_generator.set_state(state["cpu_generator"])
+        if self.stat_tracker is not None:
+            self.stat_tracker.load_state_dict(state["stat_tracker"])
+        self._rollout = None
+        self._resume_epoch = epoch
 
 
 __all__ = ["DanceGRPOTrainer", "sampler_settings"]

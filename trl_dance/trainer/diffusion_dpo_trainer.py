@@ -14,7 +14,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy
-from ..preference_data import PreferenceCollator, drop_ties, preference_format
+from ..preference_data import IndexedRows, PreferenceCollator, drop_ties, preference_format
 from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
@@ -144,6 +144,23 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             # A fresh copy's T_train σ values, from 1 down to 1/T_train, with the config's static shift (SD3: 3).
             scheduler = policy.pipeline.scheduler
             self._training_sigmas = type(scheduler).from_config(scheduler.config).sigmas.float().cpu()
+
+    def get_train_dataloader(self):
+        if not isinstance(self.train_dataset, Dataset):
+            return super().get_train_dataloader()
+        return self._get_dataloader(
+            dataset=IndexedRows(self.train_dataset),  # each batch's augmentation seeded by its rows
+            description="Training",
+            batch_size=self._train_batch_size,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _resume_state(self) -> dict[str, Any]:
+        return {"noise_generator": self._noise_generator.get_state()}  # the timesteps and noise still to draw
+
+    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
+        self._noise_generator.set_state(state["noise_generator"])
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

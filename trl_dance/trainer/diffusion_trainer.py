@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 from collections import defaultdict
+from typing import Any
 
 import diffusers
 import torch
@@ -21,11 +22,14 @@ from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
-from transformers import set_seed
+from transformers import TrainerState, set_seed
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .._compat import _BaseTrainer
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
+from .checkpoints import resolve_checkpoint, write_manifest
 from .media import use_diffusers_callbacks
 
 
@@ -73,6 +77,7 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
 
 
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
+_PROCESS_STATE = "trl_dance_state_{}.pt"
 _SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 
 
@@ -366,6 +371,43 @@ class DiffusionTrainer(_BaseTrainer):
                 ):
                     shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(self.args.output_dir, name))
         super()._push_from_checkpoint(checkpoint_folder)
+
+    # Checkpoints: the Trainer's files, each process's own state (trainers add theirs), then a manifest, written last,
+    # without which a checkpoint is not resumed from (see checkpoints.py).
+
+    def _resume_state(self) -> dict[str, Any]:
+        """This process's state beyond the Trainer's that exact resume needs (tensors, numbers, lists, dicts)."""
+        return {}
+
+    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
+        """Restore :meth:`_resume_state`'s ``state``; ``epoch`` is the one the resumed run starts in."""
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        torch.save(self._resume_state(), os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            write_manifest(folder, self.state.global_step)
+        self.accelerator.wait_for_everyone()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint`` is a checkpoint folder, or True (also ``"true"`` from the
+        command line) for the latest complete one in ``output_dir``. A checkpoint whose save was interrupted, or that
+        lacks a file exact resume needs, is refused naming it."""
+        resume = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume is not None:
+            path = os.path.join(resume, _PROCESS_STATE.format(self.accelerator.process_index))
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"checkpoint {resume!r} has no {os.path.basename(path)}: it was saved by fewer processes"
+                )
+            epoch = TrainerState.load_from_json(os.path.join(resume, TRAINER_STATE_NAME)).epoch or 0
+            # int(1.9999999) would be 1: the float epoch of a checkpoint at an epoch boundary.
+            self._restore_resume_state(torch.load(path, weights_only=True), int(epoch + 1e-6))
+        return super().train(
+            resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.

@@ -1,0 +1,87 @@
+"""Checkpoint completeness: a manifest written last, checked before resuming.
+
+The Trainer writes a checkpoint's files one after another (weights, optimizer, scheduler, RNG states, trainer state,
+then each trainer's own per-process state), so a run killed while saving leaves a folder that looks like a checkpoint
+but silently resumes wrong (round 0's noise, a fresh Adam). The manifest, listing every file with its size, is
+written after all processes finished writing; a folder without it, or whose files are missing or of another size, is
+refused (naming the file) and skipped when resuming from "the latest checkpoint".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+MANIFEST_NAME = "trl_dance_checkpoint.json"
+
+logger = logging.getLogger(__name__)
+
+
+def write_manifest(folder: str, global_step: int) -> None:
+    """List every file under ``folder`` (relative path → size in bytes) in ``folder/MANIFEST_NAME``, atomically."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if name != MANIFEST_NAME:
+                files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    temporary = os.path.join(folder, MANIFEST_NAME + ".tmp")
+    with open(temporary, "w") as handle:
+        json.dump({"global_step": global_step, "files": files}, handle, indent=1, sort_keys=True)
+    os.replace(temporary, os.path.join(folder, MANIFEST_NAME))
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why ``folder`` cannot be resumed from exactly, or None if its manifest and files are complete."""
+    if not os.path.isdir(folder):
+        return f"checkpoint {folder!r} does not exist"
+    manifest = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(manifest):
+        return (
+            f"checkpoint {folder!r} has no {MANIFEST_NAME}, which trl-dance writes after every other file of a "
+            "checkpoint: its save was interrupted (or an older trl-dance wrote it)"
+        )
+    try:
+        with open(manifest) as handle:
+            files = json.load(handle)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"checkpoint {folder!r}: {manifest} is unreadable ({err})"
+    for name, size in sorted(files.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"checkpoint {folder!r} lacks {name}, which exact resume needs"
+        if os.path.getsize(path) != size:
+            return f"checkpoint {folder!r}: {name} has {os.path.getsize(path)} bytes, {size} when saved (damaged)"
+    return None
+
+
+def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder to resume from: a path as given (checked), or, for ``True`` (also the command line's
+    ``"true"``), the latest complete ``checkpoint-N`` in ``output_dir``; None for None, False or ``"false"``.
+
+    Raises:
+        ValueError naming the missing or damaged file, or saying that no complete checkpoint exists.
+    """
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+        resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+        steps = sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
+        for step in steps:
+            folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            problem = checkpoint_problem(folder)
+            if problem is None:
+                return folder
+            logger.warning(f"skipping {folder}: {problem}")
+        raise ValueError(f"resume_from_checkpoint=True but output_dir {output_dir!r} has no complete checkpoint")
+    problem = checkpoint_problem(resume_from_checkpoint)
+    if problem is not None:
+        raise ValueError(problem)
+    return resume_from_checkpoint
