@@ -392,6 +392,31 @@ def test_bad_trainer_inputs_fail_at_construction(tiny_model_dir, tmp_path):
         DanceGRPOTrainer(tiny_model_dir("sd"), "brightness", args=args, train_dataset=_dataset())
 
 
+def test_prompts_are_text_conversations_give_their_user_turn_and_long_ones_warn_once(tiny_model_dir, tmp_path, caplog):
+    args = tiny_grpo_config(tmp_path)
+    path = tiny_model_dir("flux")
+    for prompts, message in (([1, 2, 3, 4], "prompt of row 0 must be a string .* got int: 1"),
+                             (["a cat", None, "a dog", "sky"], "prompt of row 1 must be a string .* got NoneType")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            DanceGRPOTrainer(path, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": prompts}))
+    conversation = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "a cat"}]
+    dataset = Dataset.from_dict({"prompt": [conversation] * 4})
+    trainer = DanceGRPOTrainer(path, "brightness", args=args, train_dataset=dataset)
+    assert trainer.train_dataset["prompt"] == ["a cat"] * 4
+    with pytest.raises(ValueError, match="conversation without a text user turn"):
+        DanceGRPOTrainer(
+            path, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": [conversation[:1]] * 4})
+        )
+
+    long = "a " + "very " * 30 + "long prompt"  # 160 characters: more than CLIP's 77 tokens here
+    trainer.policy.encode_prompts([long, "a cat"])
+    trainer.policy.encode_prompts([long])
+    warnings = [r.message for r in caplog.records if "are truncated" in r.message]
+    assert (
+        len(warnings) == 1 and "1 of 2 prompts are longer than the 77 tokens tokenizer (CLIPTokenizer" in warnings[0]
+    )
+
+
 def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
     args = DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert (args.num_inference_steps, args.shift, args.eta, args.num_generations) == (16, 3.0, 0.3, 12)

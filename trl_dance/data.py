@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from datasets import Dataset, Image, IterableDataset, Value, load_dataset, load_from_disk
 
@@ -60,3 +61,30 @@ def load_prompt_dataset(
     if "image" in dataset.column_names and dataset.features["image"] == Value("string"):
         dataset = dataset.cast_column("image", Image())
     return dataset
+
+
+def _prompt_text(value: Any, row: int) -> str:
+    """A prompt as text: a string, or TRL's conversational format (a list of ``{"role", "content"}`` messages), whose
+    last user turn is the prompt. Anything else raises ValueError naming the row."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+        users = [m.get("content") for m in value if m["role"] == "user"]
+        if users and isinstance(users[-1], str):
+            return users[-1]
+        raise ValueError(
+            f"prompt of row {row} is a conversation without a text user turn ({value!r:.200}): an image model is "
+            "prompted by the text of the last user message"
+        )
+    raise ValueError(f"prompt of row {row} must be a string (or a conversation), got {type(value).__name__}: {value!r:.100}")
+
+
+def text_prompts(dataset: Dataset) -> Dataset:
+    """``dataset`` with every ``prompt`` checked to be text; TRL's conversational prompts (lists of messages) become
+    the text of their last user turn. Raises ValueError naming the first bad row."""
+    prompts = dataset["prompt"]
+    for row, value in enumerate(prompts):
+        _prompt_text(value, row)
+    if all(isinstance(value, str) for value in prompts):
+        return dataset
+    return dataset.map(lambda value, row: {"prompt": _prompt_text(value, row)}, input_columns="prompt", with_indices=True)

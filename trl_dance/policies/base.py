@@ -8,6 +8,7 @@ passed in to :meth:`DiffusionPolicy.predict` so the trainer can call it through 
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +17,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 from ..sde import Reduction, SDEStepOutput
+
+logger = logging.getLogger(__name__)
 
 Conditioning = dict[str, torch.Tensor]
 """Prompt conditioning: tensors with the prompt (or sample) as first dimension, indexable per sample."""
@@ -68,6 +71,7 @@ class DiffusionPolicy(ABC):
         self.offload_text_encoders = False
         self.offload_frozen_expert = False
         self._sampling_depth = 0
+        self._warned_long_prompts = False
         if settings.num_frames is not None and not self.is_video:
             raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
         if settings.negative_prompt is not None and not self.use_cfg:
@@ -169,9 +173,32 @@ class DiffusionPolicy(ABC):
         missing = [name for name in self.condition_columns if name not in columns]
         if missing:
             raise ValueError(f"{type(self).__name__} conditions on the dataset columns {missing}; none were given")
+        if not self._warned_long_prompts:
+            self._warn_long_prompts(prompts)
         with self._text_encoders_on_device():
             cond = self._encode(prompts)
         return {**cond, **self._encode_columns(**{name: columns[name] for name in self.condition_columns})}
+
+    def _warn_long_prompts(self, prompts: list[str]) -> None:
+        """Warn once if prompts are longer than a text encoder reads (CLIP: 77 tokens; T5: ``max_sequence_length``):
+        the pipeline truncates them."""
+        for name, tokenizer in self.pipeline.components.items():
+            if not name.startswith("tokenizer") or tokenizer is None:
+                continue
+            clip = "CLIP" in type(tokenizer).__name__
+            limit = tokenizer.model_max_length if clip else self.settings.max_sequence_length
+            lengths = [len(ids) for ids in tokenizer(prompts, truncation=False)["input_ids"]]
+            over = [(length, prompt) for length, prompt in zip(lengths, prompts) if length > limit]
+            if over:
+                self._warned_long_prompts = True
+                length, prompt = max(over)
+                logger.warning(
+                    f"{len(over)} of {len(prompts)} prompts are longer than the {limit} tokens {name} "
+                    f"({type(tokenizer).__name__}) reads and are truncated, e.g. {prompt[:80]!r}... ({length} tokens)"
+                    + ("" if clip else "; raise max_sequence_length to keep more")
+                    + ". Warned once."
+                )
+                return
 
     def _encode_columns(self, **columns: list) -> Conditioning:
         """Conditioning from :attr:`condition_columns` (none by default); shared by both CFG branches."""

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
+from ..data import text_prompts
 from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
@@ -137,6 +138,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
             raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_funcs)} reward functions")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self._check_dataset(train_dataset, args)
+        train_dataset = text_prompts(train_dataset)
 
         policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
         if args.offload_frozen_expert and policy.frozen_expert is None:
