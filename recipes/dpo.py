@@ -9,10 +9,11 @@ Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Wri
 
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.data import load_any_dataset
+from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args
 
 
 @dataclass
@@ -40,8 +41,7 @@ def main(
     )
     if script_args.dataset_streaming:
         dataset = dataset.shuffle(seed=training_args.seed, buffer_size=script_args.shuffle_buffer_size)
-    if model_args.dtype is not None:
-        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "torch_dtype": model_args.dtype}
+    model_init_kwargs(training_args, model_args)
     trainer = DiffusionDPOTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
@@ -56,7 +56,7 @@ def main(
 
 
 def cli() -> DiffusionDPOTrainer:
-    return main(*TrlParser((ScriptArguments, DiffusionDPOConfig, ModelConfig)).parse_args_and_config())
+    return main(*parse_recipe_args((ScriptArguments, DiffusionDPOConfig, ModelConfig)))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ bottom row: after, same seeds).
 import os
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.data import load_prompt_dataset
+from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
@@ -42,8 +43,7 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
         script_args.dataset_train_split,
         script_args.prompt_column,
     )
-    if model_args.dtype is not None:
-        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "torch_dtype": model_args.dtype}
+    model_init_kwargs(training_args, model_args)
     trainer = DanceGRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=script_args.reward_funcs,
@@ -79,7 +79,7 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
 
 def cli() -> DanceGRPOTrainer:
     """Parse the command line (and --config YAML) and run :func:`main`."""
-    return main(*TrlParser((ScriptArguments, DanceGRPOConfig, ModelConfig)).parse_args_and_config())
+    return main(*parse_recipe_args((ScriptArguments, DanceGRPOConfig, ModelConfig)))
 
 
 if __name__ == "__main__":

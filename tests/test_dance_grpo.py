@@ -363,6 +363,9 @@ def test_extra_columns_reach_the_reward(tiny_model_dir, tmp_path):
             r"gradient_accumulation_steps \(3\) must divide the 5 .* Divisors: \[1, 5\]",
         ),
         ({"kl_scaling": "k3"}, "kl_scaling must be one of"),
+        ({"epsilon": 0.0}, "epsilon must be > 0, got 0.0"),
+        ({"beta": -0.1}, "beta must be >= 0, got -0.1"),
+        ({"height": 0}, "height must be > 0, got 0"),
     ],
 )
 def test_bad_configs_fail_at_construction(tmp_path, overrides, message):
@@ -387,6 +390,8 @@ def test_bad_trainer_inputs_fail_at_construction(tiny_model_dir, tmp_path):
         DanceGRPOTrainer(path, "brightness", args=args, train_dataset=_dataset(), peft_config=_lora(lora_dropout=0.1))
     with pytest.raises(ValueError, match="height=34 must be a multiple of 4"):
         DanceGRPOTrainer(path, "brightness", args=tiny_grpo_config(tmp_path, height=34), train_dataset=_dataset())
+    with pytest.raises(OSError, match="cannot load the pipeline 'outputs/no-such-model': there is no such folder"):
+        DanceGRPOTrainer("outputs/no-such-model", "brightness", args=args, train_dataset=_dataset())
     with pytest.raises(ValueError, match="kl_scaling='flow_grpo' scales the KL by the step's Δσ"):
         args = tiny_grpo_config(tmp_path, beta=0.1, kl_scaling="flow_grpo", guidance_scale=1.0)
         DanceGRPOTrainer(tiny_model_dir("sd"), "brightness", args=args, train_dataset=_dataset())

@@ -116,6 +116,10 @@ def _assert_refused(model_dir, tmp_path, match, **config):
 def test_video_configuration_errors(tiny_model_dir, tmp_path):
     _assert_refused(tiny_model_dir("wan"), tmp_path, "num_frames must be 1 \\+ a multiple of 2", num_frames=4)
     _assert_refused(tiny_model_dir("flux"), tmp_path, "num_frames applies to video pipelines", **WAN)
+    # The default 81 frames are 41 latent frames of the tiny VAE, more than its transformer's rotary tables cover.
+    _assert_refused(
+        tiny_model_dir("wan"), tmp_path, r"num_frames=81 gives 41 latent patches .* rope_max_seq_len \(32\)"
+    )
     _assert_refused(
         tiny_model_dir("wan"),
         tmp_path,

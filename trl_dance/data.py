@@ -76,7 +76,9 @@ def _prompt_text(value: Any, row: int) -> str:
             f"prompt of row {row} is a conversation without a text user turn ({value!r:.200}): an image model is "
             "prompted by the text of the last user message"
         )
-    raise ValueError(f"prompt of row {row} must be a string (or a conversation), got {type(value).__name__}: {value!r:.100}")
+    raise ValueError(
+        f"prompt of row {row} must be a string (or a conversation), got {type(value).__name__}: {value!r:.100}"
+    )
 
 
 def text_prompts(dataset: Dataset) -> Dataset:
@@ -87,4 +89,6 @@ def text_prompts(dataset: Dataset) -> Dataset:
         _prompt_text(value, row)
     if all(isinstance(value, str) for value in prompts):
         return dataset
-    return dataset.map(lambda value, row: {"prompt": _prompt_text(value, row)}, input_columns="prompt", with_indices=True)
+    return dataset.map(
+        lambda value, row: {"prompt": _prompt_text(value, row)}, input_columns="prompt", with_indices=True
+    )

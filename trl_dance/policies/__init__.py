@@ -29,13 +29,18 @@ _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
 }
 
 
-def make_policy(pipeline: DiffusionPipeline, settings: SamplerSettings) -> DiffusionPolicy:
-    """The policy adapter for a pipeline instance (subclasses of a supported pipeline class included)."""
-    for pipeline_class, policy_class in _POLICIES.items():
+def policy_class(pipeline: DiffusionPipeline) -> type[DiffusionPolicy]:
+    """The policy adapter class for a pipeline instance (subclasses of a supported pipeline class included)."""
+    for pipeline_class, policy in _POLICIES.items():
         if isinstance(pipeline, pipeline_class):
-            return policy_class(pipeline, settings)
+            return policy
     supported = ", ".join(cls.__name__ for cls in _POLICIES)
     raise TypeError(f"no policy for {type(pipeline).__name__}; supported pipelines: {supported}")
+
+
+def make_policy(pipeline: DiffusionPipeline, settings: SamplerSettings) -> DiffusionPolicy:
+    """The policy adapter for a pipeline instance, sampling with ``settings``."""
+    return policy_class(pipeline)(pipeline, settings)
 
 
 __all__ = [
@@ -50,4 +55,5 @@ __all__ = [
     "WanImageToVideoPolicy",
     "WanPolicy",
     "make_policy",
+    "policy_class",
 ]

@@ -53,6 +53,20 @@ class WanPolicy(FlowMatchingPolicy):
             raise ValueError(
                 f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
             )
+        # The transformer's rotary tables cover rope_max_seq_len patches per axis (1024 in Wan; less in small models).
+        config = pipeline.transformer.config
+        patches = (
+            ((settings.num_frames - 1) // temporal + 1) // config.patch_size[0],
+            settings.height // pipeline.vae_scale_factor_spatial // config.patch_size[1],
+            settings.width // pipeline.vae_scale_factor_spatial // config.patch_size[2],
+        )
+        for name, count in zip(("num_frames", "height", "width"), patches):
+            if count > config.rope_max_seq_len:
+                raise ValueError(
+                    f"{name}={getattr(settings, name)} gives {count} latent patches along that axis, more than this "
+                    f"transformer's rope_max_seq_len ({config.rope_max_seq_len}); use a smaller {name}"
+                    + (f" (the default is {self.default_num_frames})" if name == "num_frames" else "")
+                )
         super().__init__(pipeline, settings)
         # Which steps the trained expert serves, decided once on the CPU (the sampler must not read device values).
         steps = torch.arange(self.num_steps)

@@ -259,8 +259,16 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if self.eta <= 0:
             raise ValueError(f"eta must be > 0: a deterministic step has no log-probability, got {self.eta}")
-        if self.epsilon <= 0 or self.beta < 0 or self.num_iterations < 1:
-            raise ValueError("need epsilon > 0, beta >= 0 and num_iterations >= 1")
+        for name, value, ok, bound in (
+            ("epsilon", self.epsilon, self.epsilon > 0, "> 0"),
+            ("beta", self.beta, self.beta >= 0, ">= 0"),
+            ("num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1"),
+            ("height", self.height, self.height > 0, "> 0"),
+            ("width", self.width, self.width > 0, "> 0"),
+            ("num_frames", self.num_frames, self.num_frames is None or self.num_frames > 0, "> 0 (or None)"),
+        ):
+            if not ok or not math.isfinite(value or 0):
+                raise ValueError(f"{name} must be {bound}, got {value}")
 
         num_processes = self.world_size
         if self.generation_batch_size is None:

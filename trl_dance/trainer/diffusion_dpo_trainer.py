@@ -13,7 +13,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy
+from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy, policy_class
 from ..preference_data import IndexedRows, PreferenceCollator, drop_ties, preference_format
 from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
@@ -113,11 +113,10 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             guidance_scale=args.guidance_scale,
             max_sequence_length=args.max_sequence_length,
         )
-        policy = make_policy(load_pipeline(model, args), settings)
-        if policy.is_video:
-            raise ValueError(
-                f"DiffusionDPOTrainer learns from image pairs; {type(policy.pipeline).__name__} generates videos"
-            )
+        pipeline = load_pipeline(model, args)
+        if policy_class(pipeline).is_video:
+            raise ValueError(f"DiffusionDPOTrainer learns from image pairs; {type(pipeline).__name__} generates videos")
+        policy = make_policy(pipeline, settings)
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
         collator = PreferenceCollator(

@@ -70,8 +70,16 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
         loader = getattr(diffusers, pipeline_class, None)
         if not (isinstance(loader, type) and issubclass(loader, DiffusionPipeline)):
             raise ValueError(f"pipeline_class must name a diffusers pipeline class, got {pipeline_class!r}")
-    with _without_zero3_init(args):
-        pipeline = loader.from_pretrained(model, **kwargs)
+    try:
+        with _without_zero3_init(args):
+            pipeline = loader.from_pretrained(model, **kwargs)
+    except OSError as err:  # huggingface_hub's "not found / offline" errors; a local folder's own errors pass
+        if os.path.isdir(model):
+            raise
+        raise OSError(
+            f"cannot load the pipeline {model!r}: there is no such folder ({os.path.abspath(model)}), and as a Hub id "
+            f"it could not be loaded: {err}"
+        ) from err
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 

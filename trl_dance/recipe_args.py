@@ -1,0 +1,76 @@
+"""Command-line handling shared by the recipes (``recipes/grpo.py``, ``recipes/dpo.py``): TRL's parser with ``--config``
+named first, the ``trl.ModelConfig`` fields the recipes use (the others refused, not silently ignored), and
+``module:function`` rewards from the working directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from trl import ModelConfig, TrlParser
+
+# The ModelConfig fields the recipes pass on: the model, its dtype and a peft LoRA (get_peft_config).
+USED_MODEL_FIELDS = (
+    "model_name_or_path",
+    "model_revision",
+    "dtype",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+)
+
+USAGE = """%(prog)s --config FILE.yaml [--option value ...]
+
+--config FILE.yaml: a YAML file setting any of the options below (recipes/configs/ has one per model); options given
+on the command line override it. The options are those of the script, of the trainer's config and of trl.ModelConfig
+(model_name_or_path, dtype, use_peft, lora_*)."""
+
+
+def parse_recipe_args(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple[Any, ...]:
+    """``TrlParser(dataclass_types).parse_args_and_config(argv)``, with the usage line naming ``--config``, the
+    ``ModelConfig`` instance checked by :func:`check_model_args` and the working directory importable (for
+    ``reward_funcs: [my_rewards:fn]``, as a Python script would see it)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    parsed = TrlParser(dataclass_types, usage=USAGE).parse_args_and_config(argv)
+    for value in parsed:
+        if isinstance(value, ModelConfig):
+            check_model_args(value)
+    return parsed
+
+
+def check_model_args(model_args: ModelConfig) -> None:
+    """Raise ``ValueError`` naming any ``ModelConfig`` field set away from its default that the recipes do not use
+    (quantization, attention implementation, ...): it would otherwise be accepted and silently ignored."""
+    defaults = ModelConfig()
+    unused = [
+        f"{field.name}={getattr(model_args, field.name)!r}"
+        for field in dataclasses.fields(ModelConfig)
+        if field.name not in USED_MODEL_FIELDS and getattr(model_args, field.name) != getattr(defaults, field.name)
+    ]
+    if unused:
+        raise ValueError(
+            f"trl-dance recipes do not use {', '.join(unused)} (trl.ModelConfig fields for transformers models); "
+            f"remove them. The model options they use: {', '.join(USED_MODEL_FIELDS)}"
+        )
+    if model_args.model_name_or_path is None:
+        raise ValueError("--model_name_or_path is required (a Hub id or a local pipeline folder)")
+
+
+def model_init_kwargs(training_args: Any, model_args: ModelConfig) -> None:
+    """Pass ``dtype`` and ``model_revision`` on to ``DiffusionPipeline.from_pretrained`` through the trainer config's
+    ``model_init_kwargs``."""
+    kwargs = dict(training_args.model_init_kwargs or {})
+    if model_args.dtype is not None:
+        kwargs["torch_dtype"] = model_args.dtype
+    if model_args.model_revision not in (None, "main"):
+        kwargs["revision"] = model_args.model_revision
+    training_args.model_init_kwargs = kwargs or None
