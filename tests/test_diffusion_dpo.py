@@ -256,6 +256,34 @@ def test_resume_reproduces_the_uninterrupted_run_across_epochs(tiny_model_dir, t
             assert torch.equal(a, b), name
 
 
+def test_bad_preference_data_is_named(tiny_model_dir, tmp_path, caplog):
+    """Labels other than 0, ½, 1, an all-ties dataset, a truncated image (row and cause named) and missing images
+    beyond max_missing_images (warned once before) each stop with a message."""
+
+    def trainer(rows, **overrides):
+        args = _config(tmp_path, per_device_train_batch_size=2, **overrides)
+        return DiffusionDPOTrainer(
+            tiny_model_dir("sd"), args=args, train_dataset=Dataset.from_dict(rows), peft_config=_lora()
+        )
+
+    red, blue = _png((255, 0, 0)), _png((0, 0, 255))
+    rows = {"caption": ["a", "b"], "jpg_0": [red, red], "jpg_1": [blue, blue], "label_0": [1.0, 2.0]}
+    with pytest.raises(ValueError, match=r"label_0 of row 1 is 2.0; Pick-a-Pic labels are 1 \(jpg_0 wins\), 0 or 0.5"):
+        trainer(rows)
+    with pytest.raises(ValueError, match="no preference pairs to train on \\(2 ties were dropped; ties='keep'"):
+        trainer(rows | {"label_0": [0.5, 0.5]})
+
+    truncated = red[: len(red) // 2]
+    broken = trainer(rows | {"jpg_1": [blue, truncated], "label_0": [1.0, 1.0]}, max_steps=1)
+    with pytest.raises(ValueError, match=r"row 1 \(prompt 'b'\): cannot decode the image \d+ bytes"):
+        broken.train()
+
+    missing = trainer(rows | {"jpg_1": [None, blue], "label_0": [1.0, 1.0]}, max_steps=4, max_missing_images=1)
+    with pytest.raises(ValueError, match="2 pairs had a missing image, more than max_missing_images \\(1\\)"):
+        missing.train()
+    assert sum("skipped a pair whose image is missing" in r.message for r in caplog.records) == 1
+
+
 def test_pair_transform_is_joint():
     collator = PreferenceCollator(resolution=16, random_crop=True, random_flip=True, seed=3)
     gradient = Image.fromarray((torch.arange(48 * 40 * 3) % 256).to(torch.uint8).reshape(48, 40, 3).numpy())

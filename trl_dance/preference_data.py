@@ -39,6 +39,16 @@ def preference_format(column_names: list[str]) -> str:
     )
 
 
+def check_labels(dataset: Dataset) -> None:
+    """Pick-a-Pic's ``label_0`` must be 1 (``jpg_0`` wins), 0 (``jpg_1`` wins) or 0.5 (a tie): ValueError naming the
+    first other row."""
+    for row, label in enumerate(dataset["label_0"]):
+        if label not in (0, 0.5, 1):
+            raise ValueError(
+                f"label_0 of row {row} is {label!r}; Pick-a-Pic labels are 1 (jpg_0 wins), 0 or 0.5 (tie)"
+            )
+
+
 def drop_ties(dataset: Dataset | IterableDataset) -> tuple[Dataset | IterableDataset, int | None]:
     """Drop Pick-a-Pic ties (``label_0 == 0.5``) and count them. Reads only the label column; the result is an index
     mapping. A streaming dataset is filtered lazily, as it streams: the count is then ``None``."""
@@ -49,22 +59,30 @@ def drop_ties(dataset: Dataset | IterableDataset) -> tuple[Dataset | IterableDat
 
 
 def load_image(value: Any) -> Image.Image | None:
-    """A PIL RGB image from a PIL image, bytes, a path or a ``{"bytes", "path"}`` dict; None if missing."""
+    """A PIL RGB image from a PIL image, bytes, a path or a ``{"bytes", "path"}`` dict; None if missing.
+
+    Raises:
+        ValueError naming the file (or the bytes' length) when the image cannot be decoded (truncated, not an image).
+    """
     if value is None:
         return None
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
         if value is None:
             return None
-    if isinstance(value, (bytes, bytearray)):
-        value = Image.open(io.BytesIO(value))
-    elif isinstance(value, str):
-        if not os.path.isfile(value):
-            return None
-        value = Image.open(value)
-    if not isinstance(value, Image.Image):
-        raise TypeError(f"cannot read an image from {type(value).__name__}")
-    return value.convert("RGB")
+    source = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else repr(value)
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            value = Image.open(io.BytesIO(value))
+        elif isinstance(value, str):
+            if not os.path.isfile(value):
+                return None
+            value = Image.open(value)
+        if not isinstance(value, Image.Image):
+            raise TypeError(f"cannot read an image from {type(value).__name__}")
+        return value.convert("RGB")  # decodes the pixels: a truncated file fails here
+    except (OSError, SyntaxError) as err:  # PIL's errors for truncated and unidentified images
+        raise ValueError(f"cannot decode the image {source}: {err}") from err
 
 
 INDEX_KEY = "__row_index__"
@@ -158,7 +176,11 @@ class PreferenceCollator:
             rng = random.Random(f"{self.seed}/{[row[INDEX_KEY] for row in rows]}")
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
-            chosen, rejected = load_image(chosen), load_image(rejected)
+            try:
+                chosen, rejected = load_image(chosen), load_image(rejected)
+            except ValueError as err:
+                where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
+                raise ValueError(f"preference data, {where} (prompt {prompt!r:.80}): {err}") from err
             if chosen is None or rejected is None:
                 missing += 1
                 continue

@@ -38,6 +38,9 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
         random_crop (`bool`, defaults to `False`): Random instead of centre crop (the same box for both images).
         random_flip (`bool`, defaults to `True`): Flip a pair horizontally with probability ½ (both images).
         proportion_empty_prompts (`float`, defaults to `0.0`): Caption dropout (the paper's recipe: 0.2).
+        max_missing_images (`int` or `None`, defaults to `100`): Pairs with a missing image (no file, no bytes) are
+            skipped, counted in `data/missing_images` and warned about once; training stops when a process has skipped
+            more than this many. `None`: never stop.
         ties (`str`, defaults to `"drop"`): Pick-a-Pic ties (`label_0 = 0.5`): `"drop"` them (counted in the log), or
             `"keep"` them with the loss averaged over both orders (they count ½ in `implicit_acc`).
         guidance_scale (`float`, defaults to `3.5`): FLUX's guidance-embedding value during training; unused by
@@ -76,6 +79,9 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
     random_flip: bool = field(default=True, metadata={"help": "Random horizontal flip of both images."})
     proportion_empty_prompts: float = field(default=0.0, metadata={"help": "Caption dropout probability."})
     ties: str = field(default="drop", metadata={"help": "drop | keep Pick-a-Pic ties.", "choices": ["drop", "keep"]})
+    max_missing_images: int | None = field(
+        default=100, metadata={"help": "Skipped pairs with a missing image (per process) before training stops."}
+    )
     guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding during training."})
     max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
     model_init_kwargs: dict[str, Any] | str | None = field(

@@ -14,7 +14,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy, policy_class
-from ..preference_data import IndexedRows, PreferenceCollator, drop_ties, preference_format
+from ..preference_data import IndexedRows, PreferenceCollator, check_labels, drop_ties, preference_format
 from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
@@ -100,12 +100,22 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             columns = list(next(iter(train_dataset)))
         self.data_format = preference_format(columns)
         self.num_ties_dropped = 0
+        if self.data_format == "pickapic" and not streaming:
+            check_labels(train_dataset)
         if self.data_format == "pickapic" and args.ties == "drop":
             train_dataset, self.num_ties_dropped = drop_ties(train_dataset)
             if not streaming:
                 logger.warning(
-                    f"Diffusion-DPO: dropped {self.num_ties_dropped} tie pairs; {len(train_dataset)} remain"
+                    f"Diffusion-DPO: dropped {self.num_ties_dropped} ties; {len(train_dataset)} pairs remain"
                 )
+        if not streaming and len(train_dataset) == 0:
+            ties = (
+                f" ({self.num_ties_dropped} ties were dropped; ties='keep' trains on them)"
+                if self.num_ties_dropped
+                else ""
+            )
+            raise ValueError(f"train_dataset has no preference pairs to train on{ties}")
+        self._missing_images, self._warned_missing = 0, False
 
         settings = SamplerSettings(
             height=args.resolution,
@@ -115,7 +125,9 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         )
         pipeline = load_pipeline(model, args)
         if policy_class(pipeline).is_video:
-            raise ValueError(f"DiffusionDPOTrainer learns from image pairs; {type(pipeline).__name__} generates videos")
+            raise ValueError(
+                f"DiffusionDPOTrainer learns from image pairs; {type(pipeline).__name__} generates videos"
+            )
         policy = make_policy(pipeline, settings)
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
@@ -154,6 +166,23 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
+
+    def _count_missing_images(self, missing: int) -> None:
+        if not missing:
+            return
+        self._missing_images += missing
+        if not self._warned_missing and self.accelerator.is_main_process:
+            logger.warning(
+                f"Diffusion-DPO: skipped a pair whose image is missing (no such file, or no bytes); counted in "
+                f"data/missing_images, training stops after {self.args.max_missing_images} per process. Warned once."
+            )
+            self._warned_missing = True
+        limit = self.args.max_missing_images
+        if limit is not None and self._missing_images > limit:
+            raise ValueError(
+                f"{self._missing_images} pairs had a missing image, more than max_missing_images ({limit}): check "
+                "the dataset's image paths (relative paths resolve from the working directory)"
+            )
 
     def _resume_state(self) -> dict[str, Any]:
         return {"noise_generator": self._noise_generator.get_state()}  # the timesteps and noise still to draw
@@ -206,6 +235,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         self._record("mse/chosen/policy", policy_chosen)
         self._record("mse/rejected/policy", policy_rejected)
         self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
+        self._count_missing_images(inputs["num_missing"])
         if self.args.sft:
             loss = policy_chosen.mean()
             return (loss, prediction) if return_outputs else loss
