@@ -7,6 +7,11 @@ Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Wri
 (pytorch_lora_weights.safetensors, for Pipeline.load_lora_weights) or the full denoiser to output_dir.
 """
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
+
+
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config

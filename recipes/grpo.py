@@ -9,6 +9,10 @@ bottom row: after, same seeds).
 """
 
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
+
+
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config
