@@ -14,11 +14,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 from dataclasses import dataclass, field
 
+import torch
 from trl import ModelConfig, get_peft_config
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.data import load_any_dataset
 from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args
+from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
 @dataclass
@@ -30,6 +32,10 @@ class ScriptArguments:
         default=False, metadata={"help": "Stream the dataset (e.g. Pick-a-Pic's 850k pairs) instead of preparing it."}
     )
     shuffle_buffer_size: int = field(default=10_000, metadata={"help": "Rows shuffled together when streaming."})
+    sample_prompts: list[str] = field(
+        default_factory=list, metadata={"help": "Prompts of the before/after samples.png (none: no samples)."}
+    )
+    sample_steps: int = field(default=20, metadata={"help": "Denoising steps of the samples."})
 
 
 def main(
@@ -53,11 +59,49 @@ def main(
         train_dataset=dataset,
         peft_config=get_peft_config(model_args),
     )
+    before = _samples(trainer, script_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
+    after = _samples(trainer, script_args)
+    if trainer.accelerator.is_main_process:
+        output_dir = training_args.output_dir
+        accuracy = save_reward_curve(
+            trainer.state.log_history,
+            os.path.join(output_dir, "implicit_accuracy.png"),
+            "implicit accuracy",
+            "implicit_acc",
+        )
+        print(f"implicit accuracy: first log {accuracy[0]:.3f}, last log {accuracy[-1]:.3f} ({len(accuracy)} logs)")
+        if before is not None:
+            path = os.path.join(output_dir, "samples.png")
+            save_image_grid(
+                [before, after], path, size=128, row_labels=["before", "after"], captions=script_args.sample_prompts
+            )
+            trainer.save_samples(script_args.sample_prompts, after)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     return trainer
+
+
+def _samples(trainer: DiffusionDPOTrainer, script_args: ScriptArguments):
+    """The pipeline's own samples of ``sample_prompts`` with the current denoiser (its LoRA, if any, on), fixed seeds;
+    (B, 3, H, W) in [0, 1], or None without prompts."""
+    if not script_args.sample_prompts:
+        return None
+    resolution = trainer.args.resolution
+    with torch.no_grad():
+        return (
+            trainer.policy.pipeline(
+                script_args.sample_prompts,
+                num_inference_steps=script_args.sample_steps,
+                height=resolution,
+                width=resolution,
+                generator=[torch.Generator().manual_seed(i) for i in range(len(script_args.sample_prompts))],
+                output_type="pt",
+            )
+            .images.float()
+            .cpu()
+        )
 
 
 def cli() -> DiffusionDPOTrainer:

@@ -73,7 +73,13 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
         )
         print(f"reward: first step {rewards[0]:.4f}, last step {rewards[-1]:.4f} ({len(rewards)} rollouts)")
         if before is not None:
-            save_image_grid([before, after], os.path.join(output_dir, "samples.png"), size=128)
+            save_image_grid(
+                [before, after],
+                os.path.join(output_dir, "samples.png"),
+                size=128,
+                row_labels=["before", "after"],
+                captions=sample_prompts,
+            )
             trainer.save_samples(sample_prompts, after)  # image_<i>.png, the model card's widget gallery
         print(f"wrote {output_dir}: {sorted(os.listdir(output_dir))}")
     if training_args.push_to_hub:

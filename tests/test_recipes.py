@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,7 +50,8 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
     strip = 4 if kind == "wan" else 1  # videos are shown as strips of 4 frames
-    assert Image.open(output_dir / "samples.png").size == (2 * 128 * strip, 2 * 128)
+    # Two columns of 128-pixel pictures with a gap, a label column (before / after), a caption row (the prompts).
+    assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 24)
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "recipes", "configs"))))
@@ -69,6 +71,10 @@ def test_shipped_configs_are_valid(name, tmp_path):
         "prompts_file",
         "dataset_name",
         "num_sample_images",
+        "dataset_streaming",
+        "shuffle_buffer_size",
+        "sample_prompts",
+        "sample_steps",
     }
     config_class = DiffusionDPOConfig if name.startswith("dpo") else DanceGRPOConfig
     training = {k: v for k, v in values.items() if k not in script_and_model_keys}
@@ -89,7 +95,9 @@ def test_shipped_configs_are_valid(name, tmp_path):
         from trl_dance.testing import tiny_wan22_pipeline
         from trl_dance.trainer.dance_grpo_trainer import sampler_settings
 
-        policy = make_policy(tiny_wan22_pipeline(), sampler_settings(config))
+        # Which steps each expert serves depends on the schedule only: the tiny transformer at a tiny size.
+        settings = dataclasses.replace(sampler_settings(config), height=32, width=32, num_frames=5)
+        policy = make_policy(tiny_wan22_pipeline(), settings)
         assert config.timesteps_per_sample <= len(policy.trainable_steps())
 
 
@@ -106,23 +114,27 @@ def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--num_sample_images", "2",
     )  # fmt: skip
     assert "reward: first step" in result.stdout
-    assert Image.open(tmp_path / "out" / "samples.png").size == (2 * 4 * 128, 2 * 128)
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 4 * 128 + 6, 2 * 128 + 6 + 24)
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 
 def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     from trl_dance.testing import main as testing_main
 
-    testing_main(["sd", str(tmp_path / "tiny-sd"), "--preferences", str(tmp_path / "prefs")])
-    _run_recipe(
-        "dpo_sd",
-        "dpo_sd_tiny",
-        "--model_name_or_path", str(tmp_path / "tiny-sd"), "--dataset_name", str(tmp_path / "prefs"),
-        "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+    testing_main(["sd3", str(tmp_path / "tiny-sd3"), "--preferences", str(tmp_path / "prefs")])
+    result = _run_recipe(
+        "dpo",
+        "dpo_sd3_tiny",
+        "--model_name_or_path", str(tmp_path / "tiny-sd3"), "--dataset_name", str(tmp_path / "prefs"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1",
+        "--sample_prompts", "a cat", "a dog", "--sample_steps", "3",
         # as the real DPO configs load data: in persistent worker processes
         "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true",
     )  # fmt: skip
-    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
+    assert "implicit accuracy: first log" in result.stdout
+    for name in ("pytorch_lora_weights.safetensors", "implicit_accuracy.png", "samples.png", "image_1.png"):
+        assert (tmp_path / "out" / name).exists(), name
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 128 + 6, 2 * 128 + 6 + 24)
 
 
 def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):

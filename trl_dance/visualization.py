@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import torch
-from diffusers.utils import make_image_grid
 from PIL import Image
 
 from .video import frame_strip
 
 
-def save_reward_curve(log_history: list[dict], path: str, title: str = "reward") -> list[float]:
-    """Plot ``reward`` (± ``reward_std``) per logged step to a PNG; returns the plotted rewards."""
+def save_reward_curve(log_history: list[dict], path: str, title: str = "reward", key: str = "reward") -> list[float]:
+    """Plot the logged ``key`` (± ``<key>_std`` when logged) per step to a PNG; returns the plotted values."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [entry for entry in log_history if "reward" in entry]
+    rows = [entry for entry in log_history if key in entry]
     if not rows:
-        raise ValueError("no 'reward' entries in the log history")
+        raise ValueError(f"no {key!r} entries in the log history")
     steps = [entry["step"] for entry in rows]
-    mean = [entry["reward"] for entry in rows]
-    std = [entry.get("reward_std", 0.0) for entry in rows]
+    mean = [entry[key] for entry in rows]
+    std = [entry.get(f"{key}_std", 0.0) for entry in rows]
     figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
-    axis.plot(steps, mean, marker="o", markersize=3, label="mean reward of the rollout")
+    axis.plot(steps, mean, marker="o", markersize=3, label="mean reward of the rollout" if key == "reward" else key)
     axis.fill_between(
         steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25, label="± std"
     )
@@ -48,9 +47,43 @@ def to_pil(images: torch.Tensor, size: int | None = None) -> list[Image.Image]:
     return pictures
 
 
-def save_image_grid(rows: list[torch.Tensor], path: str, size: int | None = None) -> Image.Image:
-    """Save rows of images (each (B, 3, H, W) in [0, 1], same B; videos as frame strips) as one grid PNG."""
-    pictures = [p for row in rows for p in to_pil(row, size)]
-    grid = make_image_grid(pictures, rows=len(rows), cols=rows[0].shape[0])
+GAP = 6  # pixels between pictures, so neighbouring videos' frame strips do not run into each other
+LABEL_WIDTH = 56  # the row labels' column
+CAPTION_HEIGHT = 24  # the captions' row (two lines of the default font)
+
+
+def save_image_grid(
+    rows: list[torch.Tensor],
+    path: str,
+    size: int | None = None,
+    row_labels: list[str] | None = None,
+    captions: list[str] | None = None,
+) -> Image.Image:
+    """Save rows of images (each (B, 3, H, W) in [0, 1], same B; videos as frame strips) as one PNG on white, with
+    ``GAP`` pixels between pictures, ``row_labels`` (e.g. before / after) on the left and ``captions`` (e.g. the B
+    prompts) under the columns, each when given."""
+    from PIL import ImageDraw
+
+    pictures = [to_pil(row, size) for row in rows]
+    width, height = pictures[0][0].size
+    left = LABEL_WIDTH if row_labels else 0
+    bottom = CAPTION_HEIGHT if captions else 0
+    columns = len(pictures[0])
+    grid = Image.new(
+        "RGB",
+        (left + columns * width + (columns - 1) * GAP, len(rows) * height + (len(rows) - 1) * GAP + bottom),
+        "white",
+    )
+    draw = ImageDraw.Draw(grid)
+    for r, row in enumerate(pictures):
+        top = r * (height + GAP)
+        for c, picture in enumerate(row):
+            grid.paste(picture, (left + c * (width + GAP), top))
+        if row_labels:
+            draw.text((4, top + height // 2 - 6), row_labels[r], fill="black")
+    for c, caption in enumerate(captions or []):
+        characters = max(1, width // 6)  # the default font is about 6 pixels per character
+        lines = [caption[i : i + characters] for i in range(0, min(len(caption), 2 * characters), characters)]
+        draw.text((left + c * (width + GAP), grid.height - bottom + 2), "\n".join(lines), fill="black")
     grid.save(path)
     return grid
