@@ -24,7 +24,7 @@ def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
     args = tiny_grpo_config(
         tmp_path,
         bf16=True,
-        model_init_kwargs={"torch_dtype": "bfloat16"},
+        model_init_kwargs={"dtype": "bfloat16"},
         learning_rate=1e-5,
         max_steps=1,
         gradient_accumulation_steps=5,  # the round's 5 micro-batches: one update

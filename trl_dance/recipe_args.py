@@ -70,7 +70,7 @@ def model_init_kwargs(training_args: Any, model_args: ModelConfig) -> None:
     ``model_init_kwargs``."""
     kwargs = dict(training_args.model_init_kwargs or {})
     if model_args.dtype is not None:
-        kwargs["torch_dtype"] = model_args.dtype
+        kwargs["dtype"] = model_args.dtype
     if model_args.model_revision not in (None, "main"):
         kwargs["revision"] = model_args.model_revision
     training_args.model_init_kwargs = kwargs or None

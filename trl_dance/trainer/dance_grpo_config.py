@@ -108,7 +108,7 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         > Model
 
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
-            `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"torch_dtype": "bfloat16"}`.
+            `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"dtype": "bfloat16"}`.
         pipeline_class (`str` or `None`, defaults to `None`): A diffusers pipeline class to load `model` with instead
             of the one its `model_index.json` names, e.g. `"WanImageToVideoPipeline"` for image-to-video with
             Wan2.2-TI2V-5B.

@@ -62,9 +62,11 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
     if not isinstance(model, str):
         raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
     kwargs = dict(args.model_init_kwargs or {})
-    dtype = kwargs.get("torch_dtype")
+    if "torch_dtype" in kwargs:  # the former name, which diffusers and transformers now warn about
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    dtype = kwargs.get("dtype")
     if isinstance(dtype, str) and dtype != "auto":
-        kwargs["torch_dtype"] = getattr(torch, dtype)
+        kwargs["dtype"] = getattr(torch, dtype)
     loader = DiffusionPipeline
     if pipeline_class is not None:
         loader = getattr(diffusers, pipeline_class, None)
@@ -153,6 +155,9 @@ class DiffusionTrainer(_BaseTrainer):
         if args.activation_checkpointing:
             # transformers' Trainer enables checkpointing by this name; diffusers models call it differently.
             denoiser.activation_checkpointing_enable = lambda **_: denoiser.enable_gradient_checkpointing()
+        if args.use_cpu or not torch.cuda.is_available():
+            # Otherwise DeepSpeed, when installed, warns at import on every CPU run that it found no accelerator.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if args.ddp_find_unused_parameters is None:
             args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
 
@@ -423,5 +428,5 @@ class DiffusionTrainer(_BaseTrainer):
         if has_lora(denoiser):
             load_lora(self.policy.lora_name, denoiser, resume_from_checkpoint)
         else:
-            trained = type(denoiser).from_pretrained(resume_from_checkpoint, torch_dtype=denoiser.dtype)
+            trained = type(denoiser).from_pretrained(resume_from_checkpoint, dtype=denoiser.dtype)
             denoiser.load_state_dict(trained.state_dict())
