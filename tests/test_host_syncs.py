@@ -69,7 +69,8 @@ def _lora():
         ("flux", 3.5, {}),
         ("sdxl", 4.0, {}),
         ("wan", 5.0, {}),
-        ("wan22", 5.0, {"train_expert": "low_noise", "timestep_fraction": 0.6}),  # a frozen expert's steps
+        # a frozen expert's steps; 8 videos x 3 low-noise steps / 8 = 3 micro-batches per round
+        ("wan22", 5.0, {"train_expert": "low_noise", "timestep_fraction": 0.6, "gradient_accumulation_steps": 3}),
         ("wan22-5b-i2v", 5.0, {}),  # per-token timesteps, the given first frame
     ],
 )

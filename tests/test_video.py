@@ -329,6 +329,7 @@ def test_an_offloaded_frozen_expert_moves_once_each_way_per_round(tiny_model_dir
         timestep_fraction=0.6,
         offload_frozen_expert=True,
         rollout_batch_size=2,
+        gradient_accumulation_steps=3,  # 8 videos x 3 low-noise steps / 8: 3 micro-batches per round
         **WAN,
     )
     trainer = DanceGRPOTrainer(tiny_model_dir("wan22"), "brightness", args=args, train_dataset=_dataset())
