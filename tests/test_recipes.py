@@ -51,7 +51,7 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
         assert (output_dir / name).exists(), name
     strip = 4 if kind == "wan" else 1  # videos are shown as strips of 4 frames
     # Two columns of 128-pixel pictures with a gap, a label column (before / after), a caption row (the prompts).
-    assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 24)
+    assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 30)
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "recipes", "configs"))))
@@ -114,7 +114,7 @@ def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--num_sample_images", "2",
     )  # fmt: skip
     assert "reward: first step" in result.stdout
-    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 4 * 128 + 6, 2 * 128 + 6 + 24)
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 4 * 128 + 6, 2 * 128 + 6 + 30)
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 
@@ -134,7 +134,7 @@ def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     assert "implicit accuracy: first log" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "implicit_accuracy.png", "samples.png", "image_1.png"):
         assert (tmp_path / "out" / name).exists(), name
-    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 128 + 6, 2 * 128 + 6 + 24)
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 128 + 6, 2 * 128 + 6 + 30)
 
 
 def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):

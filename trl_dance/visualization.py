@@ -49,7 +49,7 @@ def to_pil(images: torch.Tensor, size: int | None = None) -> list[Image.Image]:
 
 GAP = 6  # pixels between pictures, so neighbouring videos' frame strips do not run into each other
 LABEL_WIDTH = 56  # the row labels' column
-CAPTION_HEIGHT = 24  # the captions' row (two lines of the default font)
+CAPTION_HEIGHT = 30  # the captions' row (two lines of the default font)
 
 
 def save_image_grid(
