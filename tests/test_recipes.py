@@ -59,14 +59,10 @@ def test_shipped_configs_are_valid(name, tmp_path):
     """Every training field of every shipped YAML is a DanceGRPOConfig field and passes its checks."""
     with open(os.path.join(ROOT, "recipes", "configs", name)) as handle:
         values = yaml.safe_load(handle)
+    from trl_dance.recipe_args import USED_MODEL_FIELDS
+
     script_and_model_keys = {
-        "model_name_or_path",
-        "dtype",
-        "use_peft",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
+        *USED_MODEL_FIELDS,
         "reward_funcs",
         "prompts_file",
         "dataset_name",

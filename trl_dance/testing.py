@@ -273,44 +273,33 @@ def _unet(**kwargs) -> UNet2DConditionModel:
     )
 
 
-def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
-    """A StableDiffusionPipeline (SD1.5 layout: UNet, one CLIP, SD1.5's PNDM scheduler), 32×32 images, no safety
-    checker."""
-
+def _stable_diffusion(seed: int, scheduler: Callable, **unet) -> StableDiffusionPipeline:
     def factory():
         tokenizer = _clip_tokenizer()
         return StableDiffusionPipeline(
             vae=_vae(latent_channels=4, scaling_factor=_UNET_VAE_SCALING, shift_factor=None),
             text_encoder=_clip_text_encoder(tokenizer),
             tokenizer=tokenizer,
-            unet=_unet(cross_attention_dim=_CLIP_DIM),
-            scheduler=sd15_scheduler(),
+            unet=_unet(cross_attention_dim=_CLIP_DIM, **unet),
+            scheduler=scheduler(),
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
         )
 
     return _build(factory, seed)
+
+
+def tiny_sd_pipeline(seed: int = 0) -> StableDiffusionPipeline:
+    """A StableDiffusionPipeline (SD1.5 layout: UNet, one CLIP, SD1.5's PNDM scheduler), 32×32 images, no safety
+    checker."""
+    return _stable_diffusion(seed, sd15_scheduler)
 
 
 def tiny_sd2_pipeline(seed: int = 0) -> StableDiffusionPipeline:
     """A StableDiffusionPipeline in the SD 2.1 (768) layout: v-prediction DDIM scheduler, linear attention projections
     and upcast attention in the UNet, 32×32 images."""
-
-    def factory():
-        tokenizer = _clip_tokenizer()
-        return StableDiffusionPipeline(
-            vae=_vae(latent_channels=4, scaling_factor=_UNET_VAE_SCALING, shift_factor=None),
-            text_encoder=_clip_text_encoder(tokenizer),
-            tokenizer=tokenizer,
-            unet=_unet(cross_attention_dim=_CLIP_DIM, use_linear_projection=True, upcast_attention=True),
-            scheduler=sd21_scheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-
-    return _build(factory, seed)
+    return _stable_diffusion(seed, sd21_scheduler, use_linear_projection=True, upcast_attention=True)
 
 
 def tiny_sdxl_pipeline(seed: int = 0) -> StableDiffusionXLPipeline:
