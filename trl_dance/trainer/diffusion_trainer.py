@@ -221,7 +221,8 @@ class DiffusionTrainer(_BaseTrainer):
 
         folder = output_dir or self.args.output_dir
         # The dataset and tags given to push_to_hub stay on the cards of later saves.
-        self._card_names = {**getattr(self, "_card_names", {}), "dataset_name": dataset_name, "tags": tags}
+        given = {"dataset_name": dataset_name, "tags": tags}
+        self._card_names = {**getattr(self, "_card_names", {}), **{k: v for k, v in given.items() if v is not None}}
         dataset_name, tags = (self._card_names.get(key) for key in ("dataset_name", "tags"))
         pipeline = self.policy.pipeline
         base_model = getattr(pipeline, "name_or_path", None) or pipeline.config.get("_name_or_path")
