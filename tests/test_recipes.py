@@ -12,6 +12,16 @@ from trl_dance import DanceGRPOConfig, DiffusionDPOConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _recipe_module(name: str):
+    """``recipes/<name>.py`` imported as a module (the recipes are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe", os.path.join(ROOT, "recipes", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.CompletedProcess:
     """``python recipes/<script>.py --config recipes/configs/<config>.yaml <arguments>`` offline; must succeed."""
     command = [
@@ -183,16 +193,13 @@ def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
 def test_push_to_hub_uploads_the_lora_card_and_samples(tiny_model_dir, tmp_path, monkeypatch):
     """The recipe with --push_to_hub: the folder handed to the Hub upload holds the diffusers LoRA, a card naming
     the base model, trainer, rewards, dataset and tags, and the sample grid. Only the two network calls are stubbed."""
-    import importlib.util
     import types
 
     import transformers.trainer
     from safetensors.torch import load_file
     from trl import ModelConfig, TrlParser
 
-    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo.py"))
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = _recipe_module("grpo")
 
     uploads = []
 
@@ -239,3 +246,22 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise(given, exp
     with open(os.path.join(ROOT, "recipes", "grpo.py")) as handle:
         recipe = handle.read()
     assert recipe.index('os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")') < recipe.index("from trl import")
+
+
+def test_recipe_arguments_name_config_refuse_unused_model_fields_and_import_rewards_from_cwd(tmp_path, monkeypatch):
+    from trl import ModelConfig
+
+    from trl_dance.recipe_args import USAGE, parse_recipe_args
+    from trl_dance.rewards import get_reward_function
+
+    config = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
+    assert USAGE.startswith("%(prog)s --config FILE.yaml")
+    types = (_recipe_module("grpo").ScriptArguments, DanceGRPOConfig, ModelConfig)
+    with pytest.raises(ValueError, match="do not use load_in_4bit=True .* remove them"):
+        parse_recipe_args(types, ["--config", config, "--load_in_4bit", "true"])
+    (tmp_path / "my_rewards.py").write_text("def redness(prompts, images, **kw):\n    return [1.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    _, training, model = parse_recipe_args(types, ["--config", config])
+    assert model.model_name_or_path == "outputs/tiny-flux" and training.num_generations == 4
+    assert get_reward_function("my_rewards:redness")(["a"], None) == [1.0]
