@@ -1,6 +1,7 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO for 6 rounds over 3 epochs
-uninterrupted, then 3 rounds with a checkpoint and a resumed run to 6; writes (main process) whether the two final
-LoRAs are bit-identical to argv[3] as JSON."""
+"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo") for 6 rounds
+over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
+JSON."""
 
 import json
 import os
@@ -10,15 +11,46 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
+from trl_dance import DanceGRPOConfig, DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance.testing import tiny_preference_dataset
 
-model_dir, output_dir, result_path = sys.argv[1:4]
+model_dir, output_dir, result_path, kind = sys.argv[1:5]
 torch.set_num_threads(1)
 # 8 prompts, 4 per round: 2 rounds per epoch. Each process: 4 samples x 5 steps = one micro-batch per round.
 dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(8)]})
+pairs = tiny_preference_dataset("sd", 16) if kind == "dpo" else None
+
+
+def run_dpo(folder, max_steps, resume=None):
+    # 16 pairs, 4 per step on each of the 2 processes: 2 steps per epoch; random crops, flips and caption dropout.
+    args = DiffusionDPOConfig(
+        output_dir=os.path.join(output_dir, folder),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="steps",
+        save_steps=3,
+        disable_tqdm=True,
+        resolution=16,
+        random_crop=True,
+        proportion_empty_prompts=0.3,
+        max_sequence_length=16,
+        per_device_train_batch_size=4,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",  # the same schedule whatever max_steps the interrupted run had
+        beta=1000.0,
+        seed=3,
+    )
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    trainer = DiffusionDPOTrainer(model_dir, args=args, train_dataset=pairs, peft_config=lora)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
 
 
 def run(folder, max_steps, resume=None):
+    if kind == "dpo":
+        return run_dpo(folder, max_steps, resume)
     args = DanceGRPOConfig(
         output_dir=os.path.join(output_dir, folder),
         use_cpu=True,

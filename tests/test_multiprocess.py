@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "multiprocess_grpo.py")
 
 
-def _launch(num_processes, model_dir, tmp_path, script=SCRIPT):
+def _launch(num_processes, model_dir, tmp_path, script=SCRIPT, *extra):
     output_dir, result = tmp_path / f"out{num_processes}", tmp_path / f"result{num_processes}.json"
     # `accelerate launch --cpu --num_processes 2` silently runs one process; --multi_gpu with ACCELERATE_USE_CPU
     # starts two that talk over gloo.
@@ -33,6 +33,7 @@ def _launch(num_processes, model_dir, tmp_path, script=SCRIPT):
         model_dir,
         str(output_dir),
         str(result),
+        *extra,
     ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -53,9 +54,10 @@ def test_two_processes_compute_the_same_advantages_as_one(tiny_model_dir, tmp_pa
         assert b["advantages"] == pytest.approx(a["advantages"], abs=1e-3)
 
 
-def test_two_processes_resume_exactly_across_epochs(tiny_model_dir, tmp_path):
-    """Two processes, 3 epochs of 2 rounds, interrupted in the middle of epoch 2: the resumed run's LoRA is
-    bit-identical to the uninterrupted run's."""
+@pytest.mark.parametrize(("trainer", "kind"), [("grpo", "flux"), ("dpo", "sd")])
+def test_two_processes_resume_exactly_across_epochs(tiny_model_dir, tmp_path, trainer, kind):
+    """Two processes, 3 epochs of 2 rounds (GRPO) or steps (DPO), interrupted in the middle of epoch 2: the resumed
+    run's LoRA is bit-identical to the uninterrupted run's."""
     script = os.path.join(ROOT, "tests", "multiprocess_resume.py")
-    result = _launch(2, tiny_model_dir("flux"), tmp_path, script)
+    result = _launch(2, tiny_model_dir(kind), tmp_path, script, trainer)
     assert result == {"num_processes": 2, "epoch": 3.0, "different": []}

@@ -17,13 +17,12 @@ from PIL import Image
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
-from .._compat import RepeatSampler
 from ..advantages import PerPromptStatTracker, group_advantages
 from ..data import text_prompts
 from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from .dance_grpo_config import DanceGRPOConfig
-from .diffusion_trainer import DiffusionTrainer, load_pipeline
+from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .media import log_rollout_media
 
 
@@ -63,26 +62,6 @@ def _seed(*parts: int) -> int:
     for part in parts:
         value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & 0x7FFFFFFFFFFFFFFF
     return value
-
-
-class EpochSeededRepeatSampler(RepeatSampler):
-    """TRL's ``RepeatSampler`` with epoch ``e``'s order drawn from ``seed + e`` instead of a generator carried across
-    epochs, so a resumed run (a new sampler, created at the checkpoint's epoch) draws every epoch's prompt order again
-    (epoch 0's is ``RepeatSampler``'s). The epoch advances with each pass; ``set_epoch`` sets it where the Trainer
-    reaches the sampler (with several processes accelerate's wrappers hide it after a resume)."""
-
-    def __init__(self, *args, epoch: int = 0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.epoch = epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        if self.shuffle:
-            self.generator.manual_seed(self.seed + self.epoch)
-        self.epoch += 1
-        return super().__iter__()
 
 
 class DanceGRPOTrainer(DiffusionTrainer):
@@ -187,7 +166,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
-        self._resume_epoch = 0  # the epoch a resumed run starts in (its sampler draws that epoch's order)
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
@@ -543,13 +521,12 @@ class DanceGRPOTrainer(DiffusionTrainer):
             state["stat_tracker"] = self.stat_tracker.state_dict()
         return state
 
-    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
         self._generation_round, self._step = state["generation_round"], state["step"]
         self._cpu_generator.set_state(state["cpu_generator"])
         if self.stat_tracker is not None:
             self.stat_tracker.load_state_dict(state["stat_tracker"])
         self._rollout = None
-        self._resume_epoch = epoch
 
 
 __all__ = ["DanceGRPOTrainer", "sampler_settings"]

@@ -187,7 +187,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
     def _resume_state(self) -> dict[str, Any]:
         return {"noise_generator": self._noise_generator.get_state()}  # the timesteps and noise still to draw
 
-    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
         self._noise_generator.set_state(state["noise_generator"])
 
     def _set_signature_columns_if_needed(self):

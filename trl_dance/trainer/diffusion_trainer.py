@@ -26,7 +26,7 @@ from transformers import TrainerState, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .._compat import _BaseTrainer
+from .._compat import RepeatSampler, _BaseTrainer
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from .checkpoints import resolve_checkpoint, write_manifest
@@ -116,6 +116,26 @@ def base_model_license(base_model: str | None) -> dict[str, str]:
     return {key: data[key] for key in ("license", "license_name", "license_link") if data.get(key)}
 
 
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's ``RepeatSampler`` with epoch ``e``'s order drawn from ``seed + e`` instead of a generator carried across
+    epochs, so a resumed run (a new sampler, created at the checkpoint's epoch) draws every epoch's prompt order again
+    (epoch 0's is ``RepeatSampler``'s). The epoch advances with each pass; ``set_epoch`` sets it where the Trainer
+    reaches the sampler (with several processes accelerate's wrappers hide it after a resume)."""
+
+    def __init__(self, *args, epoch: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.shuffle:
+            self.generator.manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
 class DiffusionTrainer(_BaseTrainer):
     """Base of the trainers of trl-dance: a policy's denoiser trained with TRL's Trainer machinery.
 
@@ -173,6 +193,7 @@ class DiffusionTrainer(_BaseTrainer):
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
         self._toggle_cache: tuple = (None, None)
         self._loss_finite: torch.Tensor | None = None  # all micro-step losses since the last log were finite
+        self._resume_epoch = 0  # the epoch a resumed run starts in: its sampler draws that epoch's order
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -393,8 +414,16 @@ class DiffusionTrainer(_BaseTrainer):
         """This process's state beyond the Trainer's that exact resume needs (tensors, numbers, lists, dicts)."""
         return {}
 
-    def _restore_resume_state(self, state: dict[str, Any], epoch: int) -> None:
-        """Restore :meth:`_resume_state`'s ``state``; ``epoch`` is the one the resumed run starts in."""
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`_resume_state`'s ``state``."""
+
+    def _get_train_sampler(self, dataset=None):
+        # A new random order every epoch, drawn from seed + epoch so that a resumed run draws it again (see
+        # EpochSeededRepeatSampler); GRPO repeats each prompt num_generations times.
+        dataset = dataset if dataset is not None else self.train_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            return super()._get_train_sampler(dataset)
+        return EpochSeededRepeatSampler(dataset, mini_repeat_count=1, seed=self.args.seed, epoch=self._resume_epoch)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -417,8 +446,8 @@ class DiffusionTrainer(_BaseTrainer):
                     f"checkpoint {resume!r} has no {os.path.basename(path)}: it was saved by fewer processes"
                 )
             epoch = TrainerState.load_from_json(os.path.join(resume, TRAINER_STATE_NAME)).epoch or 0
-            # int(1.9999999) would be 1: the float epoch of a checkpoint at an epoch boundary.
-            self._restore_resume_state(torch.load(path, weights_only=True), int(epoch + 1e-6))
+            self._resume_epoch = int(epoch + 1e-6)  # int(1.9999999) would be 1: an epoch boundary's float epoch
+            self._restore_resume_state(torch.load(path, weights_only=True))
         return super().train(
             resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )
