@@ -141,9 +141,9 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
         generation_batch_size=32,
         share_initial_noise="none",
         per_device_train_batch_size=16,
-        gradient_accumulation_steps=10,
+        gradient_accumulation_steps=5,  # 2 updates per round (ddpo-pytorch also takes several per epoch)
         guidance_scale=1.0,
-        max_steps=50,
+        max_steps=80,  # 40 rounds
         learning_rate=2e-2,
         seed=LEARNING_SEED,
     )
