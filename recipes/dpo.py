@@ -11,7 +11,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
 
-
 from dataclasses import dataclass, field
 
 import torch
@@ -65,13 +64,14 @@ def main(
     after = _samples(trainer, script_args)
     if trainer.accelerator.is_main_process:
         output_dir = training_args.output_dir
-        accuracy = save_reward_curve(
-            trainer.state.log_history,
-            os.path.join(output_dir, "implicit_accuracy.png"),
-            "implicit accuracy",
-            "implicit_acc",
-        )
-        print(f"implicit accuracy: first log {accuracy[0]:.3f}, last log {accuracy[-1]:.3f} ({len(accuracy)} logs)")
+        if any("implicit_acc" in entry for entry in trainer.state.log_history):  # none in sft mode
+            accuracy = save_reward_curve(
+                trainer.state.log_history,
+                os.path.join(output_dir, "implicit_accuracy.png"),
+                "implicit accuracy",
+                "implicit_acc",
+            )
+            print(f"implicit accuracy: first log {accuracy[0]:.3f}, last log {accuracy[-1]:.3f} ({len(accuracy)} logs)")
         if before is not None:
             path = os.path.join(output_dir, "samples.png")
             save_image_grid(

@@ -12,7 +12,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
 
-
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config
