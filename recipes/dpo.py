@@ -71,7 +71,9 @@ def main(
                 "implicit accuracy",
                 "implicit_acc",
             )
-            print(f"implicit accuracy: first log {accuracy[0]:.3f}, last log {accuracy[-1]:.3f} ({len(accuracy)} logs)")
+            print(
+                f"implicit accuracy: first log {accuracy[0]:.3f}, last log {accuracy[-1]:.3f} ({len(accuracy)} logs)"
+            )
         if before is not None:
             path = os.path.join(output_dir, "samples.png")
             save_image_grid(
