@@ -21,59 +21,48 @@ dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(8)]})
 pairs = tiny_preference_dataset("sd", 16) if kind == "dpo" else None
 
 
-def run_dpo(folder, max_steps, resume=None):
-    # 16 pairs, 4 per step on each of the 2 processes: 2 steps per epoch; random crops, flips and caption dropout.
-    args = DiffusionDPOConfig(
-        output_dir=os.path.join(output_dir, folder),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="steps",
-        save_steps=3,
-        disable_tqdm=True,
-        resolution=16,
-        random_crop=True,
-        proportion_empty_prompts=0.3,
-        max_sequence_length=16,
-        per_device_train_batch_size=4,
-        max_steps=max_steps,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",  # the same schedule whatever max_steps the interrupted run had
-        beta=1000.0,
-        seed=3,
-    )
-    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
-    trainer = DiffusionDPOTrainer(model_dir, args=args, train_dataset=pairs, peft_config=lora)
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
-
-
 def run(folder, max_steps, resume=None):
+    """Train ``kind`` for ``max_steps`` in ``output_dir/folder``, checkpointing every 3 steps; LoRA r 4."""
+    common = {
+        "output_dir": os.path.join(output_dir, folder),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "disable_tqdm": True,
+        "max_sequence_length": 16,
+        "max_steps": max_steps,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",  # the same schedule whatever max_steps the interrupted run had
+        "seed": 3,
+    }
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     if kind == "dpo":
-        return run_dpo(folder, max_steps, resume)
+        # 16 pairs, 4 per step on each of the 2 processes: 2 steps per epoch; random crops, flips, caption dropout.
+        args = DiffusionDPOConfig(
+            **common,
+            resolution=16,
+            random_crop=True,
+            proportion_empty_prompts=0.3,
+            per_device_train_batch_size=4,
+            beta=1000.0,
+        )
+        trainer = DiffusionDPOTrainer(model_dir, args=args, train_dataset=pairs, peft_config=lora)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
     args = DanceGRPOConfig(
-        output_dir=os.path.join(output_dir, folder),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="steps",
-        save_steps=3,
-        disable_tqdm=True,
+        **common,
         num_generations=2,
         generation_batch_size=8,
         num_inference_steps=6,
         height=32,
         width=32,
-        max_sequence_length=16,
         per_device_train_batch_size=20,
         gradient_accumulation_steps=1,
         timestep_fraction=1.0,
         eta=1.0,
-        max_steps=max_steps,
-        learning_rate=1e-2,
-        seed=3,
     )
-    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     trainer = DanceGRPOTrainer(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=lora)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -82,8 +71,8 @@ def run(folder, max_steps, resume=None):
 full = run("full", 6)
 run("interrupted", 3)
 resumed = run("interrupted", 6, resume=os.path.join(output_dir, "interrupted", "checkpoint-3"))
-pairs = zip(full.model.named_parameters(), resumed.model.parameters())
-different = [name for (name, a), b in pairs if a.requires_grad and not torch.equal(a, b)]
+both = zip(full.model.named_parameters(), resumed.model.parameters())
+different = [name for (name, a), b in both if a.requires_grad and not torch.equal(a, b)]
 if resumed.accelerator.is_main_process:
     with open(result_path, "w") as handle:
         json.dump(
