@@ -99,16 +99,15 @@ def base_model_license(base_model: str | None) -> dict[str, str]:
 
     if not base_model:
         return {}
-    path = os.path.join(base_model, "README.md")
-    if not os.path.isfile(path):
-        cached = None if os.path.isdir(base_model) else try_to_load_from_cache(base_model, "README.md")
-        path = (
-            cached
-            if isinstance(cached, str)
-            else (None if HF_HUB_OFFLINE or os.path.isdir(base_model) else base_model)
-        )
-    if path is None:
-        return {}
+    if os.path.isdir(base_model):
+        path = os.path.join(base_model, "README.md")
+        if not os.path.isfile(path):
+            return {}
+    else:
+        cached = try_to_load_from_cache(base_model, "README.md")
+        path = cached if isinstance(cached, str) else None if HF_HUB_OFFLINE else base_model
+        if path is None:
+            return {}
     try:
         data = ModelCard.load(path).data.to_dict()
     except Exception:  # no card, no network, malformed metadata: the card is written without a licence
@@ -194,6 +193,11 @@ class DiffusionTrainer(_BaseTrainer):
         self._toggle_cache: tuple = (None, None)
         self._loss_finite: torch.Tensor | None = None  # all micro-step losses since the last log were finite
         self._resume_epoch = 0  # the epoch a resumed run starts in: its sampler draws that epoch's order
+        # Model card: the save_samples gallery, the dataset and tags push_to_hub was given, the base model's licence
+        # (read once: with the Hub reachable it is a download, and the card is written at every save).
+        self._widget: list[dict] = []
+        self._card_names: dict[str, Any] = {}
+        self._base_license: dict[str, str] | None = None
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -243,11 +247,13 @@ class DiffusionTrainer(_BaseTrainer):
         folder = output_dir or self.args.output_dir
         # The dataset and tags given to push_to_hub stay on the cards of later saves.
         given = {"dataset_name": dataset_name, "tags": tags}
-        self._card_names = {**getattr(self, "_card_names", {}), **{k: v for k, v in given.items() if v is not None}}
+        self._card_names |= {key: value for key, value in given.items() if value is not None}
         dataset_name, tags = (self._card_names.get(key) for key in ("dataset_name", "tags"))
         pipeline = self.policy.pipeline
         base_model = getattr(pipeline, "name_or_path", None) or pipeline.config.get("_name_or_path")
         hub_base = base_model if base_model and not os.path.isdir(base_model) else None
+        if self._base_license is None:
+            self._base_license = base_model_license(base_model)
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         denoiser = self.accelerator.unwrap_model(self.model)
         lora, denoiser_class = has_lora(denoiser), type(denoiser).__name__
@@ -261,8 +267,8 @@ class DiffusionTrainer(_BaseTrainer):
             pipeline_tag=task,
             tags=card_tags,
             datasets=[dataset_name] if dataset_name else None,
-            widget=getattr(self, "_widget", None) or None,
-            **base_model_license(base_model),
+            widget=self._widget or None,
+            **self._base_license,
         )
         pipeline_class = type(pipeline).__name__
         name = model_name or self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
