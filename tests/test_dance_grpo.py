@@ -245,7 +245,7 @@ def test_initial_noise_sharing(tiny_model_dir, tmp_path, share):
     else:
         assert len({noise[i].sum().item() for i in range(8)}) == 8
     # Later trajectories differ within a group: the SDE noise is not shared.
-    assert not torch.equal(trainer._rollout["latents"][0, -1], trainer._rollout["latents"][1, -1])
+    assert not torch.equal(trainer._rollout["latents"][0, -1], trainer._rollout["latents"][1, -1])  # state N − 1
     first_round = noise.clone()
     trainer._generate_and_score(_rows(PROMPTS[:2]))
     assert not torch.equal(trainer._rollout["latents"][0, 0], first_round[0])

@@ -66,8 +66,9 @@ def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, 
         generators = [torch.Generator().manual_seed(i) for i in range(2)]
         rollouts[sde] = trainer.sample(PROMPTS[:2], generators)
     latents = rollouts[False]["latents"]
-    torch.testing.assert_close(rollouts[True]["latents"][:, :-1], latents[:, :-1], rtol=0, atol=0)
-    assert (rollouts[True]["latents"][:, -1] - latents[:, -1]).abs().max() > 1e-3
+    torch.testing.assert_close(rollouts[True]["latents"], latents, rtol=0, atol=0)
+    final = rollouts[False]["final_latents"]
+    assert (rollouts[True]["final_latents"] - final).abs().max() > 1e-3
 
     policy = trainers[False].policy
     last = policy.num_steps - 1
@@ -76,12 +77,12 @@ def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, 
     with torch.no_grad():
         output = policy.predict(trainers[False].model, latents[:, last], index, cond)
     expected = policy.step(output, latents[:, last], index, compute_log_prob=False, noise_level=0.0).prev_sample
-    torch.testing.assert_close(latents[:, -1], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-5)
     if kind != "sd":
         sigma = policy.sigmas[last]
         assert policy.sigmas[-1] == 0
-        torch.testing.assert_close(latents[:, -1], latents[:, last] - sigma * output, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rollouts[False]["images"], policy.decode(latents[:, -1]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final, latents[:, last] - sigma * output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rollouts[False]["images"], policy.decode(final), rtol=1e-5, atol=1e-5)
 
 
 def _dpo_args(tmp_path, **overrides):

@@ -97,3 +97,43 @@ class PerPromptStatTracker:
     def load_state_dict(self, state: dict) -> None:
         self.buffer_size, self.min_count = state["buffer_size"], state["min_count"]
         self.buffers = {p: deque(values, maxlen=self.buffer_size) for p, values in state["buffers"].items()}
+
+
+def normalized_reward_sum(
+    rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, clip: float | None = 5.0, epsilon: float = 1e-4
+) -> torch.Tensor:
+    """GDPO / TRL's ``normalize_then_sum``: each reward normalised in its group, weighted and summed, then normalised
+    over the batch.
+
+    Args:
+        rewards: (B, F) rewards of the F reward functions, groups contiguous (``[k·G, (k+1)·G)``).
+        weights: (F,) weights of the sum.
+        num_generations: group size G (>= 2); must divide B.
+        clip: advantages are clipped to ``±clip``; None disables.
+        epsilon: added to each std (TRL's 1e-4).
+
+    Returns:
+        (B,) float32 advantages.
+    """
+    if rewards.ndim != 2 or rewards.shape[0] % num_generations or num_generations < 2:
+        raise ValueError(f"rewards must be (k · {num_generations}, F) with G >= 2, got {tuple(rewards.shape)}")
+    grouped = rewards.to(torch.float32).view(-1, num_generations, rewards.shape[1])
+    normalized = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + epsilon)
+    total = (normalized.view(-1, rewards.shape[1]) * weights.to(normalized)).sum(dim=1)
+    advantages = (total - total.mean()) / (total.std() + epsilon)
+    return advantages.clamp(-clip, clip) if clip is not None else advantages
+
+
+def extremes_per_group(advantages: torch.Tensor, num_generations: int, k: int) -> torch.Tensor:
+    """Best-of-N: indices (2k · groups,) of the k highest and k lowest advantages of each group, sorted.
+
+    Args:
+        advantages: (B,) advantages, groups contiguous.
+        num_generations: G; must divide B; ``2k <= G``.
+    """
+    if advantages.numel() % num_generations or not 1 <= 2 * k <= num_generations:
+        raise ValueError(f"need B % G == 0 and 1 <= 2k <= G, got B={advantages.numel()}, G={num_generations}, k={k}")
+    order = advantages.view(-1, num_generations).argsort(dim=1, stable=True)
+    chosen = torch.cat([order[:, :k], order[:, -k:]], dim=1)
+    offsets = torch.arange(chosen.shape[0], device=chosen.device)[:, None] * num_generations
+    return (chosen + offsets).flatten().sort().values

@@ -260,3 +260,45 @@ def dance_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return (shift * u / (1 + (shift - 1) * u)).to(torch.float32)
+
+
+def flow_dpm_solver_step(
+    x0_hat: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    previous: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """One deterministic DPM-Solver++ step of a rectified flow (``α = 1 − σ``), second order (2M, midpoint) when the
+    previous step's data prediction is given, else first order; onto ``σ_next = 0`` it returns ``x̂0`` (first order, as
+    diffusers' ``DPMSolverMultistepScheduler`` with ``final_sigmas_type="zero"``).
+
+    With ``λ(σ) = log((1 − σ)/σ)``, ``h = λ(σ_next) − λ(σ)``:
+    ``x' = (σ_next/σ)·x − (1 − σ_next)(e^{−h} − 1)·D``, ``D = x̂0`` (first order) or
+    ``D = (1 + 1/(2r))·x̂0 − 1/(2r)·x̂0_prev`` with ``r = (λ(σ) − λ(σ_prev))/h``.
+
+    Args:
+        x0_hat: (B, ...) the data prediction ``x − σ v`` at ``sample``.
+        sample: (B, ...) the latent at ``sigma``.
+        sigma, sigma_next: noise levels, ``1 > sigma > sigma_next >= 0``.
+        previous: ``(x̂0_prev, σ_prev)`` of the solver's previous step, or None.
+
+    Returns:
+        (B, ...) float32 latent at ``sigma_next``.
+    """
+    x0 = x0_hat.to(torch.float32)
+    if sigma_next <= 0:
+        return x0
+    if not 0 < sigma_next < sigma < 1:
+        raise ValueError(f"need 1 > sigma > sigma_next > 0, got sigma={sigma}, sigma_next={sigma_next}")
+
+    def lam(s: float) -> float:
+        return math.log((1 - s) / s)
+
+    h = lam(sigma_next) - lam(sigma)
+    data = x0
+    if previous is not None:
+        x0_prev, sigma_prev = previous
+        r = (lam(sigma) - lam(sigma_prev)) / h
+        data = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * x0_prev.to(torch.float32)
+    return (sigma_next / sigma) * sample.to(torch.float32) - (1 - sigma_next) * math.expm1(-h) * data

@@ -323,6 +323,21 @@ class DiffusionPolicy(ABC):
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
         ``noise_level`` (default ``settings.noise_level``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
 
+    def solve(
+        self,
+        model: torch.nn.Module,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        sigmas: tuple[float, ...],
+        solver: str = "ode",
+    ) -> torch.Tensor:
+        """Deterministically solve from ``sigmas[0]`` down the given grid (MixGRPO-Flash's compressed steps after the
+        SDE window); flow-matching policies only."""
+        raise NotImplementedError(
+            f"{type(self).__name__} steps on its scheduler's own grid; a compressed post-window grid needs a "
+            "flow-matching policy (FLUX, SD3, Wan)"
+        )
+
     def check_schedule(self) -> None:
         """Raise ``ValueError`` if one of :meth:`trainable_steps` has zero noise, hence no log-probability.
 

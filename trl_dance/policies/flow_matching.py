@@ -6,8 +6,8 @@ import torch
 from diffusers import DiffusionPipeline
 
 from ..schedulers import flow_match_sigmas
-from ..sde import SDEStepOutput, dance_sigmas, flow_sde_step
-from .base import DiffusionPolicy, SamplerSettings
+from ..sde import SDEStepOutput, dance_sigmas, flow_dpm_solver_step, flow_sde_step
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
 
 
 class FlowMatchingPolicy(DiffusionPolicy):
@@ -39,6 +39,48 @@ class FlowMatchingPolicy(DiffusionPolicy):
     def sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         """σ at each step index: (B,) float32 on the index's device."""
         return self.sigmas.to(step_index.device)[step_index]
+
+    def sigma_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """σ at fractional step positions in [0, N] (float32, CPU): the ``"dance"`` schedule evaluated in between (a
+        shifted linspace, as MixGRPO-Flash builds its grid), the ``"pipeline"`` table interpolated linearly."""
+        positions = positions.to(torch.float64)
+        if self.settings.sigma_schedule == "dance":
+            shift, u = self.settings.shift, 1 - positions / self.num_steps
+            return (shift * u / (1 + (shift - 1) * u)).to(torch.float32)
+        table = self.sigmas.to(torch.float64)
+        low = positions.floor().long().clamp(max=self.num_steps - 1)
+        weight = positions - low
+        return (table[low] * (1 - weight) + table[low + 1] * weight).to(torch.float32)
+
+    def predict_at_sigma(
+        self, model: torch.nn.Module, latents: torch.Tensor, sigma: float, cond: Conditioning
+    ) -> torch.Tensor:
+        """The velocity at noise level ``sigma`` (a float, any value, not only the grid's), CFG-combined like
+        :meth:`predict`."""
+        timestep = self.timestep_from_sigma(torch.full((latents.shape[0],), sigma, device=latents.device))
+        return self.predict_at(model, latents, timestep, cond)
+
+    def solve(
+        self,
+        model: torch.nn.Module,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        sigmas: tuple[float, ...],
+        solver: str = "ode",
+    ) -> torch.Tensor:
+        """Deterministic steps along ``sigmas`` (from the current σ down to 0): ``"ode"`` the Euler step,
+        ``"dpm_solver++"`` DPM-Solver++(2M) (:func:`~trl_dance.sde.flow_dpm_solver_step`). Returns float32 latents."""
+        if solver not in ("ode", "dpm_solver++"):
+            raise ValueError(f"solver must be 'ode' or 'dpm_solver++', got {solver!r}")
+        previous, latents = None, latents.float()
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            velocity = self.predict_at_sigma(model, latents, sigma, cond)
+            if solver == "ode":
+                latents = latents + (sigma_next - sigma) * velocity
+                continue
+            x0_hat = latents - sigma * velocity
+            latents, previous = flow_dpm_solver_step(x0_hat, latents, sigma, sigma_next, previous), (x0_hat, sigma)
+        return latents
 
     def step(
         self,

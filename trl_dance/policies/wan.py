@@ -120,6 +120,24 @@ class WanPolicy(FlowMatchingPolicy):
             self.frozen_expert, latents, self.model_timestep(step_index), cond, guidance_scale=scale
         )
 
+    def predict_at_sigma(
+        self, model: torch.nn.Module, latents: torch.Tensor, sigma: float, cond: Conditioning
+    ) -> torch.Tensor:
+        # Off the grid the expert is picked as the pipeline picks it, by the timestep against the boundary.
+        frozen = self._frozen_expert_name
+        timestep = self.timestep_from_sigma(torch.full((latents.shape[0],), sigma, device=latents.device))
+        if frozen is not None:
+            boundary = self.pipeline.config.boundary_ratio * self.pipeline.scheduler.config.num_train_timesteps
+            serving = (
+                "transformer"
+                if sigma * self.pipeline.scheduler.config.num_train_timesteps >= boundary
+                else "transformer_2"
+            )
+            if serving == frozen:
+                scale = self._expert_guidance_scale(frozen)
+                return self.predict_at(self.frozen_expert, latents, timestep, cond, guidance_scale=scale)
+        return self.predict_at(model, latents, timestep, cond)
+
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
         # The base class passes the empty prompt for the negative branch: plain encoding serves both.

@@ -9,6 +9,7 @@ from ..advantages import DEFAULT_EPSILON
 from .frozen_components import FrozenComponentsArguments
 
 _SDE_TYPES = ("dance", "flow_grpo", "cps")
+_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
@@ -22,7 +23,8 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
 
     Units. One *sample* is one generated image or video (a trajectory of N steps). One *transition* is one of its
     denoising steps, ``x_i → x_{i+1}``. Each sample contributes ``K = max(1, ⌊(N − 1) · timestep_fraction⌋)``
-    transitions. ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
+    transitions (``⌊W · timestep_fraction⌋`` with an SDE window of W steps; with ``best_of_n_k`` only 2k samples of
+    each group are trained). ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
     ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
     generation_batch_size / num_processes · K / per_device_train_batch_size`` micro-batches, each consumed by one
     ``training_step``, and ``steps_per_generation · num_iterations / gradient_accumulation_steps`` optimizer updates.
@@ -68,10 +70,40 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             deterministic step (for flow models exactly the predicted clean sample x̂0, as DanceGRPO decodes), so the
             rewarded image carries no sampling noise. `True`: it is an SDE step like the others (Flow-GRPO).
 
+        > Cheaper rollouts: SDE windows (Flow-GRPO-Fast, MixGRPO), MixGRPO-Flash, branching
+
+        sde_window_size (`int` or `None`, defaults to `None`): W consecutive SDE steps per round; every other step
+            is the deterministic step (noise 0: Euler ODE, DDIM η=0) and only the window's transitions are stored and
+            trained (`timestep_fraction` then applies to W). `None`: every step is stochastic (DanceGRPO, Flow-GRPO).
+        sde_window_range (`list[int]` or `None`, defaults to `None`): `[low, high)`, the steps the window may cover
+            (Flow-GRPO-Fast SD3: `[0, 5]`). `None`: all trainable steps (the first N−1, or the trained expert's).
+        sde_window_schedule (`str`, defaults to `"random"`): `"random"`: a uniform start per round, the same on
+            every process (Flow-GRPO-Fast); `"progressive"`: the start advances by `sde_window_stride` every
+            `sde_window_stride_rounds` rounds and wraps (MixGRPO). Both follow the round counter, so resuming from a
+            checkpoint continues the schedule exactly.
+        sde_window_stride (`int`, defaults to `1`), sde_window_stride_rounds (`int`, defaults to `25`): The
+            progressive schedule's advance and its period in rounds (MixGRPO: 1 every 25 iterations; Flash: 20).
+        post_window_solver (`str`, defaults to `"ode"`): The steps after the window: `"ode"`, the deterministic step;
+            `"dpm_solver++"`, DPM-Solver++(2M) (MixGRPO-Flash; flow-matching models).
+        post_window_step_ratio (`float`, defaults to `1.0`): With a window, the steps after it are replaced by a grid
+            of `max(1, ⌊ratio · remaining⌋)` steps from the window's end to σ = 0 (MixGRPO-Flash: 0.4; flow-matching
+            models). 1 keeps the schedule's own steps.
+        branching (`bool`, defaults to `False`): The G samples of a group share the deterministic prefix before the
+            window, computed once per group instead of G times, and differ from the window on (the original
+            Flow-GRPO-Fast, TempFlow-GRPO). Needs a window and `share_initial_noise="group"`.
+
         > Optimization
 
         num_iterations (`int`, defaults to `1`): Passes over each round's transitions (μ in GRPO).
-        epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio.
+        epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio (its lower bound, 1 − epsilon).
+        epsilon_high (`float` or `None`, defaults to `None`): Upper clip bound 1 + epsilon_high (asymmetric clip, as in
+            TRL); `None`: `epsilon`.
+        ratio_normalization (`bool`, defaults to `False`): GRPO-Guard's ratio normalisation: the log-ratio becomes
+            s·(ℓ − ℓ_old + mean((μ − μ_old)²)/(2s²)) = mean(z·(μ − μ_old)) with the stored rollout mean μ_old and
+            the transition's std s, which removes the ratio's downward bias and its 1/s growth at low-noise steps.
+            Stores each window step's mean (one more latent per transition). Gaussian SDEs only (not `"cps"`).
+        step_reweighting (`bool`, defaults to `False`): GRPO-Guard's gradient reweighting: each transition's policy
+            loss is divided by its Δσ = σ_i − σ_{i+1}, which equalises the steps' gradients. Flow-matching models.
         beta (`float`, defaults to `0.0`): KL coefficient to the reference (the model with LoRA disabled, or a
             frozen copy for full fine-tuning). 0 disables the KL term and its extra forward pass.
         kl_scaling (`str`, defaults to `"gaussian"`): Units of the KL term, mean((μ_θ − μ_ref)²) over the latent
@@ -79,8 +111,16 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             steps' Gaussians); `"flow_grpo"`, 2·s² with s the SDE's diffusion coefficient (std = s·√Δ), i.e. the
             exact KL times Δ = σ_i − σ_{i+1}, as Flow-GRPO computes it, so its β (0.01–0.04) transfers. Flow models
             only.
-        timestep_fraction (`float`, defaults to `0.6`): Fraction of the first N−1 steps trained per sample, drawn
-            at random per sample; the last step is never trained.
+        timestep_fraction (`float`, defaults to `0.6`): Fraction of the trainable steps (the first N−1, or the SDE
+            window) trained per sample; the last step is never trained.
+        timestep_selection (`str`, defaults to `"random"`): Which of them: `"random"`, drawn per sample (DanceGRPO);
+            `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %").
+        best_of_n_k (`int` or `None`, defaults to `None`): Train only the k highest and the k lowest advantages of
+            each group (DanceGRPO's video recipe: 4 + 4 of 24); every process must hold whole groups. `None`: all.
+        multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`): As in TRL. `"sum_then_normalize"`:
+            the weighted sum of the rewards, then the advantage statistics of `scale_rewards`;
+            `"normalize_then_sum"` (GDPO): each reward normalised in its group (std + 1e-4), weighted and summed,
+            then normalised over the batch.
         scale_rewards (`str`, defaults to `"group"`): Advantage statistics. `"group"`: group mean and std
             (DanceGRPO); `"batch"`: group mean, batch std (Flow-GRPO); `"none"`: group mean only; `"per_prompt"`:
             DDPO's running mean and std of each prompt's last `per_prompt_buffer_size` rewards, or of the whole batch
@@ -193,9 +233,35 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         },
     )
 
+    sde_window_size: int | None = field(
+        default=None, metadata={"help": "W consecutive SDE steps per round, ODE elsewhere (None: every step SDE)."}
+    )
+    sde_window_range: list[int] | None = field(
+        default=None, metadata={"help": "[low, high): the steps the window may cover (None: all trainable steps)."}
+    )
+    sde_window_schedule: str = field(
+        default="random",
+        metadata={"help": "random | progressive window start.", "choices": ["random", "progressive"]},
+    )
+    sde_window_stride: int = field(default=1, metadata={"help": "Progressive window: advance of the start."})
+    sde_window_stride_rounds: int = field(default=25, metadata={"help": "Progressive window: rounds per advance."})
+    post_window_solver: str = field(
+        default="ode",
+        metadata={"help": "ode | dpm_solver++ after the window.", "choices": ["ode", "dpm_solver++"]},
+    )
+    post_window_step_ratio: float = field(
+        default=1.0, metadata={"help": "Steps after the window, as a fraction of the schedule's (Flash: 0.4)."}
+    )
+    branching: bool = field(
+        default=False, metadata={"help": "A group shares the deterministic prefix before the window."}
+    )
+
     # Optimization
     num_iterations: int = field(default=1, metadata={"help": "Passes over each round's transitions."})
     epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (None: epsilon)."})
+    ratio_normalization: bool = field(default=False, metadata={"help": "GRPO-Guard ratio normalisation."})
+    step_reweighting: bool = field(default=False, metadata={"help": "GRPO-Guard 1/Δσ step reweighting."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no KL)."})
     kl_scaling: str = field(
         default="gaussian",
@@ -204,7 +270,23 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             "choices": ["gaussian", "flow_grpo"],
         },
     )
-    timestep_fraction: float = field(default=0.6, metadata={"help": "Fraction of the first N-1 steps trained."})
+    timestep_fraction: float = field(
+        default=0.6, metadata={"help": "Fraction of the trainable steps (first N-1, or the window) trained."}
+    )
+    timestep_selection: str = field(
+        default="random",
+        metadata={"help": "random | first | last trainable steps.", "choices": ["random", "first", "last"]},
+    )
+    best_of_n_k: int | None = field(
+        default=None, metadata={"help": "Train only the k highest and k lowest advantages of each group."}
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "sum_then_normalize | normalize_then_sum (GDPO).",
+            "choices": ["sum_then_normalize", "normalize_then_sum"],
+        },
+    )
     scale_rewards: str = field(
         default="group",
         metadata={"help": "group | batch | none | per_prompt.", "choices": [*DEFAULT_EPSILON, "per_prompt"]},
@@ -247,6 +329,10 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
         _choice("train_expert", self.train_expert, ("high_noise", "low_noise"))
         _choice("kl_scaling", self.kl_scaling, ("gaussian", "flow_grpo"))
+        _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
+        _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
+        _choice("timestep_selection", self.timestep_selection, ("random", "first", "last"))
+        _choice("multi_objective_aggregation", self.multi_objective_aggregation, _AGGREGATIONS)
         if self.num_generations < (1 if self.scale_rewards == "per_prompt" else 2):
             raise ValueError(
                 f"num_generations must be >= 2 for group statistics (or scale_rewards='per_prompt'), got {self.num_generations}"
@@ -270,6 +356,7 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
             if not ok or not math.isfinite(value or 0):
                 raise ValueError(f"{name} must be {bound}, got {value}")
 
+        self._check_cheaper_rollouts()
         num_processes = self.world_size
         if self.generation_batch_size is None:
             self.generation_batch_size = self.num_generations * num_processes
@@ -283,10 +370,16 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
                 f"generation_batch_size ({self.generation_batch_size}) must be divisible by the number of processes "
                 f"({num_processes})"
             )
-        transitions = self.per_device_generation_batch_size * self.timesteps_per_sample
+        if self.best_of_n_k is not None and self.per_device_generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"best_of_n_k selects within whole groups, but each process holds {self.per_device_generation_batch_size} "
+                f"samples, not a multiple of num_generations ({self.num_generations}); make generation_batch_size a "
+                f"multiple of num_generations × the {num_processes} processes"
+            )
+        transitions = self.per_device_trained_samples * self.timesteps_per_sample
         if transitions % self.per_device_train_batch_size:
             raise ValueError(
-                f"each process trains {self.per_device_generation_batch_size} samples × {self.timesteps_per_sample} "
+                f"each process trains {self.per_device_trained_samples} samples × {self.timesteps_per_sample} "
                 f"steps = {transitions} transitions per round, which per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}) must divide"
             )
@@ -310,6 +403,72 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
 
+    def _check_cheaper_rollouts(self) -> None:
+        steps = self.num_inference_steps - 1  # trainable at most
+        window = self.sde_window_size
+        for name in ("sde_window_stride", "sde_window_stride_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if window is not None and not 1 <= window <= steps:
+            raise ValueError(
+                f"sde_window_size must be in [1, {steps}] (num_inference_steps − 1 = the trainable steps), got {window}"
+            )
+        if self.sde_window_range is not None:
+            if window is None:
+                raise ValueError("sde_window_range needs sde_window_size")
+            if len(self.sde_window_range) != 2:
+                raise ValueError(f"sde_window_range must be [low, high), got {self.sde_window_range}")
+            low, high = self.sde_window_range
+            if not 0 <= low < high <= steps or high - low < window:
+                raise ValueError(
+                    f"sde_window_range [{low}, {high}) must lie in the {steps} trainable steps [0, {steps}) and hold "
+                    f"sde_window_size ({window}) steps"
+                )
+        if not 0 < self.post_window_step_ratio <= 1:
+            raise ValueError(f"post_window_step_ratio must be in (0, 1], got {self.post_window_step_ratio}")
+        needs_window = {
+            "branching": self.branching,
+            "post_window_solver='dpm_solver++'": self.post_window_solver != "ode",
+            "post_window_step_ratio < 1": self.post_window_step_ratio < 1,
+        }
+        for name, used in needs_window.items():
+            if used and window is None:
+                raise ValueError(f"{name} applies to SDE-window rollouts: set sde_window_size")
+        if window is not None and self.last_step_sde:
+            raise ValueError(
+                "last_step_sde=True with sde_window_size: outside the window every step is deterministic; unset one"
+            )
+        if self.branching and self.share_initial_noise != "group":
+            raise ValueError(
+                "branching shares a group's deterministic prefix, which needs share_initial_noise='group' (got "
+                f"{self.share_initial_noise!r}): with per-sample initial noise there is no shared prefix"
+            )
+        if self.epsilon_high is not None and not self.epsilon_high > 0:
+            raise ValueError(f"epsilon_high must be > 0 (or None), got {self.epsilon_high}")
+        if self.ratio_normalization and self.sde_type == "cps":
+            raise ValueError(
+                "ratio_normalization needs a Gaussian log-probability; sde_type='cps' has a pseudo log-prob. Use "
+                "sde_type 'dance' or 'flow_grpo'"
+            )
+        if self.best_of_n_k is not None and not 1 <= 2 * self.best_of_n_k <= self.num_generations:
+            raise ValueError(
+                f"best_of_n_k={self.best_of_n_k} trains 2k samples of each group of num_generations "
+                f"({self.num_generations}): need 1 <= k <= {self.num_generations // 2}"
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards == "per_prompt":
+            raise ValueError(
+                "multi_objective_aggregation='normalize_then_sum' normalises each reward in its group; "
+                "scale_rewards='per_prompt' has no groups. Use one or the other"
+            )
+
+    @property
+    def per_device_trained_samples(self) -> int:
+        """Samples of each process whose transitions are trained per round (2k per group with ``best_of_n_k``)."""
+        local = self.per_device_generation_batch_size
+        if self.best_of_n_k is None:
+            return local
+        return local // self.num_generations * 2 * self.best_of_n_k
+
     @property
     def per_device_generation_batch_size(self) -> int:
         """Samples each process generates per round."""
@@ -317,9 +476,10 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
 
     @property
     def timesteps_per_sample(self) -> int:
-        """K: transitions trained per sample."""
+        """K: transitions trained per sample, of the first N−1 steps or of the SDE window."""
+        steps = self.num_inference_steps - 1 if self.sde_window_size is None else self.sde_window_size
         # The tolerance keeps e.g. 15 × 0.6 at 9 whatever the float rounding.
-        return max(1, math.floor((self.num_inference_steps - 1) * self.timestep_fraction + 1e-9))
+        return max(1, math.floor(steps * self.timestep_fraction + 1e-9))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -17,10 +17,12 @@ from PIL import Image
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
-from ..advantages import PerPromptStatTracker, group_advantages
+from ..advantages import PerPromptStatTracker, extremes_per_group, group_advantages, normalized_reward_sum
 from ..data import text_prompts
+from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
 from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
+from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed, rollout
 from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .media import log_rollout_media
@@ -53,14 +55,6 @@ def _fingerprint(value: Any) -> Any:
     """A hashable identity of a conditioning value: the content of a PIL image, else the value itself."""
     if isinstance(value, Image.Image):
         return value.mode, value.size, hashlib.sha1(value.tobytes()).hexdigest()
-    return value
-
-
-def _seed(*parts: int) -> int:
-    """A deterministic 63-bit seed mixed from integers (same on every process and run)."""
-    value = 0x9E3779B97F4A7C15
-    for part in parts:
-        value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & 0x7FFFFFFFFFFFFFFF
     return value
 
 
@@ -126,13 +120,20 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 "has one denoiser"
             )
         policy.offload_frozen_expert = args.offload_frozen_expert
-        if args.kl_scaling == "flow_grpo" and not isinstance(policy, FlowMatchingPolicy):
-            raise ValueError(
-                f"kl_scaling='flow_grpo' scales the KL by the step's Δσ, which {type(policy.pipeline).__name__}'s "
-                "DDIM steps do not have; use kl_scaling='gaussian'"
-            )
+        flow_only = {
+            "kl_scaling='flow_grpo' scales the KL by the step's Δσ": args.kl_scaling == "flow_grpo",
+            "step_reweighting divides by the step's Δσ": args.step_reweighting,
+            "post_window_solver='dpm_solver++' solves on a σ grid": args.post_window_solver != "ode",
+            "post_window_step_ratio < 1 builds a compressed σ grid": args.post_window_step_ratio < 1,
+        }
+        for what, used in flow_only.items():
+            if used and not isinstance(policy, FlowMatchingPolicy):
+                raise ValueError(
+                    f"{what}, which {type(policy.pipeline).__name__}'s DDIM steps do not have; flow-matching models only"
+                )
         policy.check_schedule()
         trainable = policy.trainable_steps()
+        self.sde_window = self._sde_window(args, trainable)
         if args.timesteps_per_sample > len(trainable):
             raise ValueError(
                 f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} of the "
@@ -163,7 +164,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         self._rollout: dict[str, Any] | None = None
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Per process: which steps are trained and the micro-batch order. Sampling noise is seeded per sample.
-        self._cpu_generator = torch.Generator().manual_seed(_seed(args.seed, self.accelerator.process_index))
+        self._cpu_generator = torch.Generator().manual_seed(mix_seed(args.seed, self.accelerator.process_index))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
 
@@ -185,6 +186,42 @@ class DanceGRPOTrainer(DiffusionTrainer):
             get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
             for func in reward_funcs
         ]
+
+    @staticmethod
+    def _sde_window(args: DanceGRPOConfig, trainable: list[int]) -> SDEWindow | None:
+        """The SDE window's placement rule, checked against the steps the trained denoiser serves."""
+        if args.sde_window_size is None:
+            return None
+        low, high = args.sde_window_range or (trainable[0], trainable[-1] + 1)
+        outside = sorted(set(range(low, high)) - set(trainable))
+        if outside or high - low < args.sde_window_size:
+            raise ValueError(
+                f"sde_window_range [{low}, {high}) with sde_window_size {args.sde_window_size} must lie within the "
+                f"trainable steps {trainable} (steps {outside} are not; two-expert pipelines train one expert's steps)"
+            )
+        return SDEWindow(
+            args.sde_window_size,
+            low,
+            high,
+            args.sde_window_schedule,
+            args.sde_window_stride,
+            args.sde_window_stride_rounds,
+        )
+
+    def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
+        """The noise plan of round ``round_index`` (default: the next round): every step stochastic, or the round's SDE
+        window with deterministic steps around it (and MixGRPO-Flash's compressed grid after it)."""
+        args, window = self.args, self.sde_window
+        steps = self.policy.num_steps
+        if window is None:
+            return RolloutPlan(steps, last_step_sde=args.last_step_sde)
+        start = window.start(self._generation_round if round_index is None else round_index, args.seed)
+        end = start + window.size
+        sigmas = None
+        if args.post_window_step_ratio < 1 or args.post_window_solver != "ode":
+            count = compressed_steps(steps - end, args.post_window_step_ratio)
+            sigmas = tuple(self.policy.sigma_at(torch.linspace(end, steps, count + 1)).tolist())
+        return RolloutPlan(steps, start, end, post_window_sigmas=sigmas, post_window_solver=args.post_window_solver)
 
     @staticmethod
     def _check_dataset(dataset: Dataset | None, args: DanceGRPOConfig) -> None:
@@ -249,7 +286,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         """One generator per local sample, seeded by (seed, round, global sample index): a sample's noise does not
         depend on the number of processes or on ``rollout_batch_size``."""
         return [
-            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, first_index + j))
+            torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, first_index + j))
             for j in range(batch)
         ]
 
@@ -259,7 +296,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
             return self.policy.initial_noise(generators)
         groups = [(first_index + j) // self.args.num_generations for j in range(len(generators))]
         group_generators = [
-            torch.Generator().manual_seed(_seed(self.args.seed, self._generation_round, -1 - g)) for g in groups
+            torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, -1 - g)) for g in groups
         ]
         return self.policy.initial_noise(group_generators)
 
@@ -272,55 +309,45 @@ class DanceGRPOTrainer(DiffusionTrainer):
         cond: dict[str, torch.Tensor] | None = None,
         initial_noise: torch.Tensor | None = None,
         columns: dict[str, list] | None = None,
+        plan: RolloutPlan | None = None,
+        groups: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Denoise one batch with the SDE sampler.
+        """Denoise one batch along a noise plan (:func:`trl_dance.sampling.rollout`).
 
         Args:
             prompts: B prompts (ignored when ``cond`` is given).
             columns: the B values of each of the policy's ``condition_columns`` (image-to-video: ``image``), used
                 with ``prompts`` when ``cond`` is not given.
             generators: B CPU generators; sample ``b`` draws its initial noise (unless ``initial_noise`` is given) and
-                then the noise of all its steps from ``generators[b]``, so it does not depend on the batch it is in.
+                then the noise of all N steps from ``generators[b]``, so it depends neither on the batch it is in nor
+                on which steps the plan makes stochastic.
             model: the denoiser to call (default: the Trainer's wrapped model).
             cond: precomputed conditioning of the B samples.
             initial_noise: (B, ...) starting latents to use instead of drawing them.
+            plan: the noise plan (default: :meth:`rollout_plan` of the next round).
+            groups: (B,) group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
 
         Returns:
-            ``latents`` (B, N+1, ...) float32, ``log_probs`` (B, N−1) float32 of the trainable steps, ``images``
-            (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)) decoded from the last latent, which is the last
-            step's deterministic result unless ``last_step_sde``.
+            ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
+            ``log_probs`` (B, S); ``means`` (B, S, ...) with ``ratio_normalization``; ``final_latents`` (B, ...);
+            ``images`` (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)) decoded from them;
+            ``denoiser_calls``, the (sample, step) evaluations made.
         """
         model = self.model_wrapped if model is None else model
+        plan = self.rollout_plan() if plan is None else plan
         if cond is None:
             cond = self.policy.encode_prompts(prompts, **(columns or {}))
-        num_steps = self.policy.num_steps
         with self.compute_loss_context_manager(), self.policy.sampling():
             latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
             # (N, B, ...): every step's noise of every sample, moved to the device once.
             noise = torch.stack(
-                [torch.randn((num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
+                [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
             ).to(latents.device)
-            trajectory, log_probs = [latents], []
-            for i in range(num_steps):
-                step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
-                output = self.policy.predict_step(model, latents, i, step_index, cond)
-                # The last step is never trained (its Gaussian is very sharp): no log-prob needed, and by default
-                # no noise either (its noise is still drawn above, so the other steps' noise does not depend on it).
-                last = i == num_steps - 1
-                result = self.policy.step(
-                    output,
-                    latents,
-                    step_index,
-                    noise=noise[i],
-                    compute_log_prob=not last,
-                    noise_level=0.0 if last and not self.args.last_step_sde else None,
-                )
-                latents = result.prev_sample
-                trajectory.append(latents)
-                if result.log_prob is not None:
-                    log_probs.append(result.log_prob)
-            images = self.policy.decode(self.policy.final_latents(latents, cond))
-        return {"latents": torch.stack(trajectory, 1), "log_probs": torch.stack(log_probs, 1), "images": images}
+            result = rollout(
+                self.policy, model, latents, cond, noise, plan, groups, keep_means=self.args.ratio_normalization
+            )
+            result["images"] = self.policy.decode(self.policy.final_latents(result["final_latents"], cond))
+        return result
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
         """One image per prompt from the current policy with the training sampler, reproducible for ``seed``;
@@ -329,7 +356,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1]
         (videos: (B, F, 3, H, W)).
         """
-        generators = [torch.Generator().manual_seed(_seed(seed, i)) for i in range(len(prompts))]
+        generators = [torch.Generator().manual_seed(mix_seed(seed, i)) for i in range(len(prompts))]
         return self.sample(prompts, generators, model=self.model, columns=columns)["images"]
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
@@ -350,6 +377,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
 
         first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
         generators = self._sample_generators(batch, first_index)
+        plan = self.rollout_plan()
+        groups = torch.arange(first_index, first_index + batch) // args.num_generations if args.branching else None
         chunk = args.rollout_batch_size or batch
         parts, scores = [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
@@ -363,6 +392,8 @@ class DanceGRPOTrainer(DiffusionTrainer):
                         generators[part],
                         cond={key: value[idx] for key, value in cond_table.items()},
                         initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
+                        plan=plan,
+                        groups=None if groups is None else groups[part],
                     )
                 )
                 # Score this chunk (in the worker thread, while the next chunk is denoised).
@@ -375,25 +406,25 @@ class DanceGRPOTrainer(DiffusionTrainer):
                     args.video_reward_frames,
                 )
                 scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
+        calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
         total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
-        if self.stat_tracker is not None:
-            # Every process updates an identical tracker with the same global (prompt, reward) list.
-            all_advantages = self.stat_tracker(gather_object(prompts), total, clip=args.adv_clip_max)
-        else:
-            all_advantages = group_advantages(
-                total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
-            )
+        all_advantages = self._advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
-        self._log_rollout_metrics(all_rewards, total, all_advantages)
+        trained = torch.arange(batch)
+        if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
+            trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
+        self._log_rollout_metrics(all_rewards, total, all_advantages, plan, calls / batch)
         self._log_rollout_media(rollout["images"], prompts, total[local], total)
 
         self._rollout = {
             "latents": rollout["latents"],
             "log_probs": rollout["log_probs"],
+            "means": rollout.get("means"),
+            "first_step": plan.sde_start,
             "advantages": advantages,
             "prompt_index": prompt_index,
             "cond": cond_table,
@@ -402,18 +433,41 @@ class DanceGRPOTrainer(DiffusionTrainer):
             "images": rollout["images"].cpu(),
             "rewards": total[local],
         }
-        self._microbatches = self._plan_microbatches(batch)
+        candidates = self.policy.trainable_steps() if self.sde_window is None else list(plan.stored_steps)
+        self._microbatches = self._plan_microbatches(trained, torch.tensor(candidates))
         self._generation_round += 1
 
-    def _plan_microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration."""
+    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """(num_processes · B,) advantages of the gathered rewards (F columns) and their weighted sum."""
         args = self.args
-        trainable = torch.tensor(self.policy.trainable_steps())
-        k = args.timesteps_per_sample
-        # Each sample independently draws K of the trainable steps (its first N−1, or the trained expert's).
-        draws = torch.rand(batch, len(trainable), generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
-        steps = trainable[draws]
-        samples = torch.arange(batch).repeat_interleave(k)
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            epsilon = 1e-4 if args.advantage_epsilon is None else args.advantage_epsilon
+            return normalized_reward_sum(
+                all_rewards, self.reward_weights, args.num_generations, args.adv_clip_max, epsilon
+            )
+        if self.stat_tracker is not None:
+            # Every process updates an identical tracker with the same global (prompt, reward) list.
+            return self.stat_tracker(gather_object(prompts), total, clip=args.adv_clip_max)
+        return group_advantages(
+            total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
+        )
+
+    def _plan_microbatches(
+        self, samples: torch.Tensor, candidates: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration.
+
+        Each trained sample takes K of the ``candidates`` steps (the first N−1, the trained expert's, or the window's):
+        drawn independently per sample (``timestep_selection="random"``), or the first / last K."""
+        args = self.args
+        k, count = args.timesteps_per_sample, len(samples)
+        if args.timestep_selection == "random":
+            draws = torch.rand(count, len(candidates), generator=self._cpu_generator).argsort(dim=1)[:, :k]
+        else:
+            first = 0 if args.timestep_selection == "first" else len(candidates) - k
+            draws = torch.arange(first, first + k).expand(count, k)
+        steps = candidates[draws.flatten()]
+        samples = samples.repeat_interleave(k)
         plan = []
         for _ in range(args.num_iterations):
             order = torch.randperm(samples.numel(), generator=self._cpu_generator)
@@ -423,15 +477,19 @@ class DanceGRPOTrainer(DiffusionTrainer):
     def _microbatch(self, indices: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         rollout, device = self._rollout, self.accelerator.device
         sample, step = (index.to(device) for index in indices)
+        stored = step - rollout["first_step"]  # position among the stored steps
         cond_rows = rollout["prompt_index"][sample]
-        return {
-            "latents": rollout["latents"][sample, step],
-            "next_latents": rollout["latents"][sample, step + 1],
+        inputs = {
+            "latents": rollout["latents"][sample, stored],
+            "next_latents": rollout["latents"][sample, stored + 1],
             "step_index": step,
-            "old_log_prob": rollout["log_probs"][sample, step],
+            "old_log_prob": rollout["log_probs"][sample, stored],
             "advantages": rollout["advantages"][sample],
             "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
         }
+        if rollout["means"] is not None:
+            inputs["old_mean"] = rollout["means"][sample, stored]
+        return inputs
 
     # ----------------------------------------------------------------------------------------------------------
     # Loss
@@ -441,28 +499,42 @@ class DanceGRPOTrainer(DiffusionTrainer):
         output = self.policy.predict(model, latents, step_index, inputs["cond"])
         step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
 
-        log_ratio = step.log_prob - inputs["old_log_prob"]
+        if self.args.ratio_normalization:
+            log_ratio = self._normalized_log_ratio(output, inputs, step)
+        else:
+            log_ratio = step.log_prob - inputs["old_log_prob"]
         ratio = torch.exp(log_ratio)
         advantages = inputs["advantages"]
-        eps = self.args.epsilon
-        per_transition = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
+        eps, eps_high = self.args.epsilon, self.args.epsilon_high
+        per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
+        if self.args.step_reweighting:
+            per_transition = per_transition / self._delta_sigma(step_index)
 
         if self.args.beta > 0:
             ref_mean = self._reference_mean(model, inputs)
             dims = tuple(range(1, step.mean.ndim))
             kl = ((step.mean - ref_mean) ** 2).mean(dim=dims) / (2 * step.std**2)
             if self.args.kl_scaling == "flow_grpo":
-                kl = kl * (self.policy.sigma(step_index) - self.policy.sigma(step_index + 1))
+                kl = kl * self._delta_sigma(step_index)
             per_transition = per_transition + self.args.beta * kl
             self._record("kl", kl)
         loss = per_transition.mean()
 
         with torch.no_grad():
-            clipped = ((ratio < 1 - eps) & (advantages < 0)) | ((ratio > 1 + eps) & (advantages > 0))
-            self._record("clip_ratio/region_mean", clipped.float())
+            self._record("clip_ratio/region_mean", clipped_fraction(ratio, advantages, eps, eps_high))
             self._record("ratio/mean", ratio)
             self._record("approx_kl", 0.5 * log_ratio**2)
         return (loss, output) if return_outputs else loss
+
+    def _delta_sigma(self, step_index: torch.Tensor) -> torch.Tensor:
+        return self.policy.sigma(step_index) - self.policy.sigma(step_index + 1)
+
+    def _normalized_log_ratio(self, output: torch.Tensor, inputs: dict, step) -> torch.Tensor:
+        # ℓ(μ) and ℓ(μ_old) under the current Gaussian, through the same step function (same latent elements).
+        latents, step_index = inputs["latents"], inputs["step_index"]
+        at_old_mean = self.policy.step(output, latents, step_index, prev_sample=inputs["old_mean"]).log_prob
+        at_mean = self.policy.step(output, latents, step_index, prev_sample=step.mean).log_prob
+        return normalized_log_ratio(step.log_prob, inputs["old_log_prob"], at_old_mean, at_mean, step.std)
 
     def _reference_mean(self, model, inputs) -> torch.Tensor:
         latents, step_index = inputs["latents"], inputs["step_index"]
@@ -484,7 +556,14 @@ class DanceGRPOTrainer(DiffusionTrainer):
         )
         self._next_media_step = step - step % every + every
 
-    def _log_rollout_metrics(self, all_rewards: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> None:
+    def _log_rollout_metrics(
+        self,
+        all_rewards: torch.Tensor,
+        total: torch.Tensor,
+        advantages: torch.Tensor,
+        plan: RolloutPlan,
+        calls_per_sample: float,
+    ) -> None:
         # Already gathered: every process holds the same global values.
         for column, name in enumerate(self.reward_names):
             self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean())
@@ -495,6 +574,10 @@ class DanceGRPOTrainer(DiffusionTrainer):
             group_std = total.view(-1, self.args.num_generations).std(dim=1)
             self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean())
+        if self.sde_window is not None:
+            self._metrics["sde_window/start"].append(torch.tensor(float(plan.sde_start)))
+        # Denoiser evaluations (sample × step, CFG branches counted once) per sample of this process's rollout.
+        self._metrics["rollout/denoiser_calls_per_sample"].append(torch.tensor(calls_per_sample))
 
     # ----------------------------------------------------------------------------------------------------------
     # Checkpoints: the per-prompt statistics travel with them

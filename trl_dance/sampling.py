@@ -1,0 +1,196 @@
+"""The one rollout loop of the trainers, driven by a per-step noise plan.
+
+A :class:`RolloutPlan` says which steps of a rollout are stochastic (the SDE window, whose transitions are stored and
+trained), which are deterministic (the ODE / DDIM-η=0 step), and how the steps after the window are solved (the
+policy's own grid, or a compressed grid with DPM-Solver++(2M), MixGRPO-Flash). Everything every step does is the
+policy's: :meth:`~trl_dance.policies.DiffusionPolicy.step` and ``solve``; this module only orders them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .policies import Conditioning, DiffusionPolicy
+
+PostWindowSolver = Literal["ode", "dpm_solver++"]
+WindowSchedule = Literal["random", "progressive"]
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed mixed from integers (the same on every process and run)."""
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & 0x7FFFFFFFFFFFFFFF
+    return value
+
+
+@dataclass(frozen=True)
+class SDEWindow:
+    """Where a round's window of ``size`` consecutive SDE steps lies within the steps ``[low, high)``.
+
+    ``"random"``: a uniform start per round, drawn from ``(seed, round)`` (identical on every process). ``"progressive"``
+    (MixGRPO): the start advances by ``stride`` every ``every`` rounds from ``low`` and wraps to ``low`` past the last
+    position. Both are functions of the round counter, so a resumed run (which restores it) continues exactly.
+    """
+
+    size: int
+    low: int
+    high: int
+    schedule: WindowSchedule = "random"
+    stride: int = 1
+    every: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.size <= self.high - self.low:
+            raise ValueError(f"an SDE window of {self.size} steps does not fit in the steps [{self.low}, {self.high})")
+
+    @property
+    def positions(self) -> int:
+        """Number of possible starts."""
+        return self.high - self.low - self.size + 1
+
+    def start(self, round_index: int, seed: int) -> int:
+        if self.schedule == "random":
+            generator = torch.Generator().manual_seed(mix_seed(seed, round_index, -0x5DE))
+            return self.low + int(torch.randint(self.positions, (), generator=generator))
+        if self.schedule == "progressive":
+            return self.low + (round_index // self.every * self.stride) % self.positions
+        raise ValueError(f"window schedule must be 'random' or 'progressive', got {self.schedule!r}")
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """The noise plan of one rollout of ``num_steps`` steps.
+
+    Steps ``[sde_start, sde_end)`` are the policy's SDE step at its noise level, with log-probability; they and their
+    states are what the rollout stores. Every other step is the deterministic step (noise 0), except the last one with
+    ``last_step_sde`` (sampled, not stored). With ``post_window_sigmas`` (flow policies) the steps from ``sde_end`` on
+    are replaced by ``post_window_solver`` on that σ grid, from ``σ_{sde_end}`` down to 0.
+    """
+
+    num_steps: int
+    sde_start: int = 0
+    sde_end: int | None = None
+    last_step_sde: bool = False
+    post_window_sigmas: tuple[float, ...] | None = None
+    post_window_solver: PostWindowSolver = "ode"
+
+    def __post_init__(self):
+        if self.sde_end is None:
+            object.__setattr__(self, "sde_end", self.num_steps - 1)
+        if not 0 <= self.sde_start < self.sde_end <= self.num_steps - 1:
+            raise ValueError(
+                f"SDE steps [{self.sde_start}, {self.sde_end}) must be a non-empty part of the first "
+                f"{self.num_steps - 1} steps (the last step is never trained)"
+            )
+
+    @property
+    def stored_steps(self) -> range:
+        """Indices of the stored (stochastic, trainable) steps."""
+        return range(self.sde_start, self.sde_end)
+
+
+def compressed_steps(remaining: int, ratio: float) -> int:
+    """MixGRPO-Flash's step count for the ``remaining`` steps after the window: ``max(1, ⌊ratio · remaining⌋)``."""
+    return max(1, math.floor(ratio * remaining + 1e-9))
+
+
+def _representatives(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First index of each distinct group id (in order of appearance) and each sample's position among them."""
+    ids = groups.tolist()
+    first: dict[int, int] = {}
+    for index, group in enumerate(ids):
+        first.setdefault(group, index)
+    order = list(first)
+    return torch.tensor(list(first.values())), torch.tensor([order.index(group) for group in ids])
+
+
+@torch.no_grad()
+def rollout(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    cond: Conditioning,
+    noise: torch.Tensor,
+    plan: RolloutPlan,
+    groups: torch.Tensor | None = None,
+    keep_means: bool = False,
+) -> dict[str, torch.Tensor | int]:
+    """Denoise a batch along ``plan``.
+
+    Args:
+        policy: the model family's adapter.
+        model: the trained denoiser (possibly wrapped).
+        latents: (B, ...) float32 starting latents.
+        cond: conditioning of each of the B samples.
+        noise: (N, B, ...) standard normal noise of every step of every sample (a step that is deterministic ignores
+            its noise, so a sample's stochastic steps get the same noise whatever the plan).
+        groups: (B,) group ids. Samples of a group must share their starting latents and conditioning; the steps
+            before ``plan.sde_start`` are then computed once per group (branching), and the group's samples differ
+            only from the window on.
+        keep_means: also return each stored step's Gaussian mean (GRPO-Guard's ratio normalisation).
+
+    Returns:
+        ``latents`` (B, S + 1, ...) the states ``sde_start … sde_end`` (S stored steps); ``log_probs`` (B, S);
+        ``means`` (B, S, ...) with ``keep_means``; ``final_latents`` (B, ...) the last state; ``denoiser_calls`` the
+        number of (sample, step) denoiser evaluations made.
+    """
+    batch, calls, start = latents.shape[0], 0, 0
+    if groups is not None and plan.sde_start > 0:
+        reps, inverse = _representatives(groups.cpu())
+        reps_device = reps.to(latents.device)
+        shared = {key: value[reps_device] for key, value in cond.items()}
+        prefix = latents[reps_device]
+        for i in range(plan.sde_start):
+            prefix = _deterministic_step(policy, model, prefix, i, shared)
+        calls += len(reps) * plan.sde_start
+        latents, start = prefix[inverse.to(latents.device)], plan.sde_start
+
+    stored, log_probs, means = [], [], []
+    end = plan.num_steps if plan.post_window_sigmas is None else plan.sde_end
+    for i in range(start, end):
+        if i == plan.sde_start:
+            stored.append(latents)
+        step_index = torch.full((batch,), i, device=latents.device, dtype=torch.long)
+        output = policy.predict_step(model, latents, i, step_index, cond)
+        calls += batch
+        window = plan.sde_start <= i < plan.sde_end
+        noisy = window or (i == plan.num_steps - 1 and plan.last_step_sde)
+        result = policy.step(
+            output, latents, step_index, noise=noise[i], compute_log_prob=window, noise_level=None if noisy else 0.0
+        )
+        latents = result.prev_sample
+        if window:
+            stored.append(latents)
+            log_probs.append(result.log_prob)
+            if keep_means:
+                means.append(result.mean)
+    if plan.post_window_sigmas is not None:
+        latents = policy.solve(model, latents, cond, plan.post_window_sigmas, plan.post_window_solver)
+        calls += batch * (len(plan.post_window_sigmas) - 1)
+
+    out = {
+        "latents": torch.stack(stored, 1),
+        "log_probs": torch.stack(log_probs, 1),
+        "final_latents": latents,
+        "denoiser_calls": calls,
+    }
+    if keep_means:
+        out["means"] = torch.stack(means, 1)
+    return out
+
+
+def _deterministic_step(
+    policy: DiffusionPolicy, model: torch.nn.Module, latents: torch.Tensor, i: int, cond: Conditioning
+) -> torch.Tensor:
+    step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
+    output = policy.predict_step(model, latents, i, step_index, cond)
+    zeros = torch.zeros_like(latents, dtype=torch.float32)
+    return policy.step(output, latents, step_index, noise=zeros, compute_log_prob=False, noise_level=0.0).prev_sample
+
+
+__all__ = ["RolloutPlan", "SDEWindow", "compressed_steps", "mix_seed", "rollout"]
