@@ -200,7 +200,9 @@ def _assert_the_first_frame_is_given(trainer, inputs):
     """Wan 2.2 TI2V: the first latent frame is the image's, not sampled: it stays as drawn through the trajectory,
     the log-probability ignores it, and every video of one image starts with the same frame (the VAE is causal),
     whatever its prompt and noise."""
-    trajectory = trainer._rollout["latents"]  # (B, N, C, F', h, w): the states before each of the N − 1 stored steps, and after
+    trajectory = trainer._rollout[
+        "latents"
+    ]  # (B, N, C, F', h, w): the states before each of the N − 1 stored steps, and after
     assert torch.equal(trajectory[:, 1:, :, :1], trajectory[:, :1, :, :1].expand_as(trajectory[:, 1:, :, :1]))
     with torch.no_grad():
         output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
