@@ -2,10 +2,17 @@ import math
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
 from trl_dance.schedulers import ddim_alpha_pairs, flow_match_sigmas, patch_scheduler
-from trl_dance.sde import dance_sigmas, ddim_sde_step, diffusion_target, epsilon_and_x0, flow_sde_step
+from trl_dance.sde import (
+    dance_sigmas,
+    ddim_sde_step,
+    diffusion_target,
+    epsilon_and_x0,
+    flow_dpm_solver_step,
+    flow_sde_step,
+)
 
 SHAPE = (3, 4, 5, 6)
 
@@ -277,3 +284,42 @@ def test_patch_scheduler_ddim_matches_function():
     torch.testing.assert_close(out.log_prob, ref.log_prob)
     with pytest.raises(TypeError):
         patch_scheduler(object())
+
+
+@pytest.mark.parametrize("steps", [4, 7, 20])
+def test_flow_dpm_solver_matches_diffusers(steps):
+    """DPM-Solver++(2M) of MixGRPO-Flash equals diffusers' DPMSolverMultistepScheduler (flow sigmas, flow prediction,
+    midpoint, first-order last step onto σ = 0) on the same grid, along a whole solve of a smooth velocity field."""
+    scheduler = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        flow_shift=3.0,
+        solver_order=2,
+        algorithm_type="dpmsolver++",
+        lower_order_final=False,
+        final_sigmas_type="zero",
+    )
+    scheduler.set_timesteps(steps)
+    sigmas = scheduler.sigmas.tolist()
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 4, 8, generator=g), 0.3 * torch.randn(4, 4, generator=g)
+
+    def velocity(latents, sigma):
+        return torch.tanh(torch.einsum("ij,bjk->bik", weight, latents)) * (1 + sigma) - latents * sigma
+
+    theirs, ours, previous = x.clone(), x.clone(), None
+    for i, t in enumerate(scheduler.timesteps):
+        theirs = scheduler.step(velocity(theirs, sigmas[i]), t, theirs).prev_sample
+        x0_hat = ours - sigmas[i] * velocity(ours, sigmas[i])
+        ours, previous = flow_dpm_solver_step(x0_hat, ours, sigmas[i], sigmas[i + 1], previous), (x0_hat, sigmas[i])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_flow_dpm_solver_from_pure_noise_is_euler():
+    x, v = _inputs()
+    x0_hat = x - v
+    torch.testing.assert_close(flow_dpm_solver_step(x0_hat, x, 1.0, 0.8), x - 0.2 * v)
+    # The next step has no usable history (λ(1) = −∞) and is first order.
+    x1 = x - 0.2 * v
+    first = flow_dpm_solver_step(x1 - 0.8 * v, x1, 0.8, 0.5)
+    torch.testing.assert_close(flow_dpm_solver_step(x1 - 0.8 * v, x1, 0.8, 0.5, (x0_hat, 1.0)), first)

@@ -82,11 +82,16 @@ class RolloutPlan:
     def __post_init__(self):
         if self.sde_end is None:
             object.__setattr__(self, "sde_end", self.num_steps - 1)
-        if not 0 <= self.sde_start < self.sde_end <= self.num_steps - 1:
+        if not 0 <= self.sde_start <= self.sde_end <= self.num_steps - 1:
             raise ValueError(
-                f"SDE steps [{self.sde_start}, {self.sde_end}) must be a non-empty part of the first "
-                f"{self.num_steps - 1} steps (the last step is never trained)"
+                f"SDE steps [{self.sde_start}, {self.sde_end}) must be a part of the first {self.num_steps - 1} steps "
+                "(the last step is never trained)"
             )
+
+    @classmethod
+    def deterministic(cls, num_steps: int, **kwargs) -> RolloutPlan:
+        """No stochastic step: the ODE (or DDIM η=0) all the way, e.g. for evaluation or forward-process methods."""
+        return cls(num_steps, 0, 0, **kwargs)
 
     @property
     def stored_steps(self) -> range:
@@ -173,12 +178,15 @@ def rollout(
         latents = policy.solve(model, latents, cond, plan.post_window_sigmas, plan.post_window_solver)
         calls += batch * (len(plan.post_window_sigmas) - 1)
 
-    out = {
-        "latents": torch.stack(stored, 1),
-        "log_probs": torch.stack(log_probs, 1),
-        "final_latents": latents,
-        "denoiser_calls": calls,
-    }
+    out = {"final_latents": latents, "denoiser_calls": calls}
+    if not log_probs:  # a deterministic plan stores nothing
+        empty = latents.new_zeros(batch, 0, *latents.shape[1:])
+        return (
+            out
+            | {"latents": empty, "log_probs": latents.new_zeros(batch, 0)}
+            | ({"means": empty} if keep_means else {})
+        )
+    out |= {"latents": torch.stack(stored, 1), "log_probs": torch.stack(log_probs, 1)}
     if keep_means:
         out["means"] = torch.stack(means, 1)
     return out

@@ -280,7 +280,7 @@ def flow_dpm_solver_step(
     Args:
         x0_hat: (B, ...) the data prediction ``x − σ v`` at ``sample``.
         sample: (B, ...) the latent at ``sigma``.
-        sigma, sigma_next: noise levels, ``1 > sigma > sigma_next >= 0``.
+        sigma, sigma_next: noise levels, ``1 >= sigma > sigma_next >= 0``.
         previous: ``(x̂0_prev, σ_prev)`` of the solver's previous step, or None.
 
     Returns:
@@ -289,15 +289,17 @@ def flow_dpm_solver_step(
     x0 = x0_hat.to(torch.float32)
     if sigma_next <= 0:
         return x0
-    if not 0 < sigma_next < sigma < 1:
-        raise ValueError(f"need 1 > sigma > sigma_next > 0, got sigma={sigma}, sigma_next={sigma_next}")
+    if not 0 < sigma_next < sigma <= 1:
+        raise ValueError(f"need 1 >= sigma > sigma_next > 0, got sigma={sigma}, sigma_next={sigma_next}")
+    if sigma == 1:  # λ = −∞: the first-order step is exact Euler, x' = σ_next·x + (1 − σ_next)·x̂0
+        return sigma_next * sample.to(torch.float32) + (1 - sigma_next) * x0
 
     def lam(s: float) -> float:
         return math.log((1 - s) / s)
 
     h = lam(sigma_next) - lam(sigma)
     data = x0
-    if previous is not None:
+    if previous is not None and previous[1] < 1:  # after a step from σ = 1, r = ∞: first order
         x0_prev, sigma_prev = previous
         r = (lam(sigma) - lam(sigma_prev)) / h
         data = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * x0_prev.to(torch.float32)
