@@ -42,6 +42,8 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
     [
         ("grpo_flux", "grpo_flux_tiny", "flux"),
         ("grpo_sd3", "grpo_sd3_tiny", "sd3"),
+        ("grpo_sd3", "grpo_sd3_fast_tiny", "sd3"),
+        ("grpo_flux", "grpo_flux_mix_tiny", "flux"),
         ("grpo_sd", "grpo_sd_tiny", "sd"),
         ("ddpo_sd", "ddpo_sd_tiny", "sd"),
         ("grpo_wan", "grpo_wan_tiny", "wan"),
