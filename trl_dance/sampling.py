@@ -28,6 +28,20 @@ def mix_seed(*parts: int) -> int:
     return value
 
 
+def sample_generators(seed: int, round_index: int, first_index: int, count: int) -> list[torch.Generator]:
+    """One CPU generator per sample, seeded by (seed, round, global sample index): a sample's noise depends neither on
+    the number of processes nor on how samples are batched."""
+    return [torch.Generator().manual_seed(mix_seed(seed, round_index, first_index + j)) for j in range(count)]
+
+
+def group_generators(
+    seed: int, round_index: int, first_index: int, count: int, group_size: int
+) -> list[torch.Generator]:
+    """One generator per sample seeded by its group (samples ``[k·G, (k+1)·G)``), for noise a group shares."""
+    groups = [(first_index + j) // group_size for j in range(count)]
+    return [torch.Generator().manual_seed(mix_seed(seed, round_index, -1 - group)) for group in groups]
+
+
 @dataclass(frozen=True)
 class SDEWindow:
     """Where a round's window of ``size`` consecutive SDE steps lies within the steps ``[low, high)``.
@@ -47,6 +61,27 @@ class SDEWindow:
     def __post_init__(self):
         if not 1 <= self.size <= self.high - self.low:
             raise ValueError(f"an SDE window of {self.size} steps does not fit in the steps [{self.low}, {self.high})")
+
+    @classmethod
+    def within(
+        cls,
+        trainable: list[int],
+        size: int,
+        window_range: list[int] | tuple[int, int] | None = None,
+        schedule: WindowSchedule = "random",
+        stride: int = 1,
+        every: int = 1,
+    ) -> SDEWindow:
+        """A window over ``window_range`` (default: all of ``trainable``), which must consist of trainable steps: the
+        steps the trained denoiser serves (two-expert pipelines train one expert's)."""
+        low, high = window_range or (trainable[0], trainable[-1] + 1)
+        outside = sorted(set(range(low, high)) - set(trainable))
+        if outside or high - low < size:
+            raise ValueError(
+                f"sde_window_range [{low}, {high}) with sde_window_size {size} must lie within the trainable steps "
+                f"{trainable} (steps {outside} are not; two-expert pipelines train one expert's steps)"
+            )
+        return cls(size, low, high, schedule, stride, every)
 
     @property
     def positions(self) -> int:
@@ -201,4 +236,12 @@ def _deterministic_step(
     return policy.step(output, latents, step_index, noise=zeros, compute_log_prob=False, noise_level=0.0).prev_sample
 
 
-__all__ = ["RolloutPlan", "SDEWindow", "compressed_steps", "mix_seed", "rollout"]
+__all__ = [
+    "RolloutPlan",
+    "SDEWindow",
+    "compressed_steps",
+    "group_generators",
+    "mix_seed",
+    "rollout",
+    "sample_generators",
+]

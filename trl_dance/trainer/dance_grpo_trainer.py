@@ -22,7 +22,15 @@ from ..data import text_prompts
 from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
 from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
-from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed, rollout
+from ..sampling import (
+    RolloutPlan,
+    SDEWindow,
+    compressed_steps,
+    group_generators,
+    mix_seed,
+    rollout,
+    sample_generators,
+)
 from .dance_grpo_config import DanceGRPOConfig
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .media import log_rollout_media
@@ -133,7 +141,16 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 )
         policy.check_schedule()
         trainable = policy.trainable_steps()
-        self.sde_window = self._sde_window(args, trainable)
+        self.sde_window = None
+        if args.sde_window_size is not None:
+            self.sde_window = SDEWindow.within(
+                trainable,
+                args.sde_window_size,
+                args.sde_window_range,
+                args.sde_window_schedule,
+                args.sde_window_stride,
+                args.sde_window_stride_rounds,
+            )
         if args.timesteps_per_sample > len(trainable):
             raise ValueError(
                 f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} of the "
@@ -186,27 +203,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
             get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
             for func in reward_funcs
         ]
-
-    @staticmethod
-    def _sde_window(args: DanceGRPOConfig, trainable: list[int]) -> SDEWindow | None:
-        """The SDE window's placement rule, checked against the steps the trained denoiser serves."""
-        if args.sde_window_size is None:
-            return None
-        low, high = args.sde_window_range or (trainable[0], trainable[-1] + 1)
-        outside = sorted(set(range(low, high)) - set(trainable))
-        if outside or high - low < args.sde_window_size:
-            raise ValueError(
-                f"sde_window_range [{low}, {high}) with sde_window_size {args.sde_window_size} must lie within the "
-                f"trainable steps {trainable} (steps {outside} are not; two-expert pipelines train one expert's steps)"
-            )
-        return SDEWindow(
-            args.sde_window_size,
-            low,
-            high,
-            args.sde_window_schedule,
-            args.sde_window_stride,
-            args.sde_window_stride_rounds,
-        )
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         """The noise plan of round ``round_index`` (default: the next round): every step stochastic, or the round's SDE
@@ -282,23 +278,14 @@ class DanceGRPOTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Rollout
 
-    def _sample_generators(self, batch: int, first_index: int) -> list[torch.Generator]:
-        """One generator per local sample, seeded by (seed, round, global sample index): a sample's noise does not
-        depend on the number of processes or on ``rollout_batch_size``."""
-        return [
-            torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, first_index + j))
-            for j in range(batch)
-        ]
-
     def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
         """Starting latents; with ``share_initial_noise="group"`` drawn once per group (seeded by the group id)."""
         if self.args.share_initial_noise != "group":
             return self.policy.initial_noise(generators)
-        groups = [(first_index + j) // self.args.num_generations for j in range(len(generators))]
-        group_generators = [
-            torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, -1 - g)) for g in groups
-        ]
-        return self.policy.initial_noise(group_generators)
+        seed, size = self.args.seed, self.args.num_generations
+        return self.policy.initial_noise(
+            group_generators(seed, self._generation_round, first_index, len(generators), size)
+        )
 
     @torch.no_grad()
     def sample(
@@ -376,7 +363,7 @@ class DanceGRPOTrainer(DiffusionTrainer):
         )
 
         first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
-        generators = self._sample_generators(batch, first_index)
+        generators = sample_generators(args.seed, self._generation_round, first_index, batch)
         plan = self.rollout_plan()
         groups = torch.arange(first_index, first_index + batch) // args.num_generations if args.branching else None
         chunk = args.rollout_batch_size or batch
