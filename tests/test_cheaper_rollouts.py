@@ -159,6 +159,9 @@ def test_flash_grid_and_solver(tiny_model_dir, tmp_path):
     torch.testing.assert_close(result["final_latents"], again, rtol=1e-5, atol=1e-5)
     trainer._generate_and_score(ROWS)
     assert max_ratio_deviation(trainer) < 1e-5
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "SDE window: 2 steps in [0, 4), progressive; after it dpm_solver++ on 40% of the steps" in card
 
 
 def test_window_schedules():

@@ -26,7 +26,7 @@ class DanceGRPOConfig(FrozenComponentsArguments, _BaseConfig):
     transitions (``⌊W · timestep_fraction⌋`` with an SDE window of W steps; with ``best_of_n_k`` only 2k samples of
     each group are trained). ``per_device_train_batch_size`` counts **transitions** per micro-batch; each process generates
     ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
-    generation_batch_size / num_processes · K / per_device_train_batch_size`` micro-batches, each consumed by one
+    (trained samples per process) · K / per_device_train_batch_size`` micro-batches, each consumed by one
     ``training_step``, and ``steps_per_generation · num_iterations / gradient_accumulation_steps`` optimizer updates.
 
     Parameters:

@@ -579,7 +579,15 @@ class DanceGRPOTrainer(DiffusionTrainer):
             + (f", {self.policy.settings.num_frames} frames" if self.policy.is_video else ""),
             "GRPO": f"{args.num_generations} generations per prompt, clip {args.epsilon}, KL β {args.beta}, "
             f"{args.timestep_fraction:.0%} of the steps trained, advantages: {args.scale_rewards}",
+            **({"SDE window": self._window_card()} if self.sde_window is not None else {}),
         }
+
+    def _window_card(self) -> str:
+        window, args = self.sde_window, self.args
+        text = f"{window.size} steps in [{window.low}, {window.high}), {window.schedule}"
+        if args.post_window_step_ratio < 1 or args.post_window_solver != "ode":
+            text += f"; after it {args.post_window_solver} on {args.post_window_step_ratio:.0%} of the steps"
+        return text + (", branched from a shared prefix" if args.branching else "")
 
     def _resume_state(self) -> dict[str, Any]:
         # The round counter (it seeds the sampling noise), the micro-step counter, the generator of timestep choice and
