@@ -70,3 +70,21 @@ def test_runs_share_one_pipeline_instance(script, tiny_model_dir, monkeypatch):
     denoiser = pipeline.transformer if kind == "flux" else pipeline.unet
     assert not getattr(denoiser, "peft_config", None) and not denoiser._forward_pre_hooks
     assert "encode" not in vars(pipeline.vae) and "decode" not in vars(pipeline.vae)
+
+
+def test_efficiency_benchmark_counts_work_and_compares_to_dancegrpo(monkeypatch):
+    """benchmarks/efficiency.py end to end on two short runs: the denoiser work it counts is the plan's (rollout rows
+    + 3 × trained transitions), evaluated before and after every round."""
+    import efficiency
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    figures = efficiency.main(
+        ["--seeds", "0", "--rounds", "2", "--eval-every", "1", "--steps", "6", "--batch", "8", "--target", "0.01"]
+        + ["--methods", "flow_grpo_fast_branching"]
+    )
+    dance, fast = figures["methods"]["dancegrpo"], figures["methods"]["flow_grpo_fast_branching"]
+    assert dance["work_per_round"] == 8 * 6 + 3 * 8 * 3  # 6 steps rolled out, 60 % of 5 = 3 trained
+    # A 2-step window in the first 3 steps: 2 groups share the prefix before it, 8 samples take the rest.
+    assert 8 * (6 - 2) + 3 * 8 * 2 <= fast["work_per_round"] <= 8 * 6 + 3 * 8 * 2
+    assert len(dance["work_ratio_per_seed"]) == 1 and len(dance["gains_per_seed"][0]) == 3  # before, after 1, 2
+    assert figures["best_method"] in (None, "flow_grpo_fast_branching")
