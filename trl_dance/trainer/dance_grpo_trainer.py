@@ -2,71 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
 import torch
-from accelerate.utils import gather_object
-from datasets import Dataset
-from diffusers import DiffusionPipeline
-from peft import LoraConfig
-from PIL import Image
-from torch.utils.data import Sampler
-from transformers import TrainerCallback
 
-from ..advantages import PerPromptStatTracker, extremes_per_group, group_advantages, normalized_reward_sum
-from ..data import text_prompts
+from ..advantages import extremes_per_group
 from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
-from ..policies import FlowMatchingPolicy, SamplerSettings, make_policy
-from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
-from ..sampling import (
-    RolloutPlan,
-    SDEWindow,
-    compressed_steps,
-    group_generators,
-    mix_seed,
-    rollout,
-    sample_generators,
-)
+from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..sampling import RolloutPlan, SDEWindow, compressed_steps
 from .dance_grpo_config import DanceGRPOConfig
-from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
-from .media import log_rollout_media
+from .online_trainer import OnlineDiffusionTrainer, sampler_settings
 
 
-def _identity(rows: list[dict]) -> list[dict]:
-    return rows
-
-
-def sampler_settings(args: DanceGRPOConfig) -> SamplerSettings:
-    return SamplerSettings(
-        num_inference_steps=args.num_inference_steps,
-        height=args.height,
-        width=args.width,
-        guidance_scale=args.guidance_scale,
-        noise_level=args.eta,
-        sde_type=args.sde_type,
-        sigma_schedule=args.sigma_schedule,
-        shift=args.shift,
-        max_sequence_length=args.max_sequence_length,
-        log_prob_reduction=args.log_prob_reduction,
-        num_frames=args.num_frames,
-        negative_prompt=args.negative_prompt,
-        guidance_scale_2=args.guidance_scale_2,
-        train_expert=args.train_expert,
-    )
-
-
-def _fingerprint(value: Any) -> Any:
-    """A hashable identity of a conditioning value: the content of a PIL image, else the value itself."""
-    if isinstance(value, Image.Image):
-        return value.mode, value.size, hashlib.sha1(value.tobytes()).hexdigest()
-    return value
-
-
-class DanceGRPOTrainer(DiffusionTrainer):
+class DanceGRPOTrainer(OnlineDiffusionTrainer):
     """GRPO for diffusion models (DanceGRPO, arXiv:2505.07818), with TRL's Trainer machinery.
 
     Each round, every process denoises its share of ``generation_batch_size`` samples with the policy's SDE
@@ -100,34 +46,10 @@ class DanceGRPOTrainer(DiffusionTrainer):
         "  author={Xue, Zeyue and others},\n  journal={arXiv preprint arXiv:2505.07818},\n  year={2025}\n}",
     }
 
-    def __init__(
-        self,
-        model: str | DiffusionPipeline,
-        reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
-        args: DanceGRPOConfig | None = None,
-        train_dataset: Dataset | None = None,
-        peft_config: LoraConfig | None = None,
-        callbacks: list[TrainerCallback] | None = None,
-        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
-    ):
-        args = self._resolve_args(model, args, DanceGRPOConfig, "DanceGRPO")
+    config_class = DanceGRPOConfig
+    sde_window: SDEWindow | None = None
 
-        self.reward_funcs = self._resolve_rewards(reward_funcs, args.reward_kwargs or {})
-        self.reward_names = [reward_name(func) for func in self.reward_funcs]
-        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_funcs)} reward functions")
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        self._check_dataset(train_dataset, args)
-        train_dataset = text_prompts(train_dataset)
-
-        policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
-        if args.offload_frozen_expert and policy.frozen_expert is None:
-            raise ValueError(
-                f"offload_frozen_expert applies to two-expert pipelines (Wan 2.2 A14B); {type(policy.pipeline).__name__} "
-                "has one denoiser"
-            )
-        policy.offload_frozen_expert = args.offload_frozen_expert
+    def _check_policy(self, policy: DiffusionPolicy, args: DanceGRPOConfig) -> None:
         flow_only = {
             "kl_scaling='flow_grpo' scales the KL by the step's Δσ": args.kl_scaling == "flow_grpo",
             "step_reweighting divides by the step's Δσ": args.step_reweighting,
@@ -141,7 +63,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 )
         policy.check_schedule()
         trainable = policy.trainable_steps()
-        self.sde_window = None
         if args.sde_window_size is not None:
             self.sde_window = SDEWindow.within(
                 trainable,
@@ -157,52 +78,31 @@ class DanceGRPOTrainer(DiffusionTrainer):
                 f"{args.num_inference_steps - 1} steps per sample, but the {args.train_expert} expert serves only "
                 f"{len(trainable)} ({trainable}); use timestep_fraction <= {len(trainable) / (args.num_inference_steps - 1):.3f}"
             )
-        missing = [name for name in policy.condition_columns if name not in train_dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
-                f"PIL images for image-to-video); train_dataset has {train_dataset.column_names}"
-            )
-        super().__init__(
-            policy,
-            args,
-            peft_config,
-            need_reference=args.beta > 0,  # full fine-tuning with a KL term needs a frozen copy
-            data_collator=_identity,
-            train_dataset=train_dataset,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self.stat_tracker = None
-        if args.scale_rewards == "per_prompt":
-            self.stat_tracker = PerPromptStatTracker(args.per_prompt_buffer_size, args.per_prompt_min_count)
-        self._step = 0  # micro-steps taken, counts training_step calls as trl.GRPOTrainer does
-        self._generation_round = 0
-        self._rollout: dict[str, Any] | None = None
-        self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Per process: which steps are trained and the micro-batch order. Sampling noise is seeded per sample.
-        self._cpu_generator = torch.Generator().manual_seed(mix_seed(args.seed, self.accelerator.process_index))
-        self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
-        self._next_media_step = 0
 
-    # ----------------------------------------------------------------------------------------------------------
-    # Construction checks
+    def _keep_means(self) -> bool:
+        return self.args.ratio_normalization
 
-    @staticmethod
-    def _resolve_rewards(reward_funcs, reward_kwargs: dict[str, dict[str, Any]]) -> list[RewardFunc]:
-        if reward_funcs is None or (
-            isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
-        ):
-            raise ValueError("at least one reward function is required")
-        if isinstance(reward_funcs, str) or callable(reward_funcs):
-            reward_funcs = [reward_funcs]
-        unused = set(reward_kwargs) - {func for func in reward_funcs if isinstance(func, str)}
-        if unused:
-            raise ValueError(f"reward_kwargs names rewards that are not in reward_funcs: {sorted(unused)}")
-        return [
-            get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
-            for func in reward_funcs
-        ]
+    def _branching(self) -> bool:
+        return self.args.branching
+
+    def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
+        args = self.args
+        self._rollout |= {
+            "latents": rollout["latents"],
+            "log_probs": rollout["log_probs"],
+            "means": rollout.get("means"),
+            "first_step": plan.sde_start,
+        }
+        trained = torch.arange(len(advantages))
+        if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
+            trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
+        candidates = self.policy.trainable_steps() if self.sde_window is None else list(plan.stored_steps)
+        return self._plan_microbatches(trained, torch.tensor(candidates))
+
+    def _log_rollout_metrics(self, all_rewards, total, advantages, plan: RolloutPlan, calls_per_sample: float) -> None:
+        super()._log_rollout_metrics(all_rewards, total, advantages, plan, calls_per_sample)
+        if self.sde_window is not None:
+            self._metrics["sde_window/start"].append(torch.tensor(float(plan.sde_start)))
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         """The noise plan of round ``round_index`` (default: the next round): every step stochastic, or the round's SDE
@@ -218,226 +118,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
             count = compressed_steps(steps - end, args.post_window_step_ratio)
             sigmas = tuple(self.policy.sigma_at(torch.linspace(end, steps, count + 1)).tolist())
         return RolloutPlan(steps, start, end, post_window_sigmas=sigmas, post_window_solver=args.post_window_solver)
-
-    @staticmethod
-    def _check_dataset(dataset: Dataset | None, args: DanceGRPOConfig) -> None:
-        if dataset is None:
-            raise ValueError("DanceGRPOTrainer needs a train_dataset with a 'prompt' column")
-        if not isinstance(dataset, Dataset):
-            raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}")
-        if "prompt" not in dataset.column_names:
-            raise ValueError(f"train_dataset needs a 'prompt' column; it has {dataset.column_names}")
-        prompts_per_round = args.generation_batch_size // args.num_generations
-        if len(dataset) < prompts_per_round:
-            raise ValueError(
-                f"train_dataset has {len(dataset)} prompts but each round uses {prompts_per_round} "
-                f"(generation_batch_size / num_generations)"
-            )
-
-    # ----------------------------------------------------------------------------------------------------------
-    # Data: one generation batch of prompt rows per round, repeated for every micro-step of the round
-
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
-
-    def get_train_dataloader(self):
-        return self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=self.args.per_device_generation_batch_size,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler:
-        # Every process draws the same global order (same seed); accelerate gives process p the p-th slice of each
-        # global generation batch. Groups are contiguous and may span processes: rewards are gathered before the
-        # advantages are computed.
-        return EpochSeededRepeatSampler(
-            data_source=dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=self.args.num_generations,
-            batch_size=self.args.generation_batch_size // self.args.num_generations,
-            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
-            shuffle=True,
-            seed=self.args.seed,
-            epoch=self._resume_epoch,
-        )
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._step += 1
-        return loss
-
-    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
-        if self._step % generate_every == 0 or self._rollout is None:
-            self._generate_and_score(generation_batch)
-        return self._microbatch(self._microbatches[self._step % generate_every])
-
-    # ----------------------------------------------------------------------------------------------------------
-    # Rollout
-
-    def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
-        """Starting latents; with ``share_initial_noise="group"`` drawn once per group (seeded by the group id)."""
-        if self.args.share_initial_noise != "group":
-            return self.policy.initial_noise(generators)
-        seed, size = self.args.seed, self.args.num_generations
-        return self.policy.initial_noise(
-            group_generators(seed, self._generation_round, first_index, len(generators), size)
-        )
-
-    @torch.no_grad()
-    def sample(
-        self,
-        prompts: list[str],
-        generators: list[torch.Generator],
-        model: torch.nn.Module | None = None,
-        cond: dict[str, torch.Tensor] | None = None,
-        initial_noise: torch.Tensor | None = None,
-        columns: dict[str, list] | None = None,
-        plan: RolloutPlan | None = None,
-        groups: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Denoise one batch along a noise plan (:func:`trl_dance.sampling.rollout`).
-
-        Args:
-            prompts: B prompts (ignored when ``cond`` is given).
-            columns: the B values of each of the policy's ``condition_columns`` (image-to-video: ``image``), used
-                with ``prompts`` when ``cond`` is not given.
-            generators: B CPU generators; sample ``b`` draws its initial noise (unless ``initial_noise`` is given) and
-                then the noise of all N steps from ``generators[b]``, so it depends neither on the batch it is in nor
-                on which steps the plan makes stochastic.
-            model: the denoiser to call (default: the Trainer's wrapped model).
-            cond: precomputed conditioning of the B samples.
-            initial_noise: (B, ...) starting latents to use instead of drawing them.
-            plan: the noise plan (default: :meth:`rollout_plan` of the next round).
-            groups: (B,) group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
-
-        Returns:
-            ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
-            ``log_probs`` (B, S); ``means`` (B, S, ...) with ``ratio_normalization``; ``final_latents`` (B, ...);
-            ``images`` (B, 3, H, W) float32 in [0, 1] (videos: (B, F, 3, H, W)) decoded from them;
-            ``denoiser_calls``, the (sample, step) evaluations made.
-        """
-        model = self.model_wrapped if model is None else model
-        plan = self.rollout_plan() if plan is None else plan
-        if cond is None:
-            cond = self.policy.encode_prompts(prompts, **(columns or {}))
-        with self.compute_loss_context_manager(), self.policy.sampling():
-            latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
-            # (N, B, ...): every step's noise of every sample, moved to the device once.
-            noise = torch.stack(
-                [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
-            ).to(latents.device)
-            result = rollout(
-                self.policy, model, latents, cond, noise, plan, groups, keep_means=self.args.ratio_normalization
-            )
-            result["images"] = self.policy.decode(self.policy.final_latents(result["final_latents"], cond))
-        return result
-
-    def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
-        """One image per prompt from the current policy with the training sampler, reproducible for ``seed``;
-        ``columns`` gives one value per prompt of each of the policy's ``condition_columns`` (``image=[...]``).
-
-        Call it on every process (under DeepSpeed ZeRO-3 the forward is collective). Returns (B, 3, H, W) in [0, 1]
-        (videos: (B, F, 3, H, W)).
-        """
-        generators = [torch.Generator().manual_seed(mix_seed(seed, i)) for i in range(len(prompts))]
-        return self.sample(prompts, generators, model=self.model, columns=columns)["images"]
-
-    def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
-        args, device = self.args, self.accelerator.device
-        prompts = [row["prompt"] for row in rows]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        batch = len(prompts)
-
-        # Encode each distinct prompt (with its conditioning image, if any) once, not once per generation.
-        conditions = self.policy.condition_columns
-        keys = [(row["prompt"], *(_fingerprint(row[name]) for name in conditions)) for row in rows]
-        unique = list(dict.fromkeys(keys))
-        prompt_index = torch.tensor([unique.index(key) for key in keys], device=device)
-        firsts = [rows[keys.index(key)] for key in unique]
-        cond_table = self.policy.encode_prompts(
-            [row["prompt"] for row in firsts], **{name: [row[name] for row in firsts] for name in conditions}
-        )
-
-        first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
-        generators = sample_generators(args.seed, self._generation_round, first_index, batch)
-        plan = self.rollout_plan()
-        groups = torch.arange(first_index, first_index + batch) // args.num_generations if args.branching else None
-        chunk = args.rollout_batch_size or batch
-        parts, scores = [], []
-        # One move each way of an offloaded frozen expert per round, not per chunk.
-        with self.policy.sampling():
-            for chunk_start in range(0, batch, chunk):
-                part = slice(chunk_start, chunk_start + chunk)
-                idx = prompt_index[part]
-                parts.append(
-                    self.sample(
-                        prompts[part],
-                        generators[part],
-                        cond={key: value[idx] for key, value in cond_table.items()},
-                        initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
-                        plan=plan,
-                        groups=None if groups is None else groups[part],
-                    )
-                )
-                # Score this chunk (in the worker thread, while the next chunk is denoised).
-                score = functools.partial(
-                    score_images,
-                    self.reward_funcs,
-                    prompts[part],
-                    parts[-1]["images"],
-                    {key: values[part] for key, values in columns.items()},
-                    args.video_reward_frames,
-                )
-                scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
-        calls = sum(part.pop("denoiser_calls") for part in parts)
-        rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
-        all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
-        total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
-        all_advantages = self._advantages(all_rewards, total, prompts)
-        local = slice(first_index, first_index + batch)
-        advantages = all_advantages[local]
-        trained = torch.arange(batch)
-        if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
-            trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
-        self._log_rollout_metrics(all_rewards, total, all_advantages, plan, calls / batch)
-        self._log_rollout_media(rollout["images"], prompts, total[local], total)
-
-        self._rollout = {
-            "latents": rollout["latents"],
-            "log_probs": rollout["log_probs"],
-            "means": rollout.get("means"),
-            "first_step": plan.sde_start,
-            "advantages": advantages,
-            "prompt_index": prompt_index,
-            "cond": cond_table,
-            "prompts": prompts,
-            # Kept for inspection, off the accelerator: a round of 33-frame 480p videos is 1.3 GB in float32.
-            "images": rollout["images"].cpu(),
-            "rewards": total[local],
-        }
-        candidates = self.policy.trainable_steps() if self.sde_window is None else list(plan.stored_steps)
-        self._microbatches = self._plan_microbatches(trained, torch.tensor(candidates))
-        self._generation_round += 1
-
-    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """(num_processes · B,) advantages of the gathered rewards (F columns) and their weighted sum."""
-        args = self.args
-        if args.multi_objective_aggregation == "normalize_then_sum":
-            epsilon = 1e-4 if args.advantage_epsilon is None else args.advantage_epsilon
-            return normalized_reward_sum(
-                all_rewards, self.reward_weights, args.num_generations, args.adv_clip_max, epsilon
-            )
-        if self.stat_tracker is not None:
-            # Every process updates an identical tracker with the same global (prompt, reward) list.
-            return self.stat_tracker(gather_object(prompts), total, clip=args.adv_clip_max)
-        return group_advantages(
-            total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
-        )
 
     def _plan_microbatches(
         self, samples: torch.Tensor, candidates: torch.Tensor
@@ -477,9 +157,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
         if rollout["means"] is not None:
             inputs["old_mean"] = rollout["means"][sample, stored]
         return inputs
-
-    # ----------------------------------------------------------------------------------------------------------
-    # Loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         latents, step_index = inputs["latents"], inputs["step_index"]
@@ -530,45 +207,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
             output, latents, step_index, prev_sample=inputs["next_latents"], compute_log_prob=False
         ).mean
 
-    # ----------------------------------------------------------------------------------------------------------
-    # Metrics
-
-    def _log_rollout_media(self, images, prompts, rewards, all_rewards) -> None:
-        every, step = self.args.log_completions_steps, self.state.global_step
-        if not every or step < self._next_media_step or not self.accelerator.is_main_process:
-            return
-        count = self.args.num_completions_to_log
-        log_rollout_media(
-            self.callback_handler.callbacks, step, images[:count], prompts[:count], rewards[:count], all_rewards
-        )
-        self._next_media_step = step - step % every + every
-
-    def _log_rollout_metrics(
-        self,
-        all_rewards: torch.Tensor,
-        total: torch.Tensor,
-        advantages: torch.Tensor,
-        plan: RolloutPlan,
-        calls_per_sample: float,
-    ) -> None:
-        # Already gathered: every process holds the same global values.
-        for column, name in enumerate(self.reward_names):
-            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean())
-            self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std())
-        self._metrics["reward"].append(total.mean())
-        self._metrics["reward_std"].append(total.std())
-        if self.args.num_generations > 1:
-            group_std = total.view(-1, self.args.num_generations).std(dim=1)
-            self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean())
-        self._metrics["advantages/abs_mean"].append(advantages.abs().mean())
-        if self.sde_window is not None:
-            self._metrics["sde_window/start"].append(torch.tensor(float(plan.sde_start)))
-        # Denoiser evaluations (sample × step, CFG branches counted once) per sample of this process's rollout.
-        self._metrics["rollout/denoiser_calls_per_sample"].append(torch.tensor(calls_per_sample))
-
-    # ----------------------------------------------------------------------------------------------------------
-    # Checkpoints: the per-prompt statistics travel with them
-
     def _model_card_details(self) -> dict[str, str]:
         args = self.args
         weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
@@ -588,23 +226,6 @@ class DanceGRPOTrainer(DiffusionTrainer):
         if args.post_window_step_ratio < 1 or args.post_window_solver != "ode":
             text += f"; after it {args.post_window_solver} on {args.post_window_step_ratio:.0%} of the steps"
         return text + (", branched from a shared prefix" if args.branching else "")
-
-    def _resume_state(self) -> dict[str, Any]:
-        # The round counter (it seeds the sampling noise), the micro-step counter, the generator of timestep choice and
-        # shuffling, and DDPO's per-prompt statistics. At a round boundary, resuming reproduces the uninterrupted run
-        # exactly; a checkpoint inside a round regenerates that round's rollout.
-        state = {"generation_round": self._generation_round, "step": self._step}
-        state["cpu_generator"] = self._cpu_generator.get_state()
-        if self.stat_tracker is not None:
-            state["stat_tracker"] = self.stat_tracker.state_dict()
-        return state
-
-    def _restore_resume_state(self, state: dict[str, Any]) -> None:
-        self._generation_round, self._step = state["generation_round"], state["step"]
-        self._cpu_generator.set_state(state["cpu_generator"])
-        if self.stat_tracker is not None:
-            self.stat_tracker.load_state_dict(state["stat_tracker"])
-        self._rollout = None
 
 
 __all__ = ["DanceGRPOTrainer", "sampler_settings"]
