@@ -20,6 +20,8 @@ _LAZY = {
     "DanceGRPOTrainer": "trl_dance.trainer.dance_grpo_trainer",
     "DiffusionDPOConfig": "trl_dance.trainer.diffusion_dpo_config",
     "DiffusionDPOTrainer": "trl_dance.trainer.diffusion_dpo_trainer",
+    "DiffusionNFTConfig": "trl_dance.trainer.diffusion_nft_config",
+    "DiffusionNFTTrainer": "trl_dance.trainer.diffusion_nft_trainer",
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -33,6 +35,8 @@ __all__ = [
     "DanceGRPOTrainer",
     "DiffusionDPOConfig",
     "DiffusionDPOTrainer",
+    "DiffusionNFTConfig",
+    "DiffusionNFTTrainer",
     "SDEStepOutput",
     "dance_sigmas",
     "ddim_sde_step",
@@ -49,6 +53,8 @@ if TYPE_CHECKING:
     from .trainer.dance_grpo_trainer import DanceGRPOTrainer
     from .trainer.diffusion_dpo_config import DiffusionDPOConfig
     from .trainer.diffusion_dpo_trainer import DiffusionDPOTrainer
+    from .trainer.diffusion_nft_config import DiffusionNFTConfig
+    from .trainer.diffusion_nft_trainer import DiffusionNFTTrainer
 
 
 def __getattr__(name: str):

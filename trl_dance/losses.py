@@ -47,4 +47,52 @@ def normalized_log_ratio(
     return std * (log_prob - old_log_prob + log_prob_of_mean - log_prob_of_old_mean)
 
 
-__all__ = ["clipped_fraction", "clipped_surrogate", "normalized_log_ratio"]
+def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
+    """DiffusionNFT's r = clip(½ + A/(2·A_max), 0, 1): the probability that a sample is "positive"."""
+    return (0.5 + advantages / (2 * advantage_max)).clamp(0, 1)
+
+
+def nft_loss(
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    noisy: torch.Tensor,
+    x0: torch.Tensor,
+    sigma: torch.Tensor,
+    r: torch.Tensor,
+    beta: float,
+    scale: float,
+    floor: float = 1e-5,
+) -> torch.Tensor:
+    """DiffusionNFT's negative-aware loss per sample, (B,).
+
+    With the implicit policies v⁺ = β·v + (1 − β)·sg(v_old) and v⁻ = (1 + β)·sg(v_old) − β·v, their clean-sample
+    predictions x̂0± = x_σ − σ·v± are pulled toward x0 with weight r (positive) and 1 − r (negative), each squared error
+    divided by its own stop-gradient mean absolute error (floored): ``scale/β · [r·mean((x̂0⁺ − x0)²)/w⁺ +
+    (1 − r)·mean((x̂0⁻ − x0)²)/w⁻]`` (the paper's scale is the advantage clip, 5).
+
+    At v = v_old both predictions are x̂0 = x_σ − σ·v_old and the gradient is scale·(2r − 1)·(−2σ)·(x̂0 − x0)/(w·D)
+    times ∂v/∂θ: zero when every advantage is 0 (r = ½), advantage-weighted flow matching to first order.
+
+    Args:
+        velocity: (B, ...) v_θ at ``noisy`` (with gradient).
+        old_velocity: (B, ...) v_old at ``noisy`` (no gradient needed; detached here).
+        noisy: (B, ...) x_σ = (1 − σ)·x0 + σ·ε.
+        x0: (B, ...) the rollout's clean sample.
+        sigma: (B,) noise levels in (0, 1].
+        r: (B,) optimality probabilities in [0, 1].
+        beta: NFT's β > 0 (how far the implicit policies sit from the old one).
+        scale: the loss scale (the paper: the advantage clip).
+    """
+    shape = (-1,) + (1,) * (x0.ndim - 1)
+    s, old = sigma.view(shape).float(), old_velocity.detach().float()
+    velocity, noisy, x0 = velocity.float(), noisy.float(), x0.float()
+    dims = tuple(range(1, x0.ndim))
+    terms = []
+    for implicit in (beta * velocity + (1 - beta) * old, (1 + beta) * old - beta * velocity):
+        error = noisy - s * implicit - x0
+        weight = error.detach().abs().mean(dim=dims, keepdim=True).clamp_min(floor)
+        terms.append((error**2 / weight).mean(dim=dims))
+    return scale / beta * (r * terms[0] + (1 - r) * terms[1])
+
+
+__all__ = ["clipped_fraction", "clipped_surrogate", "nft_loss", "normalized_log_ratio", "optimality_probability"]

@@ -224,10 +224,14 @@ class DiffusionPolicy(ABC):
     def use_cfg(self) -> bool:
         return self.supports_cfg and self.settings.guidance_scale > 1.0
 
+    def trained_denoiser_steps(self) -> list[int]:
+        """Indices of the steps the trained denoiser serves: all N, or the trained expert's (two-expert Wan 2.2)."""
+        return list(range(self.num_steps))
+
     def trainable_steps(self) -> list[int]:
         """Indices of the steps whose transition depends on the trained denoiser and has a log-probability: the
         first N − 1 (the last step's Gaussian is too sharp to train), or the trained expert's among them."""
-        return list(range(self.num_steps - 1))
+        return [i for i in self.trained_denoiser_steps() if i < self.num_steps - 1]
 
     def predict(
         self, model: torch.nn.Module, latents: torch.Tensor, step_index: torch.Tensor, cond: Conditioning

@@ -88,8 +88,8 @@ class WanPolicy(FlowMatchingPolicy):
         # diffusers saves and loads both experts' LoRAs under "transformer" (load_into_transformer_2 picks the second).
         return "transformer"
 
-    def trainable_steps(self) -> list[int]:
-        return [i for i in range(self.num_steps - 1) if self._trained_steps[i]]
+    def trained_denoiser_steps(self) -> list[int]:
+        return [i for i in range(self.num_steps) if self._trained_steps[i]]
 
     @property
     def guidance_scale(self) -> float:

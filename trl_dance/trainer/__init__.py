@@ -2,5 +2,14 @@ from .dance_grpo_config import DanceGRPOConfig
 from .dance_grpo_trainer import DanceGRPOTrainer
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_dpo_trainer import DiffusionDPOTrainer
+from .diffusion_nft_config import DiffusionNFTConfig
+from .diffusion_nft_trainer import DiffusionNFTTrainer
 
-__all__ = ["DanceGRPOConfig", "DanceGRPOTrainer", "DiffusionDPOConfig", "DiffusionDPOTrainer"]
+__all__ = [
+    "DanceGRPOConfig",
+    "DanceGRPOTrainer",
+    "DiffusionDPOConfig",
+    "DiffusionDPOTrainer",
+    "DiffusionNFTConfig",
+    "DiffusionNFTTrainer",
+]

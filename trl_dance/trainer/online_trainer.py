@@ -148,6 +148,10 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         """The noise plan of round ``round_index`` (default: the next round)."""
         raise NotImplementedError
 
+    def _rollout_model(self) -> torch.nn.Module:
+        """The denoiser the rounds' rollouts call (the trained one, wrapped)."""
+        return self.model_wrapped
+
     def _keep_means(self) -> bool:
         """Whether rollouts store each stochastic step's mean."""
         return False
@@ -339,6 +343,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
                     self.sample(
                         prompts[part],
                         generators[part],
+                        model=self._rollout_model(),
                         cond={key: value[idx] for key, value in cond_table.items()},
                         initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
                         plan=plan,

@@ -1,0 +1,104 @@
+"""Configuration of :class:`~trl_dance.DiffusionNFTTrainer`."""
+
+import math
+from dataclasses import dataclass, field
+
+from .online_config import OnlineDiffusionConfig, _choice
+
+LOSS_TYPES = ("nft",)
+DECAYS = ("linear", "delayed", "none")
+
+
+@dataclass
+class DiffusionNFTConfig(OnlineDiffusionConfig):
+    r"""
+    Configuration for [`DiffusionNFTTrainer`]: reinforcement learning on the forward (noising) process.
+
+    Defaults follow DiffusionNFT's SD3.5-Medium recipe (10 deterministic steps without CFG, 24 generations per prompt,
+    NFT β 1, KL β 1e-4, 9 of the 10 noise levels per sample, lr 3e-4 for LoRA, the linear old-policy decay).
+    Generation, reward, advantage and model fields: [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`].
+
+    Units. Rollouts store one clean latent per sample. Each sample gives ``K = max(1, ⌊N · timestep_fraction⌋)``
+    *training items*: the sample re-noised, with fresh noise, to K distinct noise levels of the rollout's grid.
+    ``per_device_train_batch_size`` counts items; a round has ``samples per process · K / per_device_train_batch_size``
+    micro-batches.
+
+    Parameters:
+        > Rollouts
+
+        share_initial_noise (`str`, defaults to `"none"`): Every sample starts from its own noise: the rollouts are
+            deterministic, so a shared start would make a group's samples identical.
+
+        rollout_solver (`str`, defaults to `"ode"`): The deterministic sampler of the rollouts: `"ode"`, the policy's
+            own deterministic step (Euler for flow models); `"dpm_solver++"`, DPM-Solver++(2M) on the same grid (the
+            paper's default second-order solver).
+
+        > Loss
+
+        loss_type (`str`, defaults to `"nft"`): `"nft"`: DiffusionNFT's negative-aware loss.
+        nft_beta (`float`, defaults to `1.0`): NFT's β: the implicit policies are v± = v_old ± β·(v_θ − v_old)
+            (0.1 for OCR and multi-reward runs in the paper).
+        timestep_fraction (`float`, defaults to `0.99`): Noise levels trained per sample, as a fraction of the N of the
+            rollout grid (the paper: ⌊10 · 0.99⌋ = 9), drawn without repetition per sample.
+        old_policy_decay (`str`, defaults to `"linear"`): λ of the old policy's update old ← λ·old + (1 − λ)·θ after
+            each round, from the optimizer step: `"linear"` min(0.001·step, 0.5); `"delayed"` 0 for 75 steps, then
+            min(0.0075·(step − 75), 0.999) (the paper's OCR setting); `"none"` 0 (the old policy is the current one).
+        beta (`float`, defaults to `1e-4`): KL coefficient: β·mean((v_θ − v_ref)²) with v_ref the LoRA-disabled base
+            (a frozen copy for full fine-tuning).
+    """
+
+    # Overridden defaults (DiffusionNFT's SD3.5-M recipe).
+    learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (DiffusionNFT LoRA: 3e-4)."})
+    per_device_train_batch_size: int = field(
+        default=9, metadata={"help": "Training items (re-noised samples) per micro-batch per process."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=24, metadata={"help": "Micro-batches per optimizer update (default: 1 update per 24 samples × 9)."}
+    )
+    num_generations: int = field(default=24, metadata={"help": "Samples per prompt (group size G)."})
+    num_inference_steps: int = field(default=10, metadata={"help": "Denoising steps N of the rollouts."})
+    height: int = field(default=512, metadata={"help": "Image height in pixels."})
+    width: int = field(default=512, metadata={"help": "Image width in pixels."})
+    guidance_scale: float = field(default=1.0, metadata={"help": "CFG scale (1: none, the method's default)."})
+    beta: float = field(default=1e-4, metadata={"help": "KL coefficient to the reference model (0: no KL)."})
+    share_initial_noise: str = field(
+        default="none",
+        metadata={"help": "none: every sample its own initial noise (deterministic rollouts).", "choices": ["none"]},
+    )
+
+    rollout_solver: str = field(
+        default="ode", metadata={"help": "ode | dpm_solver++ rollouts.", "choices": ["ode", "dpm_solver++"]}
+    )
+    loss_type: str = field(default="nft", metadata={"help": "nft.", "choices": list(LOSS_TYPES)})
+    nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
+    timestep_fraction: float = field(
+        default=0.99, metadata={"help": "Fraction of the rollout's N noise levels trained per sample."}
+    )
+    old_policy_decay: str = field(
+        default="linear", metadata={"help": "linear | delayed | none.", "choices": list(DECAYS)}
+    )
+
+    def _check_method(self) -> None:
+        _choice("rollout_solver", self.rollout_solver, ("ode", "dpm_solver++"))
+        _choice("loss_type", self.loss_type, LOSS_TYPES)
+        _choice("old_policy_decay", self.old_policy_decay, DECAYS)
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.share_initial_noise != "none":
+            raise ValueError(
+                f"share_initial_noise={self.share_initial_noise!r}: deterministic rollouts from a shared initial noise "
+                "make a group's samples identical (zero advantages); DiffusionNFT needs share_initial_noise='none'"
+            )
+        if not self.nft_beta > 0 or not math.isfinite(self.nft_beta):
+            raise ValueError(f"nft_beta must be > 0, got {self.nft_beta}")
+        if not self.adv_clip_max > 0:
+            raise ValueError(f"adv_clip_max must be > 0: it maps advantages to probabilities, got {self.adv_clip_max}")
+
+    def _round_items(self) -> tuple[int, str]:
+        samples, k = self.per_device_generation_batch_size, self.timesteps_per_sample
+        return samples * k, f"{samples} samples × {k} noise levels = {samples * k} items"
+
+    @property
+    def timesteps_per_sample(self) -> int:
+        """K: noise levels trained per sample."""
+        return max(1, math.floor(self.num_inference_steps * self.timestep_fraction + 1e-9))

@@ -1,0 +1,171 @@
+"""DiffusionNFT: online RL on the forward process, from deterministic rollouts and their clean samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..losses import nft_loss, optimality_probability
+from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..sampling import RolloutPlan
+from .diffusion_nft_config import DiffusionNFTConfig
+from .old_policy import OldPolicy, nft_decay
+from .online_trainer import OnlineDiffusionTrainer
+
+
+class DiffusionNFTTrainer(OnlineDiffusionTrainer):
+    """DiffusionNFT (Zheng et al., arXiv:2509.16117) with TRL's Trainer machinery.
+
+    Each round, the *old* policy (a soft-updated copy of the trained parameters, see
+    :class:`~trl_dance.trainer.old_policy.OldPolicy`) samples ``generation_batch_size`` images with a deterministic
+    solver (no SDE, no log-probabilities; no CFG by default) and only each sample's final latent x0 is kept. Rewards
+    become group advantages as in GRPO and then optimality probabilities r = clip(½ + A/(2·adv_clip_max), 0, 1). Each
+    sample is re-noised with fresh noise to K noise levels of the rollout grid, x_σ = (1 − σ)·x0 + σ·ε, and the loss
+    (:func:`~trl_dance.losses.nft_loss`) moves the implicit positive policy toward x0 in proportion to r and the
+    implicit negative one in proportion to 1 − r. After the round's updates the old policy moves toward the trained
+    one (``old_policy_decay``).
+
+    Flow-matching pipelines (FLUX, SD3, Wan text-to-video and Wan 2.1 image-to-video). The arguments are those of
+    :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
+    """
+
+    _tag_names = ["trl", "trl-dance", "diffusion-nft", "diffusers"]
+    _name = "DiffusionNFT"
+    _paper = {
+        "title": "DiffusionNFT: Online Diffusion Reinforcement with Forward Process",
+        "id": "2509.16117",
+        "citation": "@article{zheng2025diffusionnft,\n  title={DiffusionNFT: Online Diffusion Reinforcement with Forward "
+        "Process},\n  author={Zheng, Kaiwen and others},\n  journal={arXiv preprint arXiv:2509.16117},\n  year={2025}\n}",
+    }
+    config_class = DiffusionNFTConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.old_policy = OldPolicy(self.policy.denoiser)
+
+    def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
+        name = type(policy.pipeline).__name__
+        if not isinstance(policy, FlowMatchingPolicy):
+            raise ValueError(
+                f"DiffusionNFT trains velocity predictions of flow-matching models; {name} predicts "
+                f"{getattr(policy, 'prediction_type', 'noise')} (SD1.x/SDXL): use DanceGRPOTrainer or DiffusionDPOTrainer"
+            )
+        if getattr(policy, "_first_frame_given", False):
+            raise ValueError(
+                f"{name} gives the first latent frame (Wan 2.2 TI2V image-to-video); the forward-process loss would "
+                "train it: not supported yet"
+            )
+        levels = self._levels(policy)
+        if args.timesteps_per_sample > len(levels):
+            raise ValueError(
+                f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} noise levels per "
+                f"sample, but the trained denoiser serves {len(levels)} of the {policy.num_steps} ({levels})"
+            )
+
+    @staticmethod
+    def _levels(policy: DiffusionPolicy) -> list[int]:
+        """The grid indices whose σ the items are noised to: those the trained denoiser serves."""
+        return policy.trained_denoiser_steps()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rounds
+
+    def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
+        steps = self.policy.num_steps
+        if self.args.rollout_solver == "ode":
+            return RolloutPlan.deterministic(steps)
+        sigmas = tuple(self.policy.sigmas.tolist())
+        return RolloutPlan.deterministic(steps, post_window_sigmas=sigmas, post_window_solver="dpm_solver++")
+
+    def _rollout_model(self) -> torch.nn.Module:
+        return self.old_policy.model
+
+    def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
+        if self._generation_round > 0:  # after the previous round's updates
+            decay = nft_decay(self.state.global_step, self.args.old_policy_decay)
+            self.old_policy.update(decay)
+            self._metrics["old_policy/decay"].append(torch.tensor(decay))
+        super()._generate_and_score(rows)
+
+    def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
+        """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration."""
+        args = self.args
+        self._rollout["x0"] = rollout["final_latents"]
+        levels = torch.tensor(self._levels(self.policy))
+        batch, k = len(advantages), args.timesteps_per_sample
+        samples = torch.arange(batch).repeat_interleave(k)
+        items = []
+        for _ in range(args.num_iterations):
+            draws = torch.rand(batch, len(levels), generator=self._cpu_generator).argsort(dim=1)[:, :k]
+            seeds = torch.randint(2**62, (batch * k,), generator=self._cpu_generator)
+            order = torch.randperm(batch * k, generator=self._cpu_generator)
+            chosen = levels[draws.flatten()]
+            items.extend((samples[c], chosen[c], seeds[c]) for c in order.split(args.per_device_train_batch_size))
+        return items
+
+    def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+        rollout, device = self._rollout, self.accelerator.device
+        samples, levels, seeds = item
+        x0 = rollout["x0"][samples.to(device)]
+        noise = torch.stack(
+            [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
+        ).to(device)
+        sigma = self.policy.sigmas[levels].to(device)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        cond_rows = rollout["prompt_index"][samples.to(device)]
+        return {
+            "noisy": (1 - sigma.view(shape)) * x0 + sigma.view(shape) * noise,
+            "x0": x0,
+            "sigma": sigma,
+            "advantages": rollout["advantages"][samples.to(device)],
+            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+        }
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args, policy = self.args, self.policy
+        noisy, sigma, cond = inputs["noisy"], inputs["sigma"], inputs["cond"]
+        timestep = policy.timestep_from_sigma(sigma)
+        velocity = policy.predict_at(model, noisy, timestep, cond)
+        with torch.no_grad():
+            old_velocity = policy.predict_at(self.old_policy.model, noisy, timestep, cond)
+        r = optimality_probability(inputs["advantages"], args.adv_clip_max)
+        per_item = nft_loss(velocity, old_velocity, noisy, inputs["x0"], sigma, r, args.nft_beta, args.adv_clip_max)
+        dims = tuple(range(1, velocity.ndim))
+        if args.beta > 0:
+            reference = self.reference_prediction(model, noisy, timestep, cond)
+            kl = ((velocity - reference) ** 2).mean(dim=dims)
+            per_item = per_item + args.beta * kl
+            self._record("kl", kl)
+        with torch.no_grad():
+            self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
+            self._record("optimality_probability/mean", r)
+        loss = per_item.mean()
+        return (loss, velocity) if return_outputs else loss
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Model card and checkpoints: the old policy travels with them
+
+    def _model_card_details(self) -> dict[str, str]:
+        args = self.args
+        weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
+        return {
+            "rewards": weights,
+            "sampling": f"{args.num_inference_steps} deterministic steps ({args.rollout_solver}), guidance "
+            f"{args.guidance_scale}, {args.height}×{args.width}",
+            "DiffusionNFT": f"{args.num_generations} generations per prompt, β {args.nft_beta}, KL β {args.beta}, "
+            f"{args.timesteps_per_sample} noise levels per sample, old-policy decay {args.old_policy_decay}",
+        }
+
+    def _resume_state(self) -> dict[str, Any]:
+        return super()._resume_state() | {"old_policy": self.old_policy.state_dict()}
+
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
+        super()._restore_resume_state(state)
+        self.old_policy.load_state_dict(state["old_policy"])
+
+
+__all__ = ["DiffusionNFTTrainer"]
