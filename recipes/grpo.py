@@ -2,6 +2,8 @@
 
     accelerate launch recipes/grpo.py --config recipes/configs/grpo_flux.yaml
 
+The online trainers share this script: recipes/nft.py runs it with DiffusionNFTConfig / DiffusionNFTTrainer.
+
 Any field of DanceGRPOConfig, trl.ModelConfig (model_name_or_path, use_peft, lora_*) or ScriptArguments below can
 be given in the YAML file or on the command line. Writes to output_dir: the LoRA (pytorch_lora_weights.safetensors,
 for Pipeline.load_lora_weights) or the full denoiser, reward_curve.png, and samples.png (top row: before training,
@@ -19,6 +21,8 @@ from trl import ModelConfig, get_peft_config
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.data import load_prompt_dataset
 from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args
+from trl_dance.trainer.online_config import OnlineDiffusionConfig
+from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
@@ -38,7 +42,12 @@ class ScriptArguments:
     num_sample_images: int = field(default=4, metadata={"help": "Prompts in the before/after sample grid (0: none)."})
 
 
-def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_args: ModelConfig) -> DanceGRPOTrainer:
+def main(
+    script_args: ScriptArguments,
+    training_args: OnlineDiffusionConfig,
+    model_args: ModelConfig,
+    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
+) -> OnlineDiffusionTrainer:
     dataset = load_prompt_dataset(
         script_args.prompts_file,
         script_args.dataset_name,
@@ -47,7 +56,7 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
         script_args.prompt_column,
     )
     model_init_kwargs(training_args, model_args)
-    trainer = DanceGRPOTrainer(
+    trainer = trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=script_args.reward_funcs,
         args=training_args,
@@ -86,9 +95,12 @@ def main(script_args: ScriptArguments, training_args: DanceGRPOConfig, model_arg
     return trainer
 
 
-def cli() -> DanceGRPOTrainer:
-    """Parse the command line (and --config YAML) and run :func:`main`."""
-    return main(*parse_recipe_args((ScriptArguments, DanceGRPOConfig, ModelConfig)))
+def cli(
+    config_class: type[OnlineDiffusionConfig] = DanceGRPOConfig,
+    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
+) -> OnlineDiffusionTrainer:
+    """Parse the command line (and --config YAML) into ``config_class`` and run :func:`main` with ``trainer_class``."""
+    return main(*parse_recipe_args((ScriptArguments, config_class, ModelConfig)), trainer_class=trainer_class)
 
 
 if __name__ == "__main__":

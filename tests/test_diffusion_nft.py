@@ -1,0 +1,195 @@
+"""DiffusionNFT: the loss's closed forms, zero gradient at zero advantage, the old policy, resume, bad input, learning."""
+
+import pytest
+import torch
+from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, family_overrides
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_dance import DanceGRPOTrainer, DiffusionNFTConfig, DiffusionNFTTrainer
+from trl_dance.losses import nft_loss, optimality_probability
+from trl_dance.trainer.old_policy import OldPolicy, nft_decay
+
+ROWS = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
+
+
+def nft_config(output_dir, **overrides) -> DiffusionNFTConfig:
+    values = {
+        "output_dir": str(output_dir),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "num_generations": 4,
+        "generation_batch_size": 8,
+        "num_inference_steps": 6,
+        "timestep_fraction": 0.5,  # 3 of the 6 noise levels
+        "height": 32,
+        "width": 32,
+        "max_sequence_length": 16,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 3,  # the 3 micro-batches of a round (8 samples × 3 levels / 8)
+        "learning_rate": 3e-2,
+        "max_steps": 2,
+    }
+    return DiffusionNFTConfig(**(values | overrides))
+
+
+def _trainer(tiny_model_dir, tmp_path, kind="flux", lora=True, **overrides):
+    peft = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian") if lora else None
+    return DiffusionNFTTrainer(
+        tiny_model_dir(kind),
+        "brightness",
+        args=nft_config(tmp_path, **(family_overrides(kind) | overrides)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+        peft_config=peft,
+    )
+
+
+def test_nft_gradient_closed_form():
+    """One sample with r = 1 at v = v_old: ∂L/∂v = −2·scale·σ·(x̂0 − x0)/(w·D), w = mean|x̂0 − x0| (first order:
+    flow matching toward x0); with r = ½ (advantage 0) the two terms cancel exactly."""
+    g = torch.Generator().manual_seed(0)
+    x0, noise, v_old = (torch.randn(1, 4, 6, generator=g) for _ in range(3))
+    sigma = torch.tensor([0.7])
+    noisy = (1 - sigma) * x0 + sigma * noise
+    for beta in (1.0, 0.1):
+        velocity = v_old.clone().requires_grad_(True)
+        nft_loss(velocity, v_old, noisy, x0, sigma, torch.ones(1), beta, scale=5.0).sum().backward()
+        error = noisy - sigma * v_old - x0
+        expected = -2 * 5.0 * sigma * error / (error.abs().mean() * error.numel())
+        torch.testing.assert_close(velocity.grad, expected, rtol=1e-5, atol=1e-7)
+        velocity.grad = None
+        nft_loss(velocity, v_old, noisy, x0, sigma, torch.full((1,), 0.5), beta, scale=5.0).sum().backward()
+        assert velocity.grad.abs().max() < 1e-7
+    assert optimality_probability(torch.tensor([-9.0, -5.0, 0.0, 2.5, 7.0]), 5.0).tolist() == [0, 0, 0.5, 0.75, 1]
+
+
+def test_zero_advantages_give_zero_gradient(tiny_model_dir, tmp_path):
+    """At θ = θ_old (the first round) a batch whose advantages are all 0 moves nothing: every LoRA gradient is 0."""
+    trainer = _trainer(tiny_model_dir, tmp_path, beta=0.0)
+    trainer._generate_and_score(ROWS)
+    trainer._rollout["advantages"] = torch.zeros_like(trainer._rollout["advantages"])
+    for item in trainer._microbatches:
+        trainer.compute_loss(trainer.model, trainer._microbatch(item)).backward()
+    grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.abs().max() < 1e-9 for g in grads)
+    # With the rollout's advantages the same batch has a gradient.
+    trainer.model.zero_grad()
+    trainer._generate_and_score(ROWS)
+    trainer.compute_loss(trainer.model, trainer._microbatch(trainer._microbatches[0])).backward()
+    assert sum(p.grad.abs().sum() for p in trainer.model.parameters() if p.requires_grad) > 0
+
+
+def test_old_policy_is_a_soft_updated_copy():
+    module = torch.nn.Linear(3, 2)
+    old = OldPolicy(module)
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    x = torch.randn(4, 3)
+    before = old.model(x)
+    torch.testing.assert_close(before, torch.nn.functional.linear(x, module.weight - 1.0, module.bias))
+    old.update(0.25)  # old ← 0.25·old + 0.75·θ
+    torch.testing.assert_close(old.params["weight"], module.weight.detach() - 0.25)
+    assert not old.model(x).requires_grad
+    assert [nft_decay(s, "linear") for s in (0, 100, 900)] == [0.0, 0.1, 0.5]
+    assert [nft_decay(s, "delayed") for s in (74, 75, 175, 500)] == [0.0, 0.0, 0.75, 0.999]
+
+
+def test_rollouts_are_deterministic_and_store_clean_latents(tiny_model_dir, tmp_path):
+    """The old policy samples with the ODE (or DPM-Solver++) and a round keeps one latent per sample."""
+    for solver, calls in (("ode", 6), ("dpm_solver++", 6)):
+        trainer = _trainer(tiny_model_dir, tmp_path, rollout_solver=solver)
+        plan = trainer.rollout_plan()
+        assert plan.sde_start == plan.sde_end == 0
+        trainer._generate_and_score(ROWS)
+        assert trainer._rollout["x0"].shape == (8, *trainer.policy.initial_noise([torch.Generator()]).shape[1:])
+        assert "latents" not in trainer._rollout
+        history = trainer._metrics["rollout/denoiser_calls_per_sample"]
+        assert float(history[-1]) == calls
+        levels = torch.cat([item[1] for item in trainer._microbatches])
+        assert len(levels) == 8 * 3 and set(levels.tolist()) <= set(range(6))
+
+
+def test_memory_of_a_round_against_grpo(tiny_model_dir, tmp_path):
+    """Per sample, GRPO keeps the N states around its N − 1 stored transitions, NFT one clean latent: N times less
+    (for Wan 2.1 14B at 480×832×81 and 20 steps: 8.0 MiB against 160 MiB per video, see the README)."""
+    nft = _trainer(tiny_model_dir, tmp_path, "wan")
+    nft._generate_and_score(ROWS)
+    grpo_args = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", "num_generations": 4}
+    grpo_args |= {"generation_batch_size": 8, "num_inference_steps": 6, "height": 32, "width": 32, "num_frames": 5}
+    grpo_args |= {"max_sequence_length": 16, "timestep_fraction": 1.0, "per_device_train_batch_size": 8}
+    from trl_dance import DanceGRPOConfig
+
+    grpo = DanceGRPOTrainer(
+        tiny_model_dir("wan"),
+        "brightness",
+        args=DanceGRPOConfig(**grpo_args, gradient_accumulation_steps=5),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+    )
+    grpo._generate_and_score(ROWS)
+    per_sample_nft = nft._rollout["x0"].nbytes // 8
+    per_sample_grpo = (grpo._rollout["latents"].nbytes + grpo._rollout["log_probs"].nbytes) // 8
+    print(f"stored per video: GRPO {per_sample_grpo} B, NFT {per_sample_nft} B")
+    assert per_sample_grpo == 6 * per_sample_nft + 5 * 4  # 6 states and 5 float32 log-probs
+
+
+def test_resume_restores_the_old_policy_exactly(tiny_model_dir, tmp_path):
+    overrides = {"max_steps": 3, "save_strategy": "steps", "save_steps": 1, "learning_rate": 1e-3}
+    overrides["old_policy_decay"] = "delayed"  # with "linear" the first decays are 0.001, 0.002: barely visible
+    full = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
+    full.train()
+    resumed = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(value, other), name
+    for name, value in full.old_policy.params.items():
+        assert torch.equal(value, resumed.old_policy.params[name]), name
+
+
+def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="flow-matching models"):
+        _trainer(tiny_model_dir, tmp_path, "sd")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        nft_config(tmp_path, loss_type="ppo")
+    with pytest.raises(ValueError, match="share_initial_noise='none'"):
+        nft_config(tmp_path, share_initial_noise="group")
+    with pytest.raises(ValueError, match="per_device_train_batch_size"):
+        nft_config(tmp_path, per_device_train_batch_size=5)
+    with pytest.raises(ValueError, match="nft_beta must be > 0"):
+        nft_config(tmp_path, nft_beta=0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "reward", "margin"),
+    [("flux", "brightness", 0.02), ("sd3", "brightness", 0.02), ("wan", "jpeg_compressibility", 0.05)],
+)
+def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kind, reward, margin):
+    """Learning: DiffusionNFT on deterministic rollouts without CFG raises the reward beyond its sample std (the
+    random Wan VAE barely lets latents move the brightness; the frames' JPEG compressibility it does)."""
+    args = nft_config(
+        tmp_path,
+        **family_overrides(kind),
+        generation_batch_size=32,
+        per_device_train_batch_size=16,
+        timestep_fraction=1.0,
+        gradient_accumulation_steps=12,  # 32 samples × 6 levels / 16: one update per round
+        max_steps=30,
+        guidance_scale=3.5 if kind == "flux" else 1.0,
+        seed=LEARNING_SEED,
+    )
+    trainer = DiffusionNFTTrainer(
+        tiny_model_dir(kind),
+        reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+        peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
+    )
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print(f"{kind}: per round {rewards}")
+    noise = trainer.state.log_history[0]["reward_std"]
+    assert_learned(reward, sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3, noise, margin)
