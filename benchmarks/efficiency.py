@@ -1,11 +1,11 @@
-"""Denoiser work and wall time each GRPO variant needs for the same reward gain, against DanceGRPO, in one run.
+"""Denoiser work and wall time each online RL method needs for the same reward gain, against DanceGRPO, in one run.
 
     python benchmarks/efficiency.py                          # tiny FLUX, brightness, 3 seeds, CPU: about 5 minutes
     python benchmarks/efficiency.py --seeds 0 --methods flow_grpo_fast   # one seed, one method (and DanceGRPO)
     python benchmarks/efficiency.py --model flux-dev --bf16 --resolution 256    # a GPU, random weights
 
 Every method starts from the same weights, LoRA initialisation, prompts and seeds, and differs only in its
-``DanceGRPOConfig`` settings (``METHODS``, each the published recipe mapped to this task's N steps). After every
+trainer and config settings (``methods``, each the published recipe mapped to this task's N steps). After every
 ``--eval-every`` rounds, the policy is scored on fixed prompts and noises with the deterministic sampler (Euler ODE over
 the full N-step grid), the same for all methods, so the gains compare policies, not samplers; evaluation is neither
 counted as work nor timed.
@@ -39,23 +39,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, num_frames, resolution  # noqa: E402
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
+from trl_dance import DanceGRPOTrainer, DiffusionNFTTrainer  # noqa: E402
 from trl_dance.sampling import RolloutPlan  # noqa: E402
+from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer  # noqa: E402
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
 
-def methods(steps: int, rounds: int) -> dict[str, dict]:
-    """Each method's settings for an N-step schedule. Windows keep their published sizes; ranges scale with N (Flow-GRPO-
-    Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the paper: 1 step
-    every 25 of 300 iterations)."""
+def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrainer], dict]]:
+    """Each method's trainer and settings for an N-step schedule. Windows keep their published sizes; ranges scale with N
+    (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
+    paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (ODE rollouts, ⌊0.99·N⌋ noise
+    levels per sample, KL β 1e-4, the linear old-policy decay)."""
     half = max(3, (steps - 1) // 2)
     fast = {"sde_type": "cps", "eta": 0.8, "sde_window_size": 2, "sde_window_range": [0, half]}
     fast |= {"timestep_fraction": 1.0}
     positions = steps - 1 - 4 + 1
     mix = {"sde_type": "flow_grpo", "eta": 0.7, "sde_window_size": 4, "timestep_fraction": 1.0}
     mix |= {"sde_window_schedule": "progressive", "sde_window_stride_rounds": max(1, rounds // positions)}
-    return {
+    grpo = {
         "dancegrpo": {},  # the config's defaults: DanceGRPO's FLUX recipe (η 0.3, 60 % of the steps)
         "flow_grpo_fast": fast,
         "flow_grpo_fast_branching": fast | {"branching": True},
@@ -63,6 +65,9 @@ def methods(steps: int, rounds: int) -> dict[str, dict]:
         "window_dance_sde": fast | {"sde_type": "dance", "eta": 0.3},
         "mixgrpo": mix,
         "mixgrpo_flash": mix | {"post_window_solver": "dpm_solver++", "post_window_step_ratio": 0.4},
+    }
+    return {name: (DanceGRPOTrainer, settings) for name, settings in grpo.items()} | {
+        "diffusion_nft": (DiffusionNFTTrainer, {}),
     }
 
 
@@ -86,7 +91,7 @@ class Evaluator(TrainerCallback):
     """After every ``every`` rounds (one optimizer update each): the deterministic-sampler reward on fixed prompts and
     noises, with the work and the training wall time (evaluation excluded) so far."""
 
-    def __init__(self, trainer: DanceGRPOTrainer, meter: WorkMeter, every: int, seeds: int):
+    def __init__(self, trainer: OnlineDiffusionTrainer, meter: WorkMeter, every: int, seeds: int):
         self.trainer, self.meter, self.every = trainer, meter, every
         self.prompts = [p for p in PROMPTS for _ in range(seeds)]
         self.points: list[tuple[int, float, float]] = []  # (work, wall_s, reward)
@@ -111,7 +116,9 @@ class Evaluator(TrainerCallback):
             self.score()
 
 
-def run_method(model: str, settings: dict, options, workdir: str) -> list[tuple[int, float, float]]:
+def run_method(
+    model: str, trainer_class: type[OnlineDiffusionTrainer], settings: dict, options, workdir: str
+) -> list[tuple[int, float, float]]:
     tiny = is_tiny(options.model)
     config = {
         "output_dir": os.path.join(workdir, "out"),
@@ -133,15 +140,16 @@ def run_method(model: str, settings: dict, options, workdir: str) -> list[tuple[
         "learning_rate": options.learning_rate,
         "max_steps": options.rounds,
     } | settings
-    probe = DanceGRPOConfig(**config, gradient_accumulation_steps=1, per_device_train_batch_size=options.batch)
-    transitions = probe.per_device_trained_samples * probe.timesteps_per_sample
-    # One optimizer update per round (the loss a mean over the round's transitions, whatever their number).
-    train_batch = max(d for d in range(1, options.train_batch + 1) if transitions % d == 0)
-    config |= {"per_device_train_batch_size": train_batch, "gradient_accumulation_steps": transitions // train_batch}
-    trainer = DanceGRPOTrainer(
+    config_class = trainer_class.config_class
+    # With one item per micro-batch, a round's micro-batches are its training items (transitions, re-noised samples).
+    items = config_class(**config, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
+    # One optimizer update per round (the loss a mean over the round's items, whatever their number).
+    train_batch = max(d for d in range(1, options.train_batch + 1) if items % d == 0)
+    config |= {"per_device_train_batch_size": train_batch, "gradient_accumulation_steps": items // train_batch}
+    trainer = trainer_class(
         model,
         "brightness",
-        args=DanceGRPOConfig(**config),
+        args=config_class(**config),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=lora_config(options.lora_rank),
     )
@@ -195,7 +203,7 @@ def main(argv=None) -> dict:
             options.seed = seed
             curves = {}
             for name in names:
-                curves[name] = run_method(model, table[name], options, workdir)
+                curves[name] = run_method(model, *table[name], options, workdir)
                 points = [(w, round(t, 1), round(r, 4)) for w, t, r in curves[name]]
                 print(f"seed {seed} {name}: (work, wall_s, reward) {points}")
             per_seed.append(_figures(curves, options))

@@ -7,7 +7,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer, DiffusionNFTConfig, DiffusionNFTTrainer
-from trl_dance.losses import nft_loss, optimality_probability
+from trl_dance.losses import awm_log_ratio, dgpo_loss, flow_matching_error, nft_loss, optimality_probability
 from trl_dance.trainer.old_policy import OldPolicy, nft_decay
 
 ROWS = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
@@ -67,9 +67,39 @@ def test_nft_gradient_closed_form():
     assert optimality_probability(torch.tensor([-9.0, -5.0, 0.0, 2.5, 7.0]), 5.0).tolist() == [0, 0, 0.5, 0.75, 1]
 
 
-def test_zero_advantages_give_zero_gradient(tiny_model_dir, tmp_path):
+def test_awm_and_dgpo_closed_forms():
+    """AWM on-policy: ratio 1 and ∂(−A·ρ)/∂v = A·σ·∂ℓ/∂v (advantage-weighted flow matching). DGPO: the group weight
+    sigmoid(β/G · Σ A·δ) against a hand computation, and its gradient A·w·∂ℓ/∂v."""
+    g = torch.Generator().manual_seed(1)
+    x0, noise, v = (torch.randn(4, 3, 5, generator=g) for _ in range(3))
+    sigma, advantages = torch.tensor([0.9, 0.6, 0.3, 0.2]), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    velocity = v.clone().requires_grad_(True)
+    error = flow_matching_error(velocity, noise, x0)
+    ratio = torch.exp(awm_log_ratio(error, error.detach(), sigma, "sigma"))
+    assert torch.equal(ratio.detach(), torch.ones(4))
+    (-advantages * ratio).sum().backward()
+    expected = (advantages * sigma).view(-1, 1, 1) * 2 * (v - (noise - x0)) / 15
+    torch.testing.assert_close(velocity.grad, expected)
+
+    reference = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    velocity.grad = None
+    error = flow_matching_error(velocity, noise, x0)
+    groups = torch.tensor([0, 0, 1, 1])
+    loss = dgpo_loss(error, reference, advantages, groups, 2, beta=10.0)
+    delta = error.detach() - reference
+    weights = torch.sigmoid(
+        10.0 * torch.stack([(advantages[:2] * delta[:2]).sum(), (advantages[2:] * delta[2:]).sum()]) / 2
+    )
+    torch.testing.assert_close(loss.detach(), weights.repeat_interleave(2) * advantages * error.detach())
+    loss.sum().backward()
+    scale = (weights.repeat_interleave(2) * advantages).view(-1, 1, 1)
+    torch.testing.assert_close(velocity.grad, scale * 2 * (v - (noise - x0)) / 15)
+
+
+@pytest.mark.parametrize("loss_type", ["nft", "awm", "dgpo"])
+def test_zero_advantages_give_zero_gradient(tiny_model_dir, tmp_path, loss_type):
     """At θ = θ_old (the first round) a batch whose advantages are all 0 moves nothing: every LoRA gradient is 0."""
-    trainer = _trainer(tiny_model_dir, tmp_path, beta=0.0)
+    trainer = _trainer(tiny_model_dir, tmp_path, beta=0.0, loss_type=loss_type)
     trainer._generate_and_score(ROWS)
     trainer._rollout["advantages"] = torch.zeros_like(trainer._rollout["advantages"])
     for item in trainer._microbatches:
@@ -160,14 +190,22 @@ def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
         nft_config(tmp_path, per_device_train_batch_size=5)
     with pytest.raises(ValueError, match="nft_beta must be > 0"):
         nft_config(tmp_path, nft_beta=0.0)
+    with pytest.raises(ValueError, match=r"loss_type='dgpo' weighs whole groups: per_device_train_batch_size \(6\)"):
+        nft_config(tmp_path, loss_type="dgpo", per_device_train_batch_size=6, gradient_accumulation_steps=4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "reward", "margin"),
-    [("flux", "brightness", 0.02), ("sd3", "brightness", 0.02), ("wan", "jpeg_compressibility", 0.05)],
+    ("kind", "reward", "loss_type", "margin"),
+    [
+        ("flux", "brightness", "nft", 0.02),
+        ("sd3", "brightness", "nft", 0.02),
+        ("wan", "jpeg_compressibility", "nft", 0.05),
+        ("flux", "brightness", "awm", 0.02),
+        ("flux", "brightness", "dgpo", 0.02),
+    ],
 )
-def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kind, reward, margin):
+def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kind, reward, loss_type, margin):
     """Learning: DiffusionNFT on deterministic rollouts without CFG raises the reward beyond its sample std (the
     random Wan VAE barely lets latents move the brightness; the frames' JPEG compressibility it does)."""
     args = nft_config(
@@ -179,6 +217,7 @@ def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kin
         gradient_accumulation_steps=12,  # 32 samples × 6 levels / 16: one update per round
         max_steps=30,
         guidance_scale=3.5 if kind == "flux" else 1.0,
+        loss_type=loss_type,
         seed=LEARNING_SEED,
     )
     trainer = DiffusionNFTTrainer(

@@ -95,4 +95,53 @@ def nft_loss(
     return scale / beta * (r * terms[0] + (1 - r) * terms[1])
 
 
-__all__ = ["clipped_fraction", "clipped_surrogate", "nft_loss", "normalized_log_ratio", "optimality_probability"]
+def flow_matching_error(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """(B,) the flow-matching loss mean((v − (ε − x0))²) of each sample."""
+    dims = tuple(range(1, x0.ndim))
+    return ((velocity.float() - (noise.float() - x0.float())) ** 2).mean(dim=dims)
+
+
+def awm_log_ratio(error: torch.Tensor, old_error: torch.Tensor, sigma: torch.Tensor, weighting: str) -> torch.Tensor:
+    """AWM's log-ratio with the surrogate log-likelihood log π = −w(ℓ): ``w_old − w``, (B,); ``weighting`` ``"sigma"``
+    (w = σ·ℓ) or ``"uniform"`` (w = ℓ). 0 on-policy, where its gradient is −∇w: advantage-weighted flow matching."""
+    if weighting not in ("sigma", "uniform"):
+        raise ValueError(f"weighting must be 'sigma' or 'uniform', got {weighting!r}")
+    scale = sigma.float() if weighting == "sigma" else 1.0
+    return scale * (old_error.detach() - error)
+
+
+def dgpo_loss(
+    error: torch.Tensor,
+    reference_error: torch.Tensor,
+    advantages: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    beta: float,
+) -> torch.Tensor:
+    """DGPO's loss per sample, (B,): ``w_g·A·ℓ_θ`` with the group weight ``w_g = sigmoid(β/|g| · Σ_{i∈g} A_i·δ_i)``,
+    ``δ = sg(ℓ_θ − ℓ_ref)`` at noise shared within the group; its gradient is that of the group-level DPO objective
+    −log σ(R(G⁺) − R(G⁻)) (with Σ_g A = 0).
+
+    Args:
+        error, reference_error: (B,) flow-matching losses of the policy (with gradient) and the reference.
+        advantages: (B,) group advantages.
+        groups: (B,) group index in [0, num_groups) of each sample; every group of the batch must be complete.
+        beta: DGPO's β.
+    """
+    delta = (error - reference_error).detach()
+    count = torch.bincount(groups, minlength=num_groups).clamp_min(1)
+    sums = torch.zeros(num_groups, device=error.device).index_add_(0, groups, advantages.float() * delta)
+    weight = torch.sigmoid(beta * sums / count)
+    return weight[groups] * advantages * error
+
+
+__all__ = [
+    "awm_log_ratio",
+    "clipped_fraction",
+    "clipped_surrogate",
+    "dgpo_loss",
+    "flow_matching_error",
+    "nft_loss",
+    "normalized_log_ratio",
+    "optimality_probability",
+]

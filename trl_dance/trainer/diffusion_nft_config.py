@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from .online_config import OnlineDiffusionConfig, _choice
 
-LOSS_TYPES = ("nft",)
+LOSS_TYPES = ("nft", "awm", "dgpo")
 DECAYS = ("linear", "delayed", "none")
 
 
@@ -35,7 +35,15 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
 
         > Loss
 
-        loss_type (`str`, defaults to `"nft"`): `"nft"`: DiffusionNFT's negative-aware loss.
+        loss_type (`str`, defaults to `"nft"`): `"nft"`: DiffusionNFT's negative-aware loss (against the old policy);
+            `"awm"`: advantage weighted matching (arXiv 2509.25050), the weighted flow-matching loss as a surrogate
+            log-likelihood, PPO-clipped against the old policy; `"dgpo"`: direct group preference optimisation (arXiv
+            2510.08425), flow-matching losses weighted by A and a group weight from the policy-vs-reference loss
+            differences at noise shared within each group (micro-batches hold whole groups).
+        awm_weighting (`str`, defaults to `"sigma"`): AWM's surrogate −log π = w(ℓ): `"sigma"` σ·ℓ, `"uniform"` ℓ.
+        epsilon (`float`, defaults to `1.0`): AWM's clip range of the ratio (AWM's 1 leaves it nearly inactive;
+            Flow-Factory advises 1e-5 for stability).
+        dgpo_beta (`float`, defaults to `100.0`): DGPO's β in the group weight sigmoid(β/G · Σ A·δ).
         nft_beta (`float`, defaults to `1.0`): NFT's β: the implicit policies are v± = v_old ± β·(v_θ − v_old)
             (0.1 for OCR and multi-reward runs in the paper).
         timestep_fraction (`float`, defaults to `0.99`): Noise levels trained per sample, as a fraction of the N of the
@@ -69,8 +77,14 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     rollout_solver: str = field(
         default="ode", metadata={"help": "ode | dpm_solver++ rollouts.", "choices": ["ode", "dpm_solver++"]}
     )
-    loss_type: str = field(default="nft", metadata={"help": "nft.", "choices": list(LOSS_TYPES)})
+    loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo.", "choices": list(LOSS_TYPES)})
     nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
+    awm_weighting: str = field(
+        default="sigma",
+        metadata={"help": "AWM surrogate weighting: sigma | uniform.", "choices": ["sigma", "uniform"]},
+    )
+    epsilon: float = field(default=1.0, metadata={"help": "AWM's clip range."})
+    dgpo_beta: float = field(default=100.0, metadata={"help": "DGPO's β."})
     timestep_fraction: float = field(
         default=0.99, metadata={"help": "Fraction of the rollout's N noise levels trained per sample."}
     )
@@ -89,8 +103,22 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
                 f"share_initial_noise={self.share_initial_noise!r}: deterministic rollouts from a shared initial noise "
                 "make a group's samples identical (zero advantages); DiffusionNFT needs share_initial_noise='none'"
             )
-        if not self.nft_beta > 0 or not math.isfinite(self.nft_beta):
-            raise ValueError(f"nft_beta must be > 0, got {self.nft_beta}")
+        _choice("awm_weighting", self.awm_weighting, ("sigma", "uniform"))
+        for name in ("nft_beta", "epsilon", "dgpo_beta"):
+            value = getattr(self, name)
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.loss_type == "dgpo":
+            group = self.num_generations
+            for name, value in (
+                ("per_device_train_batch_size", self.per_device_train_batch_size),
+                ("generation_batch_size / num_processes", self.per_device_generation_batch_size),
+            ):
+                if value % group:
+                    raise ValueError(
+                        f"loss_type='dgpo' weighs whole groups: {name} ({value}) must be a multiple of "
+                        f"num_generations ({group})"
+                    )
         if not self.adv_clip_max > 0:
             raise ValueError(f"adv_clip_max must be > 0: it maps advantages to probabilities, got {self.adv_clip_max}")
 

@@ -6,7 +6,15 @@ from typing import Any
 
 import torch
 
-from ..losses import nft_loss, optimality_probability
+from ..losses import (
+    awm_log_ratio,
+    clipped_fraction,
+    clipped_surrogate,
+    dgpo_loss,
+    flow_matching_error,
+    nft_loss,
+    optimality_probability,
+)
 from ..policies import DiffusionPolicy, FlowMatchingPolicy
 from ..sampling import RolloutPlan
 from .diffusion_nft_config import DiffusionNFTConfig
@@ -15,7 +23,7 @@ from .online_trainer import OnlineDiffusionTrainer
 
 
 class DiffusionNFTTrainer(OnlineDiffusionTrainer):
-    """DiffusionNFT (Zheng et al., arXiv:2509.16117) with TRL's Trainer machinery.
+    """DiffusionNFT (Zheng et al., arXiv:2509.16117), with AWM and DGPO as ``loss_type``, on TRL's Trainer machinery.
 
     Each round, the *old* policy (a soft-updated copy of the trained parameters, see
     :class:`~trl_dance.trainer.old_policy.OldPolicy`) samples ``generation_batch_size`` images with a deterministic
@@ -24,7 +32,8 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
     sample is re-noised with fresh noise to K noise levels of the rollout grid, x_σ = (1 − σ)·x0 + σ·ε, and the loss
     (:func:`~trl_dance.losses.nft_loss`) moves the implicit positive policy toward x0 in proportion to r and the
     implicit negative one in proportion to 1 − r. After the round's updates the old policy moves toward the trained
-    one (``old_policy_decay``).
+    one (``old_policy_decay``). ``loss_type="awm"`` and ``"dgpo"`` replace that loss on the same items (see
+    :class:`~trl_dance.DiffusionNFTConfig`).
 
     Flow-matching pipelines (FLUX, SD3, Wan text-to-video and Wan 2.1 image-to-video). The arguments are those of
     :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
@@ -64,6 +73,10 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             )
 
     @staticmethod
+    def _needs_reference(args: DiffusionNFTConfig) -> bool:
+        return args.beta > 0 or args.loss_type == "dgpo"
+
+    @staticmethod
     def _levels(policy: DiffusionPolicy) -> list[int]:
         """The grid indices whose σ the items are noised to: those the trained denoiser serves."""
         return policy.trained_denoiser_steps()
@@ -89,19 +102,25 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         super()._generate_and_score(rows)
 
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
-        """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration."""
+        """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration. For
+        DGPO a whole group shares each level and noise, and micro-batches hold whole groups (consecutive rows)."""
         args = self.args
         self._rollout["x0"] = rollout["final_latents"]
         levels = torch.tensor(self._levels(self.policy))
-        batch, k = len(advantages), args.timesteps_per_sample
-        samples = torch.arange(batch).repeat_interleave(k)
+        # The unit drawn: a sample, or for DGPO a group (which every process holds whole).
+        group = args.num_generations if args.loss_type == "dgpo" else 1
+        units, k = len(advantages) // group, args.timesteps_per_sample
+        members = torch.arange(group)
         items = []
         for _ in range(args.num_iterations):
-            draws = torch.rand(batch, len(levels), generator=self._cpu_generator).argsort(dim=1)[:, :k]
-            seeds = torch.randint(2**62, (batch * k,), generator=self._cpu_generator)
-            order = torch.randperm(batch * k, generator=self._cpu_generator)
-            chosen = levels[draws.flatten()]
-            items.extend((samples[c], chosen[c], seeds[c]) for c in order.split(args.per_device_train_batch_size))
+            draws = torch.rand(units, len(levels), generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
+            seeds = torch.randint(2**62, (units * k,), generator=self._cpu_generator)
+            order = torch.randperm(units * k, generator=self._cpu_generator)
+            unit = torch.arange(units).repeat_interleave(k)[order]
+            samples = (unit[:, None] * group + members).flatten()
+            chosen = levels[draws[order]].repeat_interleave(group)
+            noise = seeds[order].repeat_interleave(group)
+            items.extend(zip(*(x.split(args.per_device_train_batch_size) for x in (samples, chosen, noise))))
         return items
 
     def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, Any]:
@@ -116,6 +135,8 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         cond_rows = rollout["prompt_index"][samples.to(device)]
         return {
             "noisy": (1 - sigma.view(shape)) * x0 + sigma.view(shape) * noise,
+            "noise": noise,
+            "groups": torch.arange(len(seeds), device=device) // self.args.num_generations,  # DGPO: whole groups
             "x0": x0,
             "sigma": sigma,
             "advantages": rollout["advantages"][samples.to(device)],
@@ -127,22 +148,35 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args, policy = self.args, self.policy
-        noisy, sigma, cond = inputs["noisy"], inputs["sigma"], inputs["cond"]
+        noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs["x0"]
+        advantages = inputs["advantages"]
         timestep = policy.timestep_from_sigma(sigma)
         velocity = policy.predict_at(model, noisy, timestep, cond)
-        with torch.no_grad():
-            old_velocity = policy.predict_at(self.old_policy.model, noisy, timestep, cond)
-        r = optimality_probability(inputs["advantages"], args.adv_clip_max)
-        per_item = nft_loss(velocity, old_velocity, noisy, inputs["x0"], sigma, r, args.nft_beta, args.adv_clip_max)
         dims = tuple(range(1, velocity.ndim))
+        reference = self.reference_prediction(model, noisy, timestep, cond) if self._needs_reference(args) else None
+        if args.loss_type == "dgpo":
+            error = flow_matching_error(velocity, inputs["noise"], x0)
+            reference_error = flow_matching_error(reference, inputs["noise"], x0)
+            groups = len(sigma) // args.num_generations
+            per_item = dgpo_loss(error, reference_error, advantages, inputs["groups"], groups, args.dgpo_beta)
+        else:
+            with torch.no_grad():
+                old_velocity = policy.predict_at(self.old_policy.model, noisy, timestep, cond)
+                self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
+            if args.loss_type == "nft":
+                r = optimality_probability(advantages, args.adv_clip_max)
+                per_item = nft_loss(velocity, old_velocity, noisy, x0, sigma, r, args.nft_beta, args.adv_clip_max)
+                self._record("optimality_probability/mean", r)
+            else:
+                error = flow_matching_error(velocity, inputs["noise"], x0)
+                old_error = flow_matching_error(old_velocity, inputs["noise"], x0)
+                ratio = torch.exp(awm_log_ratio(error, old_error, sigma, args.awm_weighting))
+                per_item = clipped_surrogate(ratio, advantages, args.epsilon)
+                self._record("clip_ratio/region_mean", clipped_fraction(ratio.detach(), advantages, args.epsilon))
         if args.beta > 0:
-            reference = self.reference_prediction(model, noisy, timestep, cond)
             kl = ((velocity - reference) ** 2).mean(dim=dims)
             per_item = per_item + args.beta * kl
             self._record("kl", kl)
-        with torch.no_grad():
-            self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
-            self._record("optimality_probability/mean", r)
         loss = per_item.mean()
         return (loss, velocity) if return_outputs else loss
 
@@ -156,8 +190,8 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             "rewards": weights,
             "sampling": f"{args.num_inference_steps} deterministic steps ({args.rollout_solver}), guidance "
             f"{args.guidance_scale}, {args.height}×{args.width}",
-            "DiffusionNFT": f"{args.num_generations} generations per prompt, β {args.nft_beta}, KL β {args.beta}, "
-            f"{args.timesteps_per_sample} noise levels per sample, old-policy decay {args.old_policy_decay}",
+            "loss": f"{args.loss_type}, {args.num_generations} generations per prompt, NFT β {args.nft_beta}, KL β "
+            f"{args.beta}, {args.timesteps_per_sample} noise levels per sample, old-policy decay {args.old_policy_decay}",
         }
 
     def _resume_state(self) -> dict[str, Any]:

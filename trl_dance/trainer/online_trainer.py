@@ -120,7 +120,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             policy,
             args,
             peft_config,
-            need_reference=args.beta > 0,  # full fine-tuning with a KL term needs a frozen copy
+            need_reference=self._needs_reference(args),  # full fine-tuning then keeps a frozen copy
             data_collator=_identity,
             train_dataset=train_dataset,
             callbacks=callbacks,
@@ -147,6 +147,11 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         """The noise plan of round ``round_index`` (default: the next round)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _needs_reference(args: OnlineDiffusionConfig) -> bool:
+        """Whether the loss calls the reference model (the KL term)."""
+        return args.beta > 0
 
     def _rollout_model(self) -> torch.nn.Module:
         """The denoiser the rounds' rollouts call (the trained one, wrapped)."""
