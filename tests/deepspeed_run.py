@@ -1,7 +1,7 @@
 """Run by tests/test_deepspeed.py under `accelerate launch --config_file recipes/accelerate/deepspeed_zero*.yaml`:
 a short GRPO or Diffusion-DPO run on a tiny pipeline, LoRA or full fine-tune, then `save_model`.
 
-argv: trainer (grpo | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
+argv: trainer (grpo | nft | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
 further GRPO config values. The main process writes what it saw (process count, ZeRO stage, whether the parameters
 were partitioned, the losses) to result_path as JSON.
 """
@@ -13,7 +13,14 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance import (
+    DanceGRPOConfig,
+    DanceGRPOTrainer,
+    DiffusionDPOConfig,
+    DiffusionDPOTrainer,
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
+)
 from trl_dance.testing import tiny_preference_dataset
 
 trainer_name, mode, model_dir, output_dir, result_path = sys.argv[1:6]
@@ -59,6 +66,15 @@ if trainer_name == "grpo":
     args = DanceGRPOConfig(**common, **(grpo | overrides))
     dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
     trainer = DanceGRPOTrainer(
+        model_dir, "brightness", args=partition_everything(args), train_dataset=dataset, peft_config=peft
+    )
+elif trainer_name == "nft":
+    # 4 samples per process, 3 noise levels each, 3 per micro-batch: 4 micro-batches, 2 updates per round.
+    nft = {"num_generations": 4, "generation_batch_size": 8, "num_inference_steps": 4, "height": 32, "width": 32}
+    nft |= {"max_sequence_length": 16, "per_device_train_batch_size": 3, "timestep_fraction": 0.75}
+    args = DiffusionNFTConfig(**common, **(nft | overrides))
+    dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+    trainer = DiffusionNFTTrainer(
         model_dir, "brightness", args=partition_everything(args), train_dataset=dataset, peft_config=peft
     )
 else:

@@ -1,5 +1,5 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo") for 6 rounds
-over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo") or
+DiffusionNFT ("nft") for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
 checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
 JSON."""
 
@@ -11,7 +11,14 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance import (
+    DanceGRPOConfig,
+    DanceGRPOTrainer,
+    DiffusionDPOConfig,
+    DiffusionDPOTrainer,
+    DiffusionNFTConfig,
+    DiffusionNFTTrainer,
+)
 from trl_dance.testing import tiny_preference_dataset
 
 model_dir, output_dir, result_path, kind = sys.argv[1:5]
@@ -49,6 +56,23 @@ def run(folder, max_steps, resume=None):
             beta=1000.0,
         )
         trainer = DiffusionDPOTrainer(model_dir, args=args, train_dataset=pairs, peft_config=lora)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+    if kind == "nft":
+        # Each process: 4 samples x 3 noise levels = one micro-batch per round; the old policy decays from step 0.
+        args = DiffusionNFTConfig(
+            **common,
+            num_generations=2,
+            generation_batch_size=8,
+            num_inference_steps=4,
+            timestep_fraction=0.75,
+            height=32,
+            width=32,
+            per_device_train_batch_size=12,
+            gradient_accumulation_steps=1,
+            old_policy_decay="delayed",
+        )
+        trainer = DiffusionNFTTrainer(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=lora)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
     args = DanceGRPOConfig(

@@ -54,7 +54,7 @@ def test_two_processes_compute_the_same_advantages_as_one(tiny_model_dir, tmp_pa
         assert b["advantages"] == pytest.approx(a["advantages"], abs=1e-3)
 
 
-@pytest.mark.parametrize(("trainer", "kind"), [("grpo", "flux"), ("dpo", "sd")])
+@pytest.mark.parametrize(("trainer", "kind"), [("grpo", "flux"), ("nft", "flux"), ("dpo", "sd")])
 def test_two_processes_resume_exactly_across_epochs(tiny_model_dir, tmp_path, trainer, kind):
     """Two processes, 3 epochs of 2 rounds (GRPO) or steps (DPO), interrupted in the middle of epoch 2: the resumed
     run's LoRA is bit-identical to the uninterrupted run's."""

@@ -51,6 +51,11 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError(
+                "DiffusionNFTTrainer keeps an old copy of the trained parameters, which ZeRO-3 shards: use ZeRO-2 "
+                "(recipes/accelerate/deepspeed_zero2.yaml) or DDP"
+            )
         self.old_policy = OldPolicy(self.policy.denoiser)
 
     def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
