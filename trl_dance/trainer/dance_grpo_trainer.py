@@ -22,19 +22,9 @@ class DanceGRPOTrainer(OnlineDiffusionTrainer):
     micro-batch's log-probabilities and takes the PPO-clipped loss, so gradient accumulation, accelerate and
     DeepSpeed work as in any Trainer.
 
-    Args:
-        model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance (FLUX, SD3, SD1.x/2.x, SDXL,
-            Wan).
-        reward_funcs: a reward or a list of rewards, each a callable
-            ``f(prompts: list[str], images: Tensor (B, 3, H, W) in [0, 1], **columns) -> list[float]``, a registered
-            name (``"brightness"``) or ``"module.path:function"``. Extra dataset columns are passed as keyword lists.
-            Video models: see ``video_reward_frames`` in the config (frame-wise scoring, or whole videos for rewards
-            with ``accepts_video = True``).
-        args: the configuration.
-        train_dataset: a ``datasets.Dataset`` with a ``prompt`` column.
-        peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` trains the
-            whole denoiser.
-        callbacks, optimizers: as in ``transformers.Trainer``.
+    With ``sde_window_size`` only a window of steps is stochastic, stored and trained (Flow-GRPO-Fast, MixGRPO), the
+    others being deterministic (see :mod:`trl_dance.sampling`). The arguments are those of
+    :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
     """
 
     _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers"]
