@@ -8,15 +8,20 @@ from trl_dance.testing import save_tiny_pipeline
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
+def test_readme_python_examples_run(tmp_path, monkeypatch):
+    """Both examples, DanceGRPO with a custom reward and DiffusionNFT, train and save a LoRA as written."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
         blocks = re.findall(r"```python\n(.*?)```", handle.read(), flags=re.S)
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     monkeypatch.chdir(tmp_path)
     save_tiny_pipeline("flux", "outputs/tiny-flux")
-    namespace = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
-    trainer = namespace["trainer"]
-    assert trainer.reward_names == ["redness", "brightness"]
-    assert any("rewards/redness/mean" in entry for entry in trainer.state.log_history)
-    assert (tmp_path / "outputs" / "readme-example" / "pytorch_lora_weights.safetensors").exists()
+    trainers = []
+    for block in blocks:
+        namespace = {}
+        exec(compile(block, "README.md", "exec"), namespace)
+        trainers.append(namespace["trainer"])
+    assert trainers[0].reward_names == ["redness", "brightness"]
+    assert any("rewards/redness/mean" in entry for entry in trainers[0].state.log_history)
+    assert trainers[1].state.global_step == 3
+    for name in ("readme-example", "nft-example"):
+        assert (tmp_path / "outputs" / name / "pytorch_lora_weights.safetensors").exists()
