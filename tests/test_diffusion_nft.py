@@ -194,14 +194,16 @@ def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
         nft_config(tmp_path, loss_type="dgpo", per_device_train_batch_size=6, gradient_accumulation_steps=4)
 
 
+# Gains over seeds 42, 1, 2 (1 and 2 threads gave identical runs): NFT FLUX 0.145-0.160, SD3 0.144-0.157, Wan
+# 0.140-0.190 kB, AWM 0.164-0.201, DGPO 0.052-0.136; each margin is at most the smallest gain / 2.6.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "reward", "loss_type", "margin"),
     [
-        ("flux", "brightness", "nft", 0.02),
-        ("sd3", "brightness", "nft", 0.02),
+        ("flux", "brightness", "nft", 0.05),
+        ("sd3", "brightness", "nft", 0.05),
         ("wan", "jpeg_compressibility", "nft", 0.05),
-        ("flux", "brightness", "awm", 0.02),
+        ("flux", "brightness", "awm", 0.05),
         ("flux", "brightness", "dgpo", 0.02),
     ],
 )
