@@ -43,10 +43,10 @@ def family_overrides(kind: str) -> dict:
     return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith("wan") else {}
 
 
-def tiny_grpo_config(output_dir, **overrides):
-    from trl_dance import DanceGRPOConfig
-
-    values = {
+def tiny_online_values(output_dir) -> dict:
+    """What every online trainer's tiny test config has: CPU, no saving or trackers, 2 groups of 4 samples at 32×32
+    with 6 steps, 2 rounds."""
+    return {
         "output_dir": str(output_dir),
         "bf16": False,
         "use_cpu": True,
@@ -61,20 +61,25 @@ def tiny_grpo_config(output_dir, **overrides):
         "width": 32,
         "max_sequence_length": 16,
         "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 5,  # the 5 micro-batches of a round (8 samples x 5 steps / 8)
-        "timestep_fraction": 1.0,
-        "eta": 1.0,
         "learning_rate": 3e-2,
         "max_steps": 2,
     }
-    values.update(overrides)
-    return DanceGRPOConfig(**values)
 
 
-def max_ratio_deviation(trainer) -> float:
-    """max |ρ − 1| over the transitions planned for the last round: each log-prob recomputed by the policy, as the
-    loss does, against the one the rollout stored."""
-    worst = 0.0
+def tiny_grpo_config(output_dir, **overrides):
+    from trl_dance import DanceGRPOConfig
+
+    values = tiny_online_values(output_dir) | {
+        "gradient_accumulation_steps": 5,  # the 5 micro-batches of a round (8 samples x 5 steps / 8)
+        "timestep_fraction": 1.0,
+        "eta": 1.0,
+    }
+    return DanceGRPOConfig(**(values | overrides))
+
+
+def recomputed_steps(trainer):
+    """(inputs, output, step) of every transition planned for the last round, recomputed by the policy as the loss
+    does (without gradients)."""
     for plan in trainer._microbatches:
         inputs = trainer._microbatch(plan)
         with torch.no_grad():
@@ -82,8 +87,16 @@ def max_ratio_deviation(trainer) -> float:
             step = trainer.policy.step(
                 output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
             )
-        worst = max(worst, (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
-    return worst
+        yield inputs, output, step
+
+
+def max_ratio_deviation(trainer) -> float:
+    """max |ρ − 1| over the transitions planned for the last round, each log-prob recomputed against the one the
+    rollout stored."""
+    return max(
+        (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item()
+        for inputs, _, step in recomputed_steps(trainer)
+    )
 
 
 def assert_learned(metric: str, first: float, last: float, noise: float, margin: float) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, family_overrides
+from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, family_overrides, tiny_online_values
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -14,25 +14,9 @@ ROWS = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
 
 
 def nft_config(output_dir, **overrides) -> DiffusionNFTConfig:
-    values = {
-        "output_dir": str(output_dir),
-        "use_cpu": True,
-        "bf16": False,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "num_generations": 4,
-        "generation_batch_size": 8,
-        "num_inference_steps": 6,
+    values = tiny_online_values(output_dir) | {
         "timestep_fraction": 0.5,  # 3 of the 6 noise levels
-        "height": 32,
-        "width": 32,
-        "max_sequence_length": 16,
-        "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 3,  # the 3 micro-batches of a round (8 samples × 3 levels / 8)
-        "learning_rate": 3e-2,
-        "max_steps": 2,
     }
     return DiffusionNFTConfig(**(values | overrides))
 

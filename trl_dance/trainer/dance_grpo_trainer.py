@@ -199,12 +199,9 @@ class DanceGRPOTrainer(OnlineDiffusionTrainer):
 
     def _model_card_details(self) -> dict[str, str]:
         args = self.args
-        weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
-        return {
-            "rewards": weights,
+        return super()._model_card_details() | {
             "sampling": f"{args.num_inference_steps} steps, {args.sde_type} SDE, noise level {args.eta}, "
-            f"guidance {args.guidance_scale}, {args.height}×{args.width}"
-            + (f", {self.policy.settings.num_frames} frames" if self.policy.is_video else ""),
+            f"guidance {args.guidance_scale}, {self._sample_size()}",
             "GRPO": f"{args.num_generations} generations per prompt, clip {args.epsilon}, KL β {args.beta}, "
             f"{args.timestep_fraction:.0%} of the steps trained, advantages: {args.scale_rewards}",
             **({"SDE window": self._window_card()} if self.sde_window is not None else {}),

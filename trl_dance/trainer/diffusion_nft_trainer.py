@@ -190,11 +190,9 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def _model_card_details(self) -> dict[str, str]:
         args = self.args
-        weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
-        return {
-            "rewards": weights,
+        return super()._model_card_details() | {
             "sampling": f"{args.num_inference_steps} deterministic steps ({args.rollout_solver}), guidance "
-            f"{args.guidance_scale}, {args.height}×{args.width}",
+            f"{args.guidance_scale}, {self._sample_size()}",
             "loss": f"{args.loss_type}, {args.num_generations} generations per prompt, NFT β {args.nft_beta}, KL β "
             f"{args.beta}, {args.timesteps_per_sample} noise levels per sample, old-policy decay {args.old_policy_decay}",
         }

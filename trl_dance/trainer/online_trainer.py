@@ -438,6 +438,18 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._metrics["rollout/denoiser_calls_per_sample"].append(torch.tensor(calls_per_sample))
 
     # ----------------------------------------------------------------------------------------------------------
+    # Model card
+
+    def _model_card_details(self) -> dict[str, str]:
+        weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
+        return {"rewards": weights}
+
+    def _sample_size(self) -> str:
+        """A sample's size for the model card: H×W, and the frames of a video."""
+        frames = f", {self.policy.settings.num_frames} frames" if self.policy.is_video else ""
+        return f"{self.args.height}×{self.args.width}{frames}"
+
+    # ----------------------------------------------------------------------------------------------------------
     # Checkpoints: the round counter and the per-prompt statistics travel with them
 
     def _resume_state(self) -> dict[str, Any]:
