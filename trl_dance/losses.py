@@ -101,13 +101,29 @@ def flow_matching_error(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.T
     return ((velocity.float() - (noise.float() - x0.float())) ** 2).mean(dim=dims)
 
 
-def awm_log_ratio(error: torch.Tensor, old_error: torch.Tensor, sigma: torch.Tensor, weighting: str) -> torch.Tensor:
-    """AWM's log-ratio with the surrogate log-likelihood log π = −w(ℓ): ``w_old − w``, (B,); ``weighting`` ``"sigma"``
-    (w = σ·ℓ) or ``"uniform"`` (w = ℓ). 0 on-policy, where its gradient is −∇w: advantage-weighted flow matching."""
-    if weighting not in ("sigma", "uniform"):
-        raise ValueError(f"weighting must be 'sigma' or 'uniform', got {weighting!r}")
-    scale = sigma.float() if weighting == "sigma" else 1.0
-    return scale * (old_error.detach() - error)
+AWM_WEIGHTINGS = ("ghuber", "sigma", "uniform")
+
+
+def awm_surrogate(error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:
+    """AWM's −log π = w(ℓ, σ) of flow-matching losses ℓ (B,): ``"ghuber"`` σ·((ℓ + ε)^p − ε^p)/p with ε = 1e-10 (AWM's
+    default, p = 0.25: a robust loss whose gradient σ·(ℓ + ε)^(p−1) shrinks for large errors), ``"sigma"`` σ·ℓ,
+    ``"uniform"`` ℓ."""
+    if weighting == "uniform":
+        return error
+    if weighting == "sigma":
+        return sigma.float() * error
+    if weighting == "ghuber":
+        eps = 1e-10
+        return sigma.float() * ((error + eps) ** power - eps**power) / power
+    raise ValueError(f"weighting must be one of {AWM_WEIGHTINGS}, got {weighting!r}")
+
+
+def awm_log_ratio(
+    error: torch.Tensor, old_error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25
+) -> torch.Tensor:
+    """AWM's log-ratio log π − log π_old = w(ℓ_old) − w(ℓ), (B,) (see :func:`awm_surrogate`). 0 on-policy, where its
+    gradient is −∇w: advantage-weighted flow matching."""
+    return awm_surrogate(old_error.detach(), sigma, weighting, power) - awm_surrogate(error, sigma, weighting, power)
 
 
 def dgpo_loss(
@@ -136,7 +152,9 @@ def dgpo_loss(
 
 
 __all__ = [
+    "AWM_WEIGHTINGS",
     "awm_log_ratio",
+    "awm_surrogate",
     "clipped_fraction",
     "clipped_surrogate",
     "dgpo_loss",

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
+from ..losses import AWM_WEIGHTINGS
 from .online_config import OnlineDiffusionConfig, _choice
 
 LOSS_TYPES = ("nft", "awm", "dgpo")
@@ -40,7 +41,10 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
             log-likelihood, PPO-clipped against the old policy; `"dgpo"`: direct group preference optimisation (arXiv
             2510.08425), flow-matching losses weighted by A and a group weight from the policy-vs-reference loss
             differences at noise shared within each group (micro-batches hold whole groups).
-        awm_weighting (`str`, defaults to `"sigma"`): AWM's surrogate −log π = w(ℓ): `"sigma"` σ·ℓ, `"uniform"` ℓ.
+        awm_weighting (`str`, defaults to `"ghuber"`): AWM's surrogate −log π = w(ℓ, σ): `"ghuber"`
+            σ·((ℓ + ε)^p − ε^p)/p with ε = 1e-10 and p = `awm_ghuber_power` (AWM's default), `"sigma"` σ·ℓ,
+            `"uniform"` ℓ.
+        awm_ghuber_power (`float`, defaults to `0.25`): p of the `"ghuber"` weighting.
         epsilon (`float`, defaults to `1.0`): AWM's clip range of the ratio (AWM's 1 leaves it nearly inactive;
             Flow-Factory advises 1e-5 for stability).
         dgpo_beta (`float`, defaults to `100.0`): DGPO's β in the group weight sigmoid(β/G · Σ A·δ).
@@ -80,9 +84,10 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo.", "choices": list(LOSS_TYPES)})
     nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
     awm_weighting: str = field(
-        default="sigma",
-        metadata={"help": "AWM surrogate weighting: sigma | uniform.", "choices": ["sigma", "uniform"]},
+        default="ghuber",
+        metadata={"help": "AWM surrogate weighting: ghuber | sigma | uniform.", "choices": list(AWM_WEIGHTINGS)},
     )
+    awm_ghuber_power: float = field(default=0.25, metadata={"help": "p of AWM's ghuber weighting."})
     epsilon: float = field(default=1.0, metadata={"help": "AWM's clip range."})
     dgpo_beta: float = field(default=100.0, metadata={"help": "DGPO's β."})
     timestep_fraction: float = field(
@@ -103,8 +108,8 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
                 f"share_initial_noise={self.share_initial_noise!r}: deterministic rollouts from a shared initial noise "
                 "make a group's samples identical (zero advantages); DiffusionNFT needs share_initial_noise='none'"
             )
-        _choice("awm_weighting", self.awm_weighting, ("sigma", "uniform"))
-        for name in ("nft_beta", "epsilon", "dgpo_beta"):
+        _choice("awm_weighting", self.awm_weighting, AWM_WEIGHTINGS)
+        for name in ("nft_beta", "epsilon", "dgpo_beta", "awm_ghuber_power"):
             value = getattr(self, name)
             if not value > 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be > 0, got {value}")

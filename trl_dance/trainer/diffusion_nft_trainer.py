@@ -175,7 +175,8 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             else:
                 error = flow_matching_error(velocity, inputs["noise"], x0)
                 old_error = flow_matching_error(old_velocity, inputs["noise"], x0)
-                ratio = torch.exp(awm_log_ratio(error, old_error, sigma, args.awm_weighting))
+                log_ratio = awm_log_ratio(error, old_error, sigma, args.awm_weighting, args.awm_ghuber_power)
+                ratio = torch.exp(log_ratio)
                 per_item = clipped_surrogate(ratio, advantages, args.epsilon)
                 self._record("clip_ratio/region_mean", clipped_fraction(ratio.detach(), advantages, args.epsilon))
         if args.beta > 0:
