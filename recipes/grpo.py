@@ -40,6 +40,10 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
     num_sample_images: int = field(default=4, metadata={"help": "Prompts in the before/after sample grid (0: none)."})
+    eval_prompts_file: str | None = field(
+        default=None,
+        metadata={"help": "Held-out prompts (.txt/.jsonl/.csv) scored at eval_steps with the deterministic sampler."},
+    )
 
 
 def main(
@@ -55,12 +59,16 @@ def main(
         script_args.dataset_train_split,
         script_args.prompt_column,
     )
+    eval_dataset = None
+    if script_args.eval_prompts_file:
+        eval_dataset = load_prompt_dataset(script_args.eval_prompts_file, prompt_column=script_args.prompt_column)
     model_init_kwargs(training_args, model_args)
     trainer = trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=script_args.reward_funcs,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
     samples = dataset[: script_args.num_sample_images]  # image-to-video: their images too

@@ -14,6 +14,7 @@ from conftest import (
     max_ratio_deviation,
     recomputed_steps,
     tiny_grpo_config,
+    tiny_online_values,
 )
 from datasets import Dataset
 from peft import LoraConfig
@@ -374,3 +375,56 @@ def test_cheaper_modes_learn(tiny_model_dir, tmp_path, mode):
     noise = max(history[0][f"rewards/{name}/std"] for name in trainer.reward_names)
     print(f"{mode}: per round {totals}")
     assert_learned("+".join(trainer.reward_names), first, last, noise, margin)
+
+
+@pytest.mark.parametrize("trainer_name", ["grpo", "nft"])
+def test_evaluation_at_eval_steps(tiny_model_dir, tmp_path, trainer_name):
+    """eval_dataset + eval_strategy: held-out prompts scored with the deterministic sampler from fixed noise at every
+    eval_steps, logged as eval_reward and eval_rewards/<name>/mean|std, with a sample grid in output_dir."""
+    from trl_dance import DiffusionNFTConfig, DiffusionNFTTrainer
+
+    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 3}
+    evaluation |= {"eval_num_generations": 2, "max_steps": 2, "num_completions_to_log": 2}
+    held_out = Dataset.from_dict({"prompt": ["a blue car", "a small boat"]})
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS)
+    if trainer_name == "grpo":
+        trainer = DanceGRPOTrainer(
+            tiny_model_dir("flux"),
+            "brightness",
+            tiny_grpo_config(tmp_path, **evaluation),
+            Dataset.from_dict({"prompt": PROMPTS[:8]}),
+            held_out,
+            peft_config=lora,
+        )
+    else:
+        values = (
+            tiny_online_values(tmp_path) | evaluation | {"timestep_fraction": 0.5, "gradient_accumulation_steps": 3}
+        )
+        trainer = DiffusionNFTTrainer(
+            tiny_model_dir("flux"),
+            "brightness",
+            DiffusionNFTConfig(**values),
+            Dataset.from_dict({"prompt": PROMPTS[:8]}),
+            held_out,
+            peft_config=lora,
+        )
+    before = trainer.evaluate()
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [1, 2]
+    assert evals[-1]["eval_reward"] != before["eval_reward"]  # the policy moved
+    assert all("eval_rewards/brightness/std" in h and "loss" not in h for h in evals)
+    assert (tmp_path / "eval_samples_step2.png").exists()
+    # The same policy evaluates identically: fixed noise, no SDE.
+    assert trainer.evaluate()["eval_reward"] == evals[-1]["eval_reward"]
+
+
+def test_eval_dataset_needs_prompts(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="eval_dataset must be a datasets.Dataset with a 'prompt' column"):
+        DanceGRPOTrainer(
+            tiny_model_dir("flux"),
+            "brightness",
+            tiny_grpo_config(tmp_path),
+            Dataset.from_dict({"prompt": PROMPTS[:8]}),
+            Dataset.from_dict({"text": ["a boat"]}),
+        )

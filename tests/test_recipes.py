@@ -269,3 +269,19 @@ def test_recipe_arguments_name_config_refuse_unused_model_fields_and_import_rewa
     _, training, model = parse_recipe_args(types, ["--config", config])
     assert model.model_name_or_path == "outputs/tiny-flux" and training.num_generations == 4
     assert get_reward_function("my_rewards:redness")(["a"], None) == [1.0]
+
+
+def test_recipe_evaluates_held_out_prompts(tiny_model_dir, tmp_path):
+    """--eval_prompts_file with eval_strategy: the held-out prompts are scored at eval_steps and their grid written."""
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a blue car\na small boat\n")
+    output_dir = tmp_path / "out"
+    result = _run_recipe(
+        "nft",
+        "nft_flux_tiny",
+        "--model_name_or_path", tiny_model_dir("flux"), "--output_dir", str(output_dir), "--max_steps", "2",
+        "--num_sample_images", "0", "--eval_prompts_file", str(held_out), "--eval_strategy", "steps",
+        "--eval_steps", "2",
+    )  # fmt: skip
+    assert "'eval_reward'" in result.stdout
+    assert (output_dir / "eval_samples_step2.png").exists()

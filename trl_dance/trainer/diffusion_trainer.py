@@ -359,6 +359,9 @@ class DiffusionTrainer(_BaseTrainer):
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if any(key.startswith("eval_") for key in logs):  # an evaluation's: the training metrics wait for theirs
+            super().log(logs, start_time)
+            return
         names = [key for key, values in self._metrics.items() if values]
         if names:
             means = torch.stack([torch.stack(self._metrics[key]).mean() for key in names]).tolist()  # one sync

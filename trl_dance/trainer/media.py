@@ -41,10 +41,11 @@ def log_rollout_media(
     prompts: list[str],
     rewards: torch.Tensor,
     all_rewards: torch.Tensor,
+    name: str = "completions",
 ) -> list[str]:
     """Log ``images`` (K, 3, H, W) in [0, 1] (videos (K, F, 3, H, W) as frame strips) captioned with their prompts
     and rewards (K,), and the histogram of ``all_rewards`` (the round's rewards over all processes), at optimizer
-    step ``step``.
+    step ``step``, under ``name/`` (``eval/`` for evaluations).
 
     Returns:
         the names of the trackers written to.
@@ -55,9 +56,9 @@ def log_rollout_media(
         if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
             writer = callback.tb_writer
             strips = frame_strip(images).float().clamp(0, 1).cpu()
-            writer.add_images("completions/images", strips, step, dataformats="NCHW")
-            writer.add_text("completions/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
-            writer.add_histogram("completions/reward", all_rewards.float().cpu(), step)
+            writer.add_images(f"{name}/images", strips, step, dataformats="NCHW")
+            writer.add_text(f"{name}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+            writer.add_histogram(f"{name}/reward", all_rewards.float().cpu(), step)
             writer.flush()
             written.append("tensorboard")
         elif isinstance(callback, WandbCallback) and getattr(callback, "_wandb", None) is not None:
@@ -65,8 +66,8 @@ def log_rollout_media(
             if wandb.run is not None:
                 wandb.log(
                     {
-                        "completions/images": [wandb.Image(im, caption=c) for im, c in zip(to_pil(images), captions)],
-                        "completions/reward": wandb.Histogram(all_rewards.float().cpu().numpy()),
+                        f"{name}/images": [wandb.Image(im, caption=c) for im, c in zip(to_pil(images), captions)],
+                        f"{name}/reward": wandb.Histogram(all_rewards.float().cpu().numpy()),
                         "train/global_step": step,
                     }
                 )
@@ -75,6 +76,6 @@ def log_rollout_media(
             trackio = callback._trackio
             if hasattr(trackio, "Image"):
                 media = [trackio.Image(im, caption=c) for im, c in zip(to_pil(images), captions)]
-                trackio.log({f"completions/image_{i}": m for i, m in enumerate(media)}, step=step)
+                trackio.log({f"{name}/image_{i}": m for i, m in enumerate(media)}, step=step)
                 written.append("trackio")
     return written

@@ -86,6 +86,11 @@ class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
         reward_worker_thread (`bool`, defaults to `True`): Score each rollout chunk in a worker thread while the
             next chunk is denoised (with `rollout_batch_size` smaller than the local batch); results are identical.
 
+        > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
+
+        eval_num_generations (`int`, defaults to `1`): Samples per evaluation prompt, from the deterministic sampler.
+        eval_seed (`int`, defaults to `0`): Seed of the evaluation noise: every evaluation starts from the same noise.
+
         > Model
 
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
@@ -193,6 +198,10 @@ class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
     reward_worker_thread: bool = field(
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
+    eval_num_generations: int = field(default=1, metadata={"help": "Evaluation samples per prompt."})
+    eval_seed: int = field(
+        default=0, metadata={"help": "Seed of the evaluation noise (the same at every evaluation)."}
+    )
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
     )
@@ -233,6 +242,8 @@ class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
             )
         if self.video_reward_frames is not None and self.video_reward_frames < 1:
             raise ValueError(f"video_reward_frames must be >= 1 or None, got {self.video_reward_frames}")
+        if self.eval_num_generations < 1:
+            raise ValueError(f"eval_num_generations must be >= 1, got {self.eval_num_generations}")
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
 

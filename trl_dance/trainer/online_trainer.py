@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,7 @@ from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
 from ..sampling import RolloutPlan, group_generators, mix_seed, rollout, sample_generators
+from ..visualization import save_image_grid
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .media import log_rollout_media
 from .online_config import OnlineDiffusionConfig
@@ -87,9 +89,10 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
         args: OnlineDiffusionConfig | None = None,
         train_dataset: Dataset | None = None,
-        peft_config: LoraConfig | None = None,
+        eval_dataset: Dataset | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        peft_config: LoraConfig | None = None,
     ):
         args = self._resolve_args(model, args, self.config_class, self._name)
 
@@ -101,6 +104,10 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self._check_dataset(train_dataset, args)
         train_dataset = text_prompts(train_dataset)
+        if eval_dataset is not None:
+            if not isinstance(eval_dataset, Dataset) or "prompt" not in eval_dataset.column_names:
+                raise ValueError("eval_dataset must be a datasets.Dataset with a 'prompt' column")
+            eval_dataset = text_prompts(eval_dataset)
 
         policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
         if args.offload_frozen_expert and policy.frozen_expert is None:
@@ -110,12 +117,13 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             )
         policy.offload_frozen_expert = args.offload_frozen_expert
         self._check_policy(policy, args)
-        missing = [name for name in policy.condition_columns if name not in train_dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
-                f"PIL images for image-to-video); train_dataset has {train_dataset.column_names}"
-            )
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            missing = [c for c in policy.condition_columns if dataset is not None and c not in dataset.column_names]
+            if missing:
+                raise ValueError(
+                    f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
+                    f"PIL images for image-to-video); {name} has {dataset.column_names}"
+                )
         super().__init__(
             policy,
             args,
@@ -123,6 +131,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             need_reference=self._needs_reference(args),  # full fine-tuning then keeps a frozen copy
             data_collator=_identity,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             callbacks=callbacks,
             optimizers=optimizers,
         )
@@ -402,6 +411,64 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         return group_advantages(
             total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
         )
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Evaluation: the deterministic sampler on held-out prompts, fixed noise, every reward
+
+    def evaluate(
+        self, eval_dataset: Dataset | None = None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Score ``eval_dataset`` (default: the trainer's): ``eval_num_generations`` samples per prompt with the
+        deterministic sampler (no SDE noise) from noise seeded by (``eval_seed``, sample index), so that evaluations at
+        different steps compare policies on the same starts. Logs and returns ``{prefix}_reward``,
+        ``{prefix}_reward_std`` and ``{prefix}_rewards/<name>/mean|std``; sends the first ``num_completions_to_log``
+        images to the trackers and writes ``{prefix}_samples_step<N>.png`` to ``output_dir``. Call on every process."""
+        dataset = text_prompts(eval_dataset) if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate needs an eval_dataset (given here or to the trainer)")
+        args, accelerator = self.args, self.accelerator
+        rows = [row for row in dataset for _ in range(args.eval_num_generations)]
+        indices = list(range(len(rows)))
+        plan = RolloutPlan.deterministic(self.policy.num_steps)
+        scores, first_images = [], None
+        # Padded to equal shares: under ZeRO-3 every process must take part in every forward.
+        with accelerator.split_between_processes(indices, apply_padding=True) as mine:
+            for start in range(0, len(mine), args.per_device_eval_batch_size):
+                chunk = [rows[i] for i in mine[start : start + args.per_device_eval_batch_size]]
+                prompts = [row["prompt"] for row in chunk]
+                columns = {key: [row[key] for row in chunk] for key in chunk[0] if key != "prompt"}
+                generators = sample_generators(args.eval_seed, -1, mine[start], len(chunk))
+                conditions = {name: columns[name] for name in self.policy.condition_columns}
+                images = self.sample(prompts, generators, model=self.model, plan=plan, columns=conditions)["images"]
+                scores.append(score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames))
+                first_images = (images.cpu(), prompts) if first_images is None else first_images
+        all_scores = accelerator.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
+        total = (all_scores * self.reward_weights.to(all_scores.device)).sum(dim=1)
+        metrics = {
+            f"{metric_key_prefix}_reward": total.mean().item(),
+            f"{metric_key_prefix}_reward_std": total.std().item(),
+        }
+        for column, name in enumerate(self.reward_names):
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].mean().item()
+            metrics[f"{metric_key_prefix}_rewards/{name}/std"] = all_scores[:, column].std().item()
+        if accelerator.is_main_process and first_images is not None:
+            images, prompts = first_images
+            count, step = args.num_completions_to_log, self.state.global_step
+            log_rollout_media(
+                self.callback_handler.callbacks,
+                step,
+                images[:count],
+                prompts[:count],
+                total[:count],
+                total,
+                metric_key_prefix,
+            )
+            path = os.path.join(args.output_dir, f"{metric_key_prefix}_samples_step{step}.png")
+            os.makedirs(args.output_dir, exist_ok=True)
+            save_image_grid([images[:count]], path, size=128, captions=prompts[:count])
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
+        return metrics
 
     # ----------------------------------------------------------------------------------------------------------
     # Metrics
