@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import _BaseConfig
+from .ema import EMAArguments
 from .frozen_components import FrozenComponentsArguments
 
 _LOSS_TYPES = ("sigmoid", "hinge", "ipo")
@@ -12,7 +13,7 @@ _SCHEMES = ("none", "logit_normal", "mode")
 
 
 @dataclass
-class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
+class DiffusionDPOConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
     r"""
     Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
 
@@ -50,6 +51,7 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
             `DiffusionPipeline.from_pretrained` when `model` is a string.
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
+        use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
     """
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
@@ -91,6 +93,7 @@ class DiffusionDPOConfig(FrozenComponentsArguments, _BaseConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_frozen_components()
+        self._check_ema()
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(_LOSS_TYPES)}, got {self.loss_type!r}")
         if self.weighting_scheme not in _SCHEMES:

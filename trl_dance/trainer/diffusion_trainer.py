@@ -30,6 +30,7 @@ from .._compat import RepeatSampler, _BaseTrainer
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from .checkpoints import resolve_checkpoint, write_manifest
+from .ema import EMAUpdate, EMAWeights
 from .media import use_diffusers_callbacks
 
 
@@ -198,6 +199,12 @@ class DiffusionTrainer(_BaseTrainer):
         self._widget: list[dict] = []
         self._card_names: dict[str, Any] = {}
         self._base_license: dict[str, str] | None = None
+        self.ema = None
+        if args.use_ema:
+            if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+                raise ValueError("use_ema averages whole parameters, which ZeRO-3 shards: use ZeRO-2 or DDP")
+            self.ema = EMAWeights(denoiser, args.ema_decay)
+            self.add_callback(EMAUpdate(self.ema))
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):
@@ -385,6 +392,15 @@ class DiffusionTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
+        self._write_weights(output_dir, state_dict)
+        if self.ema is not None:  # the EMA beside the trained weights, in the same format
+            with self.ema.applied():
+                self._write_weights(os.path.join(output_dir, "ema"), None)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        self.create_model_card(output_dir=output_dir)
+
+    def _write_weights(self, output_dir: str, state_dict: dict | None) -> None:
+        """The LoRA (diffusers format) or the denoiser, from ``state_dict`` when given (gathered by DeepSpeed)."""
         os.makedirs(output_dir, exist_ok=True)
         denoiser = self.accelerator.unwrap_model(self.model)
         if has_lora(denoiser):
@@ -402,8 +418,6 @@ class DiffusionTrainer(_BaseTrainer):
                 max_shard_size=MAX_SHARD_SIZE,
                 metadata={"format": "pt"},
             )
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        self.create_model_card(output_dir=output_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # The Trainer copies only transformers' file names from the checkpoint to the folder it uploads: copy what
@@ -437,7 +451,8 @@ class DiffusionTrainer(_BaseTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        torch.save(self._resume_state(), os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
+        torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)
@@ -456,7 +471,12 @@ class DiffusionTrainer(_BaseTrainer):
                 )
             epoch = TrainerState.load_from_json(os.path.join(resume, TRAINER_STATE_NAME)).epoch or 0
             self._resume_epoch = int(epoch + 1e-6)  # int(1.9999999) would be 1: an epoch boundary's float epoch
-            self._restore_resume_state(torch.load(path, weights_only=True))
+            state = torch.load(path, weights_only=True)
+            if self.ema is not None:
+                if "ema" not in state:
+                    raise ValueError(f"checkpoint {resume!r} was saved without use_ema: it holds no EMA to resume")
+                self.ema.load_state_dict(state.pop("ema"))
+            self._restore_resume_state(state)
         return super().train(
             resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )

@@ -6,13 +6,14 @@ from typing import Any
 
 from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
+from .ema import EMAArguments
 from .frozen_components import FrozenComponentsArguments
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
-class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
+class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -100,6 +101,7 @@ class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
             Wan2.2-TI2V-5B.
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
+        use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
     """
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
@@ -213,6 +215,7 @@ class OnlineDiffusionConfig(FrozenComponentsArguments, _BaseConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_frozen_components()
+        self._check_ema()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
         _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))

@@ -6,6 +6,7 @@ how it splits it into micro-batches (:meth:`OnlineDiffusionTrainer._plan_round`)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -420,7 +421,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     ) -> dict[str, float]:
         """Score ``eval_dataset`` (default: the trainer's): ``eval_num_generations`` samples per prompt with the
         deterministic sampler (no SDE noise) from noise seeded by (``eval_seed``, sample index), so that evaluations at
-        different steps compare policies on the same starts. Logs and returns ``{prefix}_reward``,
+        different steps compare policies on the same starts; with ``use_ema``, the EMA weights. Logs and returns ``{prefix}_reward``,
         ``{prefix}_reward_std`` and ``{prefix}_rewards/<name>/mean|std``; sends the first ``num_completions_to_log``
         images to the trackers and writes ``{prefix}_samples_step<N>.png`` to ``output_dir``. Call on every process."""
         dataset = text_prompts(eval_dataset) if eval_dataset is not None else self.eval_dataset
@@ -432,7 +433,8 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         plan = RolloutPlan.deterministic(self.policy.num_steps)
         scores, first_images = [], None
         # Padded to equal shares: under ZeRO-3 every process must take part in every forward.
-        with accelerator.split_between_processes(indices, apply_padding=True) as mine:
+        ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        with ema, accelerator.split_between_processes(indices, apply_padding=True) as mine:
             for start in range(0, len(mine), args.per_device_eval_batch_size):
                 chunk = [rows[i] for i in mine[start : start + args.per_device_eval_batch_size]]
                 prompts = [row["prompt"] for row in chunk]
