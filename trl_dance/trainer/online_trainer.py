@@ -77,9 +77,11 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             with ``accepts_video = True``).
         args: the configuration.
         train_dataset: a ``datasets.Dataset`` with a ``prompt`` column.
-        peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` trains the
-            whole denoiser.
+        eval_dataset: held-out prompts (a ``prompt`` column, and the policy's condition columns), scored by
+            :meth:`evaluate` at ``eval_steps``.
         callbacks, optimizers: as in ``transformers.Trainer``.
+        peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` trains the
+            whole denoiser. Last, as in ``trl.GRPOTrainer``.
     """
 
     config_class: type[OnlineDiffusionConfig] = OnlineDiffusionConfig
