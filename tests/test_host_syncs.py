@@ -119,3 +119,51 @@ def test_a_noiseless_trainable_step_is_refused_once_at_construction(tiny_model_d
         policy.check_schedule()
     # CPS's last step lands on sigma = 0 with zero noise; it is never trained, so the schedule is valid.
     make_policy(pipeline, SamplerSettings(num_inference_steps=4, height=32, width=32, sde_type="cps")).check_schedule()
+
+
+def test_windowed_branched_flash_rollout_and_guard_step_never_read_the_device(tiny_model_dir, tmp_path):
+    """A Flow-GRPO-Fast window reached by a branched prefix, MixGRPO-Flash's DPM-Solver++ after it, and a GRPO-Guard
+    micro-step."""
+    extra = {"sde_window_size": 2, "sde_window_range": [1, 4], "branching": True, "post_window_step_ratio": 0.5}
+    extra |= {"post_window_solver": "dpm_solver++", "ratio_normalization": True, "step_reweighting": True}
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"),
+        "brightness",
+        args=tiny_grpo_config(tmp_path, sde_type="flow_grpo", eta=0.7, gradient_accumulation_steps=2, **extra),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
+        peft_config=_lora(),
+    )
+    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    cond = trainer.policy.encode_prompts([PROMPTS[0]] * 4)
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    plan, groups = trainer.rollout_plan(1), [0, 0, 1, 1]
+    noise = trainer.policy.initial_noise(generators[:1]).expand(4, -1, -1)
+    assert plan.sde_start >= 1 and plan.post_window_sigmas is not None
+    with HostReads() as probe:
+        trainer.sample(PROMPTS[:4], generators, cond=cond, initial_noise=noise, plan=plan, groups=groups)
+        trainer.compute_loss(trainer.model, trainer._microbatch(trainer._microbatches[0])).backward()
+    assert not probe.reads, probe.reads
+
+
+@pytest.mark.parametrize("loss_type", ["nft", "awm", "dgpo"])
+def test_forward_process_rollout_and_micro_step_never_read_the_device(tiny_model_dir, tmp_path, loss_type):
+    from conftest import tiny_online_values
+
+    from trl_dance import DiffusionNFTConfig, DiffusionNFTTrainer
+
+    values = tiny_online_values(tmp_path) | {"timestep_fraction": 0.5, "gradient_accumulation_steps": 3}
+    values |= {"loss_type": loss_type, "rollout_solver": "dpm_solver++"}
+    trainer = DiffusionNFTTrainer(
+        tiny_model_dir("flux"),
+        "brightness",
+        args=DiffusionNFTConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
+        peft_config=_lora(),
+    )
+    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    cond = trainer.policy.encode_prompts(PROMPTS[:2])
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    with HostReads() as probe:
+        trainer.sample(PROMPTS[:2], generators, model=trainer._rollout_model(), cond=cond)
+        trainer.compute_loss(trainer.model, trainer._microbatch(trainer._microbatches[0])).backward()
+    assert not probe.reads, probe.reads

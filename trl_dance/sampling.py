@@ -9,6 +9,7 @@ policy's: :meth:`~trl_dance.policies.DiffusionPolicy.step` and ``solve``; this m
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,14 +140,13 @@ def compressed_steps(remaining: int, ratio: float) -> int:
     return max(1, math.floor(ratio * remaining + 1e-9))
 
 
-def _representatives(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _representatives(groups: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """First index of each distinct group id (in order of appearance) and each sample's position among them."""
-    ids = groups.tolist()
     first: dict[int, int] = {}
-    for index, group in enumerate(ids):
+    for index, group in enumerate(groups):
         first.setdefault(group, index)
     order = list(first)
-    return torch.tensor(list(first.values())), torch.tensor([order.index(group) for group in ids])
+    return torch.tensor(list(first.values())), torch.tensor([order.index(group) for group in groups])
 
 
 @torch.no_grad()
@@ -157,7 +157,7 @@ def rollout(
     cond: Conditioning,
     noise: torch.Tensor,
     plan: RolloutPlan,
-    groups: torch.Tensor | None = None,
+    groups: Sequence[int] | None = None,
     keep_means: bool = False,
 ) -> dict[str, torch.Tensor | int]:
     """Denoise a batch along ``plan``.
@@ -169,7 +169,7 @@ def rollout(
         cond: conditioning of each of the B samples.
         noise: (N, B, ...) standard normal noise of every step of every sample (a step that is deterministic ignores
             its noise, so a sample's stochastic steps get the same noise whatever the plan).
-        groups: (B,) group ids. Samples of a group must share their starting latents and conditioning; the steps
+        groups: B group ids (host integers). Samples of a group must share their starting latents and conditioning; the steps
             before ``plan.sde_start`` are then computed once per group (branching), and the group's samples differ
             only from the window on.
         keep_means: also return each stored step's Gaussian mean (GRPO-Guard's ratio normalisation).
@@ -181,7 +181,7 @@ def rollout(
     """
     batch, calls, start = latents.shape[0], 0, 0
     if groups is not None and plan.sde_start > 0:
-        reps, inverse = _representatives(groups.cpu())
+        reps, inverse = _representatives(groups)
         reps_device = reps.to(latents.device)
         shared = {key: value[reps_device] for key, value in cond.items()}
         prefix = latents[reps_device]

@@ -70,6 +70,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
                 f"{name} gives the first latent frame (Wan 2.2 TI2V image-to-video); the forward-process loss would "
                 "train it: not supported yet"
             )
+        self._grid = tuple(policy.sigmas.tolist())  # the rollout's σ grid, read once
         levels = self._levels(policy)
         if args.timesteps_per_sample > len(levels):
             raise ValueError(
@@ -93,8 +94,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         steps = self.policy.num_steps
         if self.args.rollout_solver == "ode":
             return RolloutPlan.deterministic(steps)
-        sigmas = tuple(self.policy.sigmas.tolist())
-        return RolloutPlan.deterministic(steps, post_window_sigmas=sigmas, post_window_solver="dpm_solver++")
+        return RolloutPlan.deterministic(steps, post_window_sigmas=self._grid, post_window_solver="dpm_solver++")
 
     def _rollout_model(self) -> torch.nn.Module:
         return self.old_policy.model
@@ -125,15 +125,17 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             samples = (unit[:, None] * group + members).flatten()
             chosen = levels[draws[order]].repeat_interleave(group)
             noise = seeds[order].repeat_interleave(group)
-            items.extend(zip(*(x.split(args.per_device_train_batch_size) for x in (samples, chosen, noise))))
+            size = args.per_device_train_batch_size
+            # Seeds as host integers: a micro-batch draws its noise without reading a tensor.
+            items.extend(zip(samples.split(size), chosen.split(size), (c.tolist() for c in noise.split(size))))
         return items
 
-    def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, Any]:
         rollout, device = self._rollout, self.accelerator.device
         samples, levels, seeds = item
         x0 = rollout["x0"][samples.to(device)]
         noise = torch.stack(
-            [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
+            [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
         ).to(device)
         sigma = self.policy.sigmas[levels].to(device)
         shape = (-1,) + (1,) * (x0.ndim - 1)

@@ -282,7 +282,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         initial_noise: torch.Tensor | None = None,
         columns: dict[str, list] | None = None,
         plan: RolloutPlan | None = None,
-        groups: torch.Tensor | None = None,
+        groups: list[int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Denoise one batch along a noise plan (:func:`trl_dance.sampling.rollout`).
 
@@ -297,7 +297,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             cond: precomputed conditioning of the B samples.
             initial_noise: (B, ...) starting latents to use instead of drawing them.
             plan: the noise plan (default: :meth:`rollout_plan` of the next round).
-            groups: (B,) group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
+            groups: B group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
 
         Returns:
             ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
@@ -348,7 +348,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
         generators = sample_generators(args.seed, self._generation_round, first_index, batch)
         plan = self.rollout_plan()
-        groups = torch.arange(first_index, first_index + batch) // args.num_generations if self._branching() else None
+        groups = None
+        if self._branching():  # host integers: the rollout picks a group's representative without a device read
+            groups = [(first_index + j) // args.num_generations for j in range(batch)]
         chunk = args.rollout_batch_size or batch
         parts, scores = [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
