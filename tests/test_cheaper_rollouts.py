@@ -428,3 +428,14 @@ def test_eval_dataset_needs_prompts(tiny_model_dir, tmp_path):
             Dataset.from_dict({"prompt": PROMPTS[:8]}),
             Dataset.from_dict({"text": ["a boat"]}),
         )
+
+
+def test_scale_rewards_takes_trls_booleans(tmp_path):
+    for value, expected in (
+        (True, "group"),
+        (False, "none"),
+        ("true", "group"),
+        ("False", "none"),
+        ("batch", "batch"),
+    ):
+        assert tiny_grpo_config(tmp_path, scale_rewards=value).scale_rewards == expected

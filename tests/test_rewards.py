@@ -44,3 +44,16 @@ def test_score_images_stacks_and_validates():
     assert scores.shape == (2, 2) and scores.dtype == torch.float32
     with pytest.raises(ValueError, match="returned 1 values for 2 images"):
         score_images([lambda prompts, images, **kw: [1.0]], ["a", "b"], images, {})
+
+
+def test_dotted_reward_paths_as_in_trl():
+    """``pkg.module.func`` (TRL's GRPO script form) resolves like ``pkg.module:func``; a wrong one names the module."""
+    from trl_dance.rewards import get_reward_function
+    from trl_dance.rewards.pixel import brightness
+
+    assert get_reward_function("trl_dance.rewards.pixel.brightness") is brightness
+    assert get_reward_function("trl_dance.rewards.pixel:brightness") is brightness
+    with pytest.raises(ValueError, match="cannot import 'no_such_package.rewards'"):
+        get_reward_function("no_such_package.rewards.score")
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        get_reward_function("trl_dance.rewards.pixel.missing")

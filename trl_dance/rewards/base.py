@@ -35,7 +35,8 @@ def _registry() -> dict[str, Callable[..., Any]]:
 
 
 def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
-    """Resolve a reward: a callable (returned as is), a registered name (``"hpsv2"``), or ``"module.path:func"``.
+    """Resolve a reward: a callable (returned as is), a registered name (``"hpsv2"``), ``"module.path:func"``, or
+    ``"module.path.func"`` (the dotted form TRL's GRPO script takes).
 
     Args:
         kwargs: constructor arguments of a registered model reward (checkpoint paths, dtype, batch size), e.g.
@@ -55,14 +56,19 @@ def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
         if kwargs:
             raise ValueError(f"reward {spec!r} takes no arguments, got {sorted(kwargs)}")
         return entry
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        func = getattr(importlib.import_module(module_name), attr, None)
+    if ":" in spec or "." in spec:
+        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            raise ValueError(f"reward {spec!r}: cannot import {module_name!r} ({error})") from error
+        func = getattr(module, attr, None)
         if not callable(func):
             raise ValueError(f"reward {spec!r}: {module_name} has no callable {attr!r}")
         return func(**kwargs) if isinstance(func, type) else func
     raise ValueError(
-        f"unknown reward {spec!r}; registered rewards: {sorted(registry)}, or pass 'module.path:function'"
+        f"unknown reward {spec!r}; registered rewards: {sorted(registry)}, or pass 'module.path:function' or "
+        "'module.path.function'"
     )
 
 

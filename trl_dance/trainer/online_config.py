@@ -63,7 +63,8 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
             the weighted sum of the rewards, then the advantage statistics of `scale_rewards`;
             `"normalize_then_sum"` (GDPO): each reward normalised in its group (std + 1e-4), weighted and summed,
             then normalised over the batch.
-        scale_rewards (`str`, defaults to `"group"`): Advantage statistics. `"group"`: group mean and std
+        scale_rewards (`str` or `bool`, defaults to `"group"`): Advantage statistics (TRL's `True` is `"group"`, `False`
+            `"none"`). `"group"`: group mean and std
             (DanceGRPO); `"batch"`: group mean, batch std (Flow-GRPO); `"none"`: group mean only; `"per_prompt"`:
             DDPO's running mean and std of each prompt's last `per_prompt_buffer_size` rewards, or of the whole batch
             while a prompt has fewer than `per_prompt_min_count` (allows `num_generations=1`).
@@ -218,6 +219,8 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
         self._check_ema()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
+        if str(self.scale_rewards).lower() in ("true", "false"):  # TRL's booleans: True is "group", False "none"
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
         _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))
         _choice("train_expert", self.train_expert, ("high_noise", "low_noise"))
         _choice("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
