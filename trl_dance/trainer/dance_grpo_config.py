@@ -157,12 +157,8 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
         if not self.epsilon > 0 or not math.isfinite(self.epsilon):
             raise ValueError(f"epsilon must be > 0, got {self.epsilon}")
         self._check_cheaper_rollouts()
-        if self.best_of_n_k is not None and self.per_device_generation_batch_size % self.num_generations:
-            raise ValueError(
-                f"best_of_n_k selects within whole groups, but each process holds {self.per_device_generation_batch_size} "
-                f"samples, not a multiple of num_generations ({self.num_generations}); make generation_batch_size a "
-                f"multiple of num_generations × the {self.world_size} processes"
-            )
+        if self.best_of_n_k is not None:
+            self._check_whole_groups("best_of_n_k selects within")
 
     def _round_items(self) -> tuple[int, str]:
         samples, k = self.per_device_trained_samples, self.timesteps_per_sample

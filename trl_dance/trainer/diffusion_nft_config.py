@@ -114,16 +114,9 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
             if not value > 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.loss_type == "dgpo":
-            group = self.num_generations
-            for name, value in (
-                ("per_device_train_batch_size", self.per_device_train_batch_size),
-                ("generation_batch_size / num_processes", self.per_device_generation_batch_size),
-            ):
-                if value % group:
-                    raise ValueError(
-                        f"loss_type='dgpo' weighs whole groups: {name} ({value}) must be a multiple of "
-                        f"num_generations ({group})"
-                    )
+            self._check_whole_groups(
+                "loss_type='dgpo' weighs", per_device_train_batch_size=self.per_device_train_batch_size
+            )
         if not self.adv_clip_max > 0:
             raise ValueError(f"adv_clip_max must be > 0: it maps advantages to probabilities, got {self.adv_clip_max}")
 

@@ -71,7 +71,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
                 "train it: not supported yet"
             )
         self._grid = tuple(policy.sigmas.tolist())  # the rollout's σ grid, read once
-        levels = self._levels(policy)
+        levels = policy.trained_denoiser_steps()
         if args.timesteps_per_sample > len(levels):
             raise ValueError(
                 f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} noise levels per "
@@ -81,11 +81,6 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
     @staticmethod
     def _needs_reference(args: DiffusionNFTConfig) -> bool:
         return args.beta > 0 or args.loss_type == "dgpo"
-
-    @staticmethod
-    def _levels(policy: DiffusionPolicy) -> list[int]:
-        """The grid indices whose σ the items are noised to: those the trained denoiser serves."""
-        return policy.trained_denoiser_steps()
 
     # ----------------------------------------------------------------------------------------------------------
     # Rounds
@@ -111,7 +106,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         DGPO a whole group shares each level and noise, and micro-batches hold whole groups (consecutive rows)."""
         args = self.args
         self._rollout["x0"] = rollout["final_latents"]
-        levels = torch.tensor(self._levels(self.policy))
+        levels = torch.tensor(self.policy.trained_denoiser_steps())  # the grid σ the items are noised to
         # The unit drawn: a sample, or for DGPO a group (which every process holds whole).
         group = args.num_generations if args.loss_type == "dgpo" else 1
         units, k = len(advantages) // group, args.timesteps_per_sample

@@ -296,6 +296,18 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
         """Training items per process per round, and how they are counted (for errors)."""
         raise NotImplementedError
 
+    def _check_whole_groups(self, what: str, **counts: int) -> None:
+        """Raise unless each of ``counts`` (``generation_batch_size / num_processes`` always among them) is a multiple
+        of ``num_generations``: ``what`` needs every group whole on one process (and in one micro-batch)."""
+        counts = {"generation_batch_size / num_processes": self.per_device_generation_batch_size, **counts}
+        for name, value in counts.items():
+            if value % self.num_generations:
+                raise ValueError(
+                    f"{what} whole groups: {name} ({value}) must be a multiple of num_generations "
+                    f"({self.num_generations}); with {self.world_size} processes, generation_batch_size must be a "
+                    f"multiple of num_generations × {self.world_size}"
+                )
+
     @property
     def per_device_generation_batch_size(self) -> int:
         """Samples each process generates per round."""
