@@ -12,7 +12,7 @@ from PIL import Image
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.preference_data import PreferenceCollator, load_image
 from trl_dance.testing import tiny_preference_dataset
-from trl_dance.trainer.diffusion_dpo_trainer import dpo_loss
+from trl_dance.losses import dpo_losses
 
 
 def _config(tmp_path, **overrides):
@@ -50,16 +50,53 @@ def test_loss_matches_hand_computation():
     beta = 10.0
     z = -beta / 2 * ((pw - pl) - (rw - rl))  # [0.5, -1.0]
     torch.testing.assert_close(z, torch.tensor([0.5, -1.0]))
-    loss, got_z = dpo_loss(pw, pl, rw, rl, beta)
-    assert torch.equal(got_z, z)
-    expected = (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 2
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
-    assert dpo_loss(pw, pl, rw, rl, beta, "hinge")[0].item() == pytest.approx((0.5 + 2.0) / 2)
+
+    def loss(kinds, **kwargs):
+        losses, chosen, rejected = dpo_losses(pw, pl, rw, rl, beta, kinds, **kwargs)
+        torch.testing.assert_close(chosen - rejected, z)  # TRL's rewards/margins is z
+        return losses.mean().item()
+
+    softplus = lambda x: math.log1p(math.exp(x))  # noqa: E731  −log σ(−x)
+    expected = (softplus(-0.5) + softplus(1.0)) / 2
+    assert loss(["sigmoid"]) == pytest.approx(expected, rel=1e-6)
+    assert loss(["hinge"]) == pytest.approx((0.5 + 2.0) / 2)
     ipo = ((0.5 / beta - 1 / (2 * beta)) ** 2 + (-1.0 / beta - 1 / (2 * beta)) ** 2) / 2
-    assert dpo_loss(pw, pl, rw, rl, beta, "ipo")[0].item() == pytest.approx(ipo, rel=1e-6)
+    assert loss(["ipo"]) == pytest.approx(ipo, rel=1e-6)
+    # robust with ε: ((1 − ε)·(−log σ(z)) − ε·(−log σ(−z))) / (1 − 2ε); ε = 0 is sigmoid.
+    eps = 0.1
+    robust = [((1 - eps) * softplus(-v) - eps * softplus(v)) / (1 - 2 * eps) for v in (0.5, -1.0)]
+    assert loss(["robust"], label_smoothing=eps) == pytest.approx(sum(robust) / 2, rel=1e-6)
+    assert loss(["robust"]) == pytest.approx(expected, rel=1e-6)
+    # sft is the chosen image's denoising error; types add up with their weights.
+    assert loss(["sft"]) == pytest.approx(0.2, rel=1e-6)
+    assert loss(["sigmoid", "sft"], loss_weights=[1.0, 0.5]) == pytest.approx(expected + 0.1, rel=1e-6)
+    # exo_pair is a KL divergence: >= 0, and 0 where softmax(z) = (1 − ε, ε).
+    target = math.log((1 - 1e-3) / 1e-3)
+    at = dpo_losses(  # policy error −2·target/β on the chosen image: z = target
+        torch.tensor([-2 * target / beta]),
+        torch.zeros(1),
+        torch.zeros(1),
+        torch.zeros(1),
+        beta,
+        ["exo_pair"],
+        label_smoothing=1e-3,
+    )
+    assert at[0].item() == pytest.approx(0.0, abs=1e-6) and loss(["exo_pair"], label_smoothing=1e-3) > 0
     # A tie (weight ½) is scored in both orders.
-    tie = dpo_loss(pw[:1], pl[:1], rw[:1], rl[:1], beta, weights=torch.tensor([0.5]))[0].item()
-    assert tie == pytest.approx(0.5 * math.log(1 + math.exp(-0.5)) + 0.5 * math.log(1 + math.exp(0.5)), rel=1e-6)
+    tie = dpo_losses(pw[:1], pl[:1], rw[:1], rl[:1], beta, weights=torch.tensor([0.5]))[0].item()
+    assert tie == pytest.approx(0.5 * softplus(-0.5) + 0.5 * softplus(0.5), rel=1e-6)
+
+
+def test_loss_types_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="loss_type must be a list of"):
+        _config(tmp_path, loss_type=["sigmoid", "kto"])
+    with pytest.raises(ValueError, match="one weight per loss_type"):
+        _config(tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match=r"robust loss needs label_smoothing in \[0, 0.5\)"):
+        _config(tmp_path, loss_type="robust", label_smoothing=0.5)
+    with pytest.raises(ValueError, match="exo_pair loss needs label_smoothing"):
+        _config(tmp_path, loss_type="exo_pair")
+    assert _config(tmp_path, loss_type="hinge").loss_type == ["hinge"]  # a string, as TRL accepts
 
 
 @pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "flux"])
@@ -114,7 +151,7 @@ def _preferred_projection(trainer, data, kind, denoiser):
 def _denoiser_of_the_pairs(model_dir, data, folder) -> str:
     """A copy of the tiny pipeline whose denoiser was trained (150 SFT steps, full fine-tune) to denoise the pairs'
     images, saved to ``folder``: like a real checkpoint, its prediction then depends on the image in a data-aware way."""
-    args = _config(folder, sft=True, max_steps=150, learning_rate=1e-3, seed=LEARNING_SEED, logging_steps=50)
+    args = _config(folder, loss_type=["sft"], max_steps=150, learning_rate=1e-3, seed=LEARNING_SEED, logging_steps=50)
     trainer = DiffusionDPOTrainer(model_dir, args=args, train_dataset=data)
     trainer.train()
     trainer.policy.pipeline.save_pretrained(str(folder / "pipeline"))
@@ -270,7 +307,7 @@ def test_bad_preference_data_is_named(tiny_model_dir, tmp_path, caplog):
     rows = {"caption": ["a", "b"], "jpg_0": [red, red], "jpg_1": [blue, blue], "label_0": [1.0, 2.0]}
     with pytest.raises(ValueError, match=r"label_0 of row 1 is 2.0; Pick-a-Pic labels are 1 \(jpg_0 wins\), 0 or 0.5"):
         trainer(rows)
-    with pytest.raises(ValueError, match="no preference pairs to train on \\(2 ties were dropped; ties='keep'"):
+    with pytest.raises(ValueError, match="train_dataset has no preference pairs \\(2 ties were dropped; ties='keep'"):
         trainer(rows | {"label_0": [0.5, 0.5]})
 
     truncated = red[: len(red) // 2]
@@ -327,14 +364,14 @@ def test_bad_inputs_fail_at_construction(tiny_model_dir, tmp_path):
 def test_sft_mode_and_lora_export(tiny_model_dir, tmp_path):
     data = _synthetic_pairs("sd", count=8)
     trainer = DiffusionDPOTrainer(
-        tiny_model_dir("sd"), args=_config(tmp_path, sft=True), train_dataset=data, peft_config=_lora()
+        tiny_model_dir("sd"), args=_config(tmp_path, loss_type=["sft"]), train_dataset=data, peft_config=_lora()
     )
     trainer.train()
     assert "implicit_acc" not in trainer.state.log_history[0] and "mse/chosen/policy" in trainer.state.log_history[0]
     trainer.save_model(str(tmp_path / "lora"))
     trainer.create_model_card()
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "diffusion-dpo" in card and "SFT on the chosen images" in card and "arXiv:2311.12908" in card
+    assert "diffusion-dpo" in card and "sft loss" in card and "arXiv:2311.12908" in card
     pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir("sd"))
     pipeline.load_lora_weights(str(tmp_path / "lora"))
     latents, t = torch.randn(2, 4, 16, 16), torch.tensor([10, 500])

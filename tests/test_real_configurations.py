@@ -106,7 +106,8 @@ def test_flow_dpo_draws_sigma_on_the_shifted_training_grid(tiny_model_dir, tmp_p
         args=_dpo_args(tmp_path, weighting_scheme=scheme),
         train_dataset=tiny_preference_dataset("sd3", 4),
     )
-    _, _, timesteps = trainer._noise_and_timesteps(torch.zeros(2 * 20000, 4, 2, 2))
+    latents = torch.zeros(2 * 20000, 4, 2, 2)
+    _, _, timesteps = trainer._noised(latents, *trainer._draw(latents[::2].shape, trainer._noise_generator, "cpu"))
     sigma = timesteps[0::2] / 1000
     assert torch.equal(timesteps[0::2], timesteps[1::2])  # one σ per pair
     assert abs(sigma.mean().item() - expected) < 0.01

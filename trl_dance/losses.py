@@ -1,8 +1,9 @@
-"""Policy-gradient losses on denoising transitions (pure tensor math, ALGORITHMS.md §6, ALGORITHMS-NEXT.md §2.6)."""
+"""Losses on denoising transitions and preference pairs (pure tensor math, ALGORITHMS.md §4, §6, ALGORITHMS-NEXT.md §2.6)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def clipped_surrogate(
@@ -163,3 +164,72 @@ __all__ = [
     "normalized_log_ratio",
     "optimality_probability",
 ]
+
+
+# Diffusion-DPO (ALGORITHMS.md §6) with TRL's DPO loss types. A pair's implicit rewards are β times its log-ratios
+# r_w = −½(e_θ^w − e_ref^w), r_l = −½(e_θ^l − e_ref^l) (per-sample denoising errors e, the paper's T·ω(λ) folded into
+# β), so z = β(r_w − r_l) = −β/2·((e_θ^w − e_θ^l) − (e_ref^w − e_ref^l)), and each loss is TRL's formula in them.
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "apo_zero", "apo_down", "sft")
+
+
+def _dpo_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, beta: float, smoothing: float) -> torch.Tensor:
+    """Per-pair loss of one type from the log-ratios ``chosen`` = r_w and ``rejected`` = r_l, (B,)."""
+    z = beta * (chosen - rejected)
+    if kind == "sigmoid":
+        return -F.logsigmoid(z)
+    if kind == "hinge":
+        return torch.relu(1 - z)
+    if kind == "ipo":  # (Δ − 1/(2β))², β as IPO's τ
+        return (chosen - rejected - 1 / (2 * beta)) ** 2
+    if kind == "robust":  # labels flipped with probability ε (Chowdhury et al., 2024)
+        return ((1 - smoothing) * -F.logsigmoid(z) + smoothing * F.logsigmoid(-z)) / (1 - 2 * smoothing)
+    if kind == "exo_pair":  # KL(softmax(z) ‖ (1 − ε, ε)) over the pair
+        eps = torch.tensor(smoothing, dtype=z.dtype, device=z.device)
+        return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-eps)) + torch.sigmoid(-z) * (
+            F.logsigmoid(-z) - torch.log(eps)
+        )
+    if kind == "bco_pair":
+        return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+    if kind == "apo_zero":
+        return 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected)
+    if kind == "apo_down":
+        return torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(z)
+    raise ValueError(f"unknown DPO loss type {kind!r}; one of {list(DPO_LOSS_TYPES)}")
+
+
+def dpo_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | None,
+    ref_rejected: torch.Tensor | None,
+    beta: float,
+    loss_types: list[str] | tuple[str, ...] = ("sigmoid",),
+    loss_weights: list[float] | None = None,
+    label_smoothing: float = 0.0,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Diffusion-DPO per pair from per-sample denoising errors, all (B,) float32.
+
+    ``loss_types`` are TRL's names, summed with ``loss_weights`` (default 1 each); ``sft`` is the plain denoising
+    error of the chosen image (no reference needed: ``ref_*`` may be None when it is the only type).
+    ``weights`` (B,) in {1, 0.5}: a pair of weight ½ (a tie) is scored in both orders, half each.
+
+    Returns the per-pair losses (B,) and the implicit rewards β·r_w and β·r_l (B,) (zeros without a reference).
+    """
+    loss_weights = [1.0] * len(loss_types) if loss_weights is None else loss_weights
+    if ref_chosen is None:
+        ref_chosen, ref_rejected = policy_chosen.detach(), policy_rejected.detach()
+    chosen = -0.5 * (policy_chosen - ref_chosen)
+    rejected = -0.5 * (policy_rejected - ref_rejected)
+
+    def ordered(first: torch.Tensor, second: torch.Tensor, first_error: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros_like(first)
+        for kind, weight in zip(loss_types, loss_weights):
+            term = first_error if kind == "sft" else _dpo_loss(kind, first, second, beta, label_smoothing)
+            total = total + weight * term
+        return total
+
+    losses = ordered(chosen, rejected, policy_chosen)
+    if weights is not None:
+        losses = weights * losses + (1 - weights) * ordered(rejected, chosen, policy_rejected)
+    return losses, beta * chosen.detach(), beta * rejected.detach()

@@ -245,3 +245,31 @@ __all__ = [
     "rollout",
     "sample_generators",
 ]
+
+
+def generate(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    generators: list[torch.Generator],
+    cond: Conditioning,
+    plan: RolloutPlan,
+    initial_noise: torch.Tensor | None = None,
+    groups: list[int] | None = None,
+    keep_means: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Denoise B samples along ``plan`` and decode them: :func:`rollout` plus its noise and the images.
+
+    Sample ``b`` draws its initial noise (unless ``initial_noise`` (B, ...) is given) and then the noise of all N
+    steps from the CPU generator ``generators[b]``, so it depends neither on the batch it is in nor on which steps the
+    plan makes stochastic. Autocast is the caller's. Returns :func:`rollout`'s dict plus ``images`` (B, 3, H, W)
+    float32 in [0, 1] (videos: (B, F, 3, H, W)).
+    """
+    with torch.no_grad(), policy.sampling():
+        latents = policy.initial_noise(generators) if initial_noise is None else initial_noise
+        # (N, B, ...): every step's noise of every sample, moved to the device once.
+        noise = torch.stack(
+            [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
+        ).to(latents.device)
+        result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means=keep_means)
+        result["images"] = policy.decode(policy.final_latents(result["final_latents"], cond))
+    return result

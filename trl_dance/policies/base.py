@@ -374,8 +374,11 @@ class DiffusionPolicy(ABC):
         return getattr(config, "shift_factor", None) or 0.0, scaling
 
     @torch.no_grad()
-    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`."""
+    def encode_images(
+        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`; the
+        VAE posterior's sample drawn from ``generator`` (or one per image)."""
         vae = self.pipeline.vae
         latents = vae.encode(images.to(device=self.device, dtype=vae.dtype)).latent_dist.sample(generator).float()
         offset, scale = self._latent_affine(latents)

@@ -88,7 +88,9 @@ class FluxPolicy(FlowMatchingPolicy):
             return_dict=False,
         )[0]
 
-    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_images(
+        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> torch.Tensor:
         latents = super().encode_images(images, generator)
         batch, channels, height, width = latents.shape
         return self.pipeline._pack_latents(latents, batch, channels, height, width)

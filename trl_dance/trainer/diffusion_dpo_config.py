@@ -5,29 +5,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import _BaseConfig
+from ..losses import DPO_LOSS_TYPES
 from .ema import EMAArguments
+from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 
-_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 _SCHEMES = ("none", "logit_normal", "mode")
 
 
 @dataclass
-class DiffusionDPOConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
+class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
     r"""
     Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
 
     Per pair, one timestep and one noise are shared by the chosen (w) and rejected (l) image. With per-sample
-    denoising errors ``e = mean((pred − target)²)`` (float32, over C, H, W) of the policy and the reference,
-    ``z = −β/2 · ((e_θ^w − e_θ^l) − (e_ref^w − e_ref^l))`` and the loss is ``−log σ(z)`` (sigmoid), ``relu(1 − z)``
-    (hinge) or ``(z/β − 1/(2β))²`` (ipo). Targets: ε for ε-prediction models (SD1.x, SDXL), the velocity ``ε − x0``
-    for rectified flow (SD3, FLUX).
+    denoising errors ``e = mean((pred − target)²)`` (float32, over C, H, W) of the policy and the reference, the
+    implicit rewards are ``β·r_w = −β/2·(e_θ^w − e_ref^w)`` and ``β·r_l`` likewise, ``z = β(r_w − r_l)``, and the loss
+    is TRL's for each `loss_type` in them: ``−log σ(z)`` (sigmoid), ``relu(1 − z)`` (hinge), ``(r_w − r_l −
+    1/(2β))²`` (ipo), ... Targets: ε (or v) for SD1.x/SDXL, the velocity ``ε − x0`` for rectified flow (SD3, FLUX).
 
     Parameters:
         beta (`float`, defaults to `5000.0`): β in the units above: 2000–5000 for SD1.5/SDXL; flow-matching ports use
             much smaller values (e.g. 100).
-        loss_type (`str`, defaults to `"sigmoid"`): `"sigmoid"`, `"hinge"` or `"ipo"`.
-        sft (`bool`, defaults to `False`): Train the plain denoising loss on the chosen images only (no reference).
+        loss_type (`list[str]`, defaults to `["sigmoid"]`): TRL's DPO loss types, summed with `loss_weights`:
+            `"sigmoid"`, `"hinge"`, `"ipo"`, `"robust"`, `"exo_pair"`, `"bco_pair"`, `"apo_zero"`, `"apo_down"` and
+            `"sft"` (the denoising loss on the chosen image; alone, it trains without a reference), e.g.
+            `["sigmoid", "sft"]`.
+        loss_weights (`list[float]` or `None`, defaults to `None`): One weight per loss type (`None`: 1 each).
+        label_smoothing (`float`, defaults to `0.0`): The probability that a label is flipped, as in TRL: `robust`
+            needs it in [0, 0.5), `exo_pair` in (0, 1).
         weighting_scheme (`str`, defaults to `"none"`): Flow models, as diffusers' training scripts
             (`compute_density_for_timestep_sampling`): u ~ U(0, 1) (`"none"`), sigmoid(N(logit_mean, logit_std))
             (`"logit_normal"`) or the SD3 paper's `"mode"` density; then σ = the scheduler's own training grid at
@@ -52,6 +58,15 @@ class DiffusionDPOConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
         use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
+
+        > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
+
+        eval_prompts (`list[str]` or `None`, defaults to `None`): Prompts sampled at every evaluation (deterministic
+            sampler, fixed noise, the EMA with `use_ema`), sent to the trackers and written to
+            `eval_samples_step<N>.png`.
+        eval_seed, eval_num_inference_steps, eval_guidance_scale, eval_negative_prompt: the noise seed (of the
+            images and of the eval loss's timesteps and noise) and the sampler settings (default: the pipeline's
+            own), see [`~trl_dance.trainer.evaluation.EvaluationArguments`].
     """
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
@@ -65,10 +80,11 @@ class DiffusionDPOConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the image columns."})
 
     beta: float = field(default=5000.0, metadata={"help": "DPO β (5000 for SD1.5/SDXL; ~100 for flow models)."})
-    loss_type: str = field(
-        default="sigmoid", metadata={"help": "sigmoid | hinge | ipo.", "choices": list(_LOSS_TYPES)}
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"], metadata={"help": f"TRL DPO loss types: {', '.join(DPO_LOSS_TYPES)}."}
     )
-    sft: bool = field(default=False, metadata={"help": "Plain denoising loss on the chosen images only."})
+    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "Label flip probability (robust, exo_pair)."})
     weighting_scheme: str = field(
         default="none",
         metadata={"help": "Flow models' timestep density: none | logit_normal | mode.", "choices": list(_SCHEMES)},
@@ -89,13 +105,33 @@ class DiffusionDPOConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
     )
+    eval_prompts: list[str] | None = field(
+        default=None, metadata={"help": "Prompts sampled at every evaluation (images to the trackers)."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
         self._check_frozen_components()
         self._check_ema()
-        if self.loss_type not in _LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {list(_LOSS_TYPES)}, got {self.loss_type!r}")
+        self._check_evaluation()
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        unknown = [kind for kind in self.loss_type if kind not in DPO_LOSS_TYPES]
+        if unknown or not self.loss_type:
+            raise ValueError(f"loss_type must be a list of {list(DPO_LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                f"loss_weights must have one weight per loss_type: {len(self.loss_weights)} weights for "
+                f"{self.loss_type}"
+            )
+        if "robust" in self.loss_type and not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"the robust loss needs label_smoothing in [0, 0.5), got {self.label_smoothing}")
+        if "exo_pair" in self.loss_type and not 0 < self.label_smoothing < 1:
+            raise ValueError(
+                f"the exo_pair loss needs label_smoothing in (0, 1), e.g. 1e-3; got {self.label_smoothing}"
+            )
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.weighting_scheme not in _SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {list(_SCHEMES)}, got {self.weighting_scheme!r}")
         if self.ties not in ("drop", "keep"):

@@ -2,71 +2,58 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling
 from peft import LoraConfig
 from transformers import TrainerCallback
 
+from ..losses import dpo_losses
 from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy, policy_class
-from ..preference_data import IndexedRows, PreferenceCollator, check_labels, drop_ties, preference_format
+from ..preference_data import (
+    INDEX_KEY,
+    IndexedRows,
+    PreferenceCollator,
+    check_labels,
+    drop_ties,
+    preference_format,
+)
+from ..sampling import mix_seed
 from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
+from .evaluation import evaluation_policy, pipeline_call_defaults
 
 logger = logging.getLogger(__name__)
-
-
-def dpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Diffusion-DPO loss from per-sample denoising errors, all (B,) float32.
-
-    ``z = −β/2 · ((e_θ^w − e_θ^l) − (e_ref^w − e_ref^l))``; loss ``−log σ(z)``, ``relu(1 − z)`` or
-    ``(z/β − 1/(2β))²``. ``weights`` (B,) in {1, 0.5}: a pair of weight ½ (a tie) is scored in both orders, half
-    each. Returns the mean loss and ``z``.
-    """
-    z = -0.5 * beta * ((policy_chosen - policy_rejected) - (ref_chosen - ref_rejected))
-
-    def per_pair(logits: torch.Tensor) -> torch.Tensor:
-        if loss_type == "sigmoid":
-            return -F.logsigmoid(logits)
-        if loss_type == "hinge":
-            return torch.relu(1 - logits)
-        if loss_type == "ipo":
-            return (logits / beta - 1 / (2 * beta)) ** 2
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-
-    losses = per_pair(z)
-    if weights is not None:
-        losses = weights * losses + (1 - weights) * per_pair(-z)
-    return losses.mean(), z
 
 
 class DiffusionDPOTrainer(DiffusionTrainer):
     """Diffusion-DPO (arXiv:2311.12908) for SD1.x/SDXL (ε target) and SD3/FLUX (velocity target), on TRL's base.
 
+    The constructor's order is ``trl.DPOTrainer``'s.
+
     Args:
         model: a Hub id or local folder of a diffusers pipeline, or a pipeline instance.
+        ref_model: the reference: a pipeline (instance, Hub id or folder) or a denoiser of the same class as the
+            trained one. ``None``: the model with its LoRA disabled (no copy), or, without LoRA, a frozen copy.
         args: the configuration.
+        data_collator: rows → batch (default: :class:`~trl_dance.preference_data.PreferenceCollator`, whose output
+            keys a custom one must produce).
         train_dataset: rows in TRL's preference format (``prompt``, ``chosen``, ``rejected`` images) or Pick-a-Pic's
             (``caption``, ``jpg_0``, ``jpg_1``, ``label_0``), a ``Dataset`` or a streaming ``IterableDataset`` (then
             ``max_steps`` sets the length; ties are dropped as they stream). Images are decoded and transformed per
             batch.
-        peft_config: a ``peft.LoraConfig``; the reference is then the model with the adapter disabled (no copy).
-            ``None`` fine-tunes the whole denoiser against a frozen copy.
+        eval_dataset: held-out pairs in either format (a stream is read once), scored by :meth:`evaluate` at
+            ``eval_steps``; every image must be present.
         callbacks, optimizers: as in ``transformers.Trainer``.
+        peft_config: a ``peft.LoraConfig`` to train a LoRA (saved in the diffusers format); ``None`` fine-tunes the
+            whole denoiser.
     """
 
     _tag_names = ["trl", "trl-dance", "diffusion-dpo", "diffusers"]
@@ -81,40 +68,32 @@ class DiffusionDPOTrainer(DiffusionTrainer):
     def __init__(
         self,
         model: str | DiffusionPipeline,
+        ref_model: str | DiffusionPipeline | torch.nn.Module | None = None,
         args: DiffusionDPOConfig | None = None,
-        train_dataset: Dataset | None = None,
-        peft_config: LoraConfig | None = None,
+        data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        peft_config: LoraConfig | None = None,
     ):
         args = self._resolve_args(model, args, DiffusionDPOConfig, "DiffusionDPO")
         if not isinstance(train_dataset, (Dataset, IterableDataset)):
             raise TypeError(
                 f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(train_dataset).__name__}"
             )
-        streaming = isinstance(train_dataset, IterableDataset)
-        if streaming and args.max_steps <= 0:
+        if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
-        columns = train_dataset.column_names
-        if columns is None:  # a stream whose features are not declared: read them off its first row
-            columns = list(next(iter(train_dataset)))
-        self.data_format = preference_format(columns)
-        self.num_ties_dropped = 0
-        if self.data_format == "pickapic" and not streaming:
-            check_labels(train_dataset)
-        if self.data_format == "pickapic" and args.ties == "drop":
-            train_dataset, self.num_ties_dropped = drop_ties(train_dataset)
-            if not streaming:
-                logger.warning(
-                    f"Diffusion-DPO: dropped {self.num_ties_dropped} ties; {len(train_dataset)} pairs remain"
-                )
-        if not streaming and len(train_dataset) == 0:
-            ties = (
-                f" ({self.num_ties_dropped} ties were dropped; ties='keep' trains on them)"
-                if self.num_ties_dropped
-                else ""
-            )
-            raise ValueError(f"train_dataset has no preference pairs to train on{ties}")
+        if args.eval_strategy != "no" and eval_dataset is None and not args.eval_prompts:
+            strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+            raise ValueError(f"eval_strategy={strategy!r} needs an eval_dataset or eval_prompts")
+        train_dataset, self.num_ties_dropped, self.data_format = self._prepare_pairs(
+            train_dataset, args, "train_dataset"
+        )
+        if eval_dataset is not None:
+            eval_dataset, *_ = self._prepare_pairs(eval_dataset, args, "eval_dataset")
+            if isinstance(eval_dataset, IterableDataset):  # evaluated whole at every evaluation: read it once
+                eval_dataset = list(eval_dataset)
         self._missing_images, self._warned_missing = 0, False
 
         settings = SamplerSettings(
@@ -131,7 +110,8 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         policy = make_policy(pipeline, settings)
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
-        collator = PreferenceCollator(
+        self.needs_reference = any(kind != "sft" for kind in args.loss_type)
+        collator = data_collator or PreferenceCollator(
             args.resolution,
             args.random_crop,
             args.random_flip,
@@ -142,9 +122,12 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             policy,
             args,
             peft_config,
-            need_reference=not args.sft,
+            need_reference=self.needs_reference,
+            ref_model=self._reference_denoiser(ref_model, policy, args),
             data_collator=collator,
             train_dataset=train_dataset,
+            # With eval_prompts alone, an empty list: the Trainer refuses an eval_strategy without an eval_dataset.
+            eval_dataset=eval_dataset if eval_dataset is not None or not args.eval_prompts else [],
             callbacks=callbacks,
             optimizers=optimizers,
         )
@@ -155,6 +138,49 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             # A fresh copy's T_train σ values, from 1 down to 1/T_train, with the config's static shift (SD3: 3).
             scheduler = policy.pipeline.scheduler
             self._training_sigmas = type(scheduler).from_config(scheduler.config).sigmas.float().cpu()
+        self._eval_policy = None  # built at the first evaluation with eval_prompts
+
+    @staticmethod
+    def _prepare_pairs(
+        dataset, args: DiffusionDPOConfig, name: str
+    ) -> tuple[Dataset | IterableDataset, int | None, str]:
+        """``dataset`` checked (labels) with ties dropped when ``args.ties == "drop"``, the number dropped (``None``
+        for a stream, which drops them as it streams) and its format (``"preference"`` or ``"pickapic"``)."""
+        if not isinstance(dataset, (Dataset, IterableDataset)):
+            raise TypeError(f"{name} must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}")
+        streaming = isinstance(dataset, IterableDataset)
+        columns = dataset.column_names
+        if columns is None:  # a stream whose features are not declared: read them off its first row
+            columns = list(next(iter(dataset)))
+        try:
+            data_format = preference_format(columns)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from err
+        ties = 0
+        if data_format == "pickapic" and not streaming:
+            check_labels(dataset)
+        if data_format == "pickapic" and args.ties == "drop":
+            dataset, ties = drop_ties(dataset)
+            if not streaming:
+                logger.warning(f"Diffusion-DPO: dropped {ties} ties from {name}; {len(dataset)} pairs remain")
+        if not streaming and len(dataset) == 0:
+            hint = f" ({ties} ties were dropped; ties='keep' trains on them)" if ties else ""
+            raise ValueError(f"{name} has no preference pairs{hint}")
+        return dataset, ties, data_format
+
+    @staticmethod
+    def _reference_denoiser(ref_model, policy, args: DiffusionDPOConfig) -> torch.nn.Module | None:
+        """The reference denoiser from ``ref_model`` (a pipeline, its Hub id or folder, or a denoiser), or None."""
+        if ref_model is None:
+            return None
+        if isinstance(ref_model, (str, DiffusionPipeline)):
+            ref_model = getattr(load_pipeline(ref_model, args), policy.denoiser_name, None)
+        if type(ref_model) is not type(policy.denoiser):
+            raise ValueError(
+                f"ref_model must be a {type(policy.denoiser).__name__} (or a pipeline holding one as "
+                f"{policy.denoiser_name!r}) like the trained model's; got {type(ref_model).__name__}"
+            )
+        return ref_model
 
     def get_train_dataloader(self):
         if not isinstance(self.train_dataset, Dataset):
@@ -194,80 +220,179 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "chosen", "rejected", "caption", "jpg_0", "jpg_1", "label_0"]
 
-    def _noise_and_timesteps(self, latents: torch.Tensor):
-        """Per pair one noise and one timestep, shared by its two images (latents ordered w0, l0, w1, l1, ...).
+    def _draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per pair a noise (P, ...) and a time (P,): for flow models a position u in [0, 1) of the training σ grid,
+        drawn from ``weighting_scheme``'s density; for ε models an integer timestep in [0, T_train)."""
+        noise = torch.randn(shape, generator=generator, device=device)
+        args = self.args
+        if isinstance(self.policy, FlowMatchingPolicy):
+            u = compute_density_for_timestep_sampling(
+                args.weighting_scheme, shape[0], args.logit_mean, args.logit_std, args.mode_scale, device, generator
+            )
+            return noise, u
+        steps = self.policy.scheduler.config.num_train_timesteps
+        return noise, torch.randint(0, steps, (shape[0],), generator=generator, device=device)
 
-        Returns the noisy latents, the target (ε or ε − x0) and the denoiser's timesteps, all for 2B images.
-        """
-        pairs = latents.shape[0] // 2
-        device, gen = latents.device, self._noise_generator
-        noise = torch.randn(latents[::2].shape, generator=gen, device=device).repeat_interleave(2, dim=0)
+    def _noised(self, latents: torch.Tensor, noise: torch.Tensor, time: torch.Tensor):
+        """The 2B noisy latents (ordered w0, l0, w1, l1, ...; each pair's noise and time shared by its two images),
+        their target (ε, v or ε − x0) and the denoiser's timesteps."""
+        noise, time = noise.repeat_interleave(2, dim=0), time.repeat_interleave(2)
         shape = (-1,) + (1,) * (latents.ndim - 1)
         if isinstance(self.policy, FlowMatchingPolicy):
-            args = self.args
-            u = compute_density_for_timestep_sampling(
-                args.weighting_scheme, pairs, args.logit_mean, args.logit_std, args.mode_scale, device, gen
-            )
-            grid = self._training_sigmas.to(device)  # the scheduler's training σ, shifted as the pipeline trains
-            sigma = grid[(u * len(grid)).long().clamp_max(len(grid) - 1)].repeat_interleave(2)
+            grid = self._training_sigmas.to(
+                latents.device
+            )  # the scheduler's training σ, shifted as the pipeline trains
+            sigma = grid[(time * len(grid)).long().clamp_max(len(grid) - 1)]
             noisy = (1 - sigma.view(shape)) * latents + sigma.view(shape) * noise
             return noisy, noise - latents, self.policy.timestep_from_sigma(sigma)
-        scheduler = self.policy.scheduler
-        timesteps = torch.randint(
-            0, scheduler.config.num_train_timesteps, (pairs,), generator=gen, device=device
-        ).repeat_interleave(2)
-        alpha = scheduler.alphas_cumprod.to(device)[timesteps].view(shape)
+        alpha = self.policy.scheduler.alphas_cumprod.to(latents.device)[time].view(shape)
         noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
-        return noisy, diffusion_target(latents, noise, alpha, self.policy.prediction_type), timesteps
+        return noisy, diffusion_target(latents, noise, alpha, self.policy.prediction_type), time
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        pixels = inputs["pixel_values"]  # (B, 2, 3, R, R), chosen first
-        latents = self.policy.encode_images(pixels.flatten(0, 1))  # (2B, ...): w0, l0, w1, l1, ...
+    def _pair_errors(self, model, inputs: dict[str, Any], generators: list[torch.Generator] | None = None):
+        """Per-sample denoising errors (2B,) float32 of the policy and of the reference (None without one), and the
+        policy's prediction, for a collated batch. Noise and times come from the training generator, or pair ``b``'s
+        latents, noise and time from the CPU generator ``generators[b]`` (evaluation: independent of batching)."""
+        # (2B, ...): w0, l0, w1, l1, ...; the VAE's posterior sample too is drawn from the pair's generator
+        per_image = None if generators is None else [g for g in generators for _ in range(2)]
+        latents = self.policy.encode_images(inputs["pixel_values"].flatten(0, 1), per_image)
         cond = {k: v.repeat_interleave(2, dim=0) for k, v in self.policy.encode_prompts(inputs["prompts"]).items()}
         if isinstance(self.policy, StableDiffusionXLPolicy):
             cond["time_ids"] = inputs["time_ids"].repeat_interleave(2, dim=0)
-        noisy, target, timesteps = self._noise_and_timesteps(latents)
+        if generators is None:
+            draws = self._draw(latents[::2].shape, self._noise_generator, latents.device)
+        else:
+            per_pair = [self._draw((1, *latents.shape[1:]), g, "cpu") for g in generators]
+            draws = tuple(torch.cat(part).to(latents.device) for part in zip(*per_pair))
+        noisy, target, timesteps = self._noised(latents, *draws)
         dims = tuple(range(1, latents.ndim))
-
         prediction = self.policy.predict_at(model, noisy, timesteps, cond)
         errors = ((prediction - target.float()) ** 2).mean(dim=dims)
-        policy_chosen, policy_rejected = errors[0::2], errors[1::2]
-        self._record("mse/chosen/policy", policy_chosen)
-        self._record("mse/rejected/policy", policy_rejected)
-        self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
-        self._count_missing_images(inputs["num_missing"])
-        if self.args.sft:
-            loss = policy_chosen.mean()
-            return (loss, prediction) if return_outputs else loss
+        ref_errors = None
+        if self.needs_reference:
+            reference = self.reference_prediction(model, noisy, timesteps, cond)
+            ref_errors = ((reference - target.float()) ** 2).mean(dim=dims)
+        return errors, ref_errors, prediction
 
-        reference = self.reference_prediction(model, noisy, timesteps, cond)
-        ref_errors = ((reference - target.float()) ** 2).mean(dim=dims)
-        ref_chosen, ref_rejected = ref_errors[0::2], ref_errors[1::2]
-        weights = inputs["weights"]
-        loss, z = dpo_loss(
-            policy_chosen,
-            policy_rejected,
-            ref_chosen,
-            ref_rejected,
-            self.args.beta,
-            self.args.loss_type,
+    def _pair_losses(self, errors: torch.Tensor, ref_errors: torch.Tensor | None, weights: torch.Tensor):
+        """Per-pair losses (B,), implicit rewards β·r_w and β·r_l (B,), and the implicit accuracy (B,): 1 if the
+        chosen image's reward is higher, ½ for a tie or z = 0 exactly (policy = reference)."""
+        args = self.args
+        ref = (None, None) if ref_errors is None else (ref_errors[0::2], ref_errors[1::2])
+        losses, chosen, rejected = dpo_losses(
+            errors[0::2],
+            errors[1::2],
+            *ref,
+            args.beta,
+            args.loss_type,
+            args.loss_weights,
+            args.label_smoothing,
             weights,
         )
-        with torch.no_grad():
-            # A tie, or z = 0 exactly (policy == reference), counts ½.
-            correct = torch.where(z == 0, torch.full_like(z, 0.5), (z > 0).float())
-            correct = torch.where(weights < 1, torch.full_like(z, 0.5), correct)
-            self._record("mse/chosen/ref", ref_chosen)
-            self._record("mse/rejected/ref", ref_rejected)
-            self._record("implicit_acc", correct)
-            self._record("margin", z)
+        z = chosen - rejected
+        correct = torch.where(z == 0, torch.full_like(z, 0.5), (z > 0).float())
+        return losses, chosen, rejected, torch.where(weights < 1, torch.full_like(z, 0.5), correct)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        errors, ref_errors, prediction = self._pair_errors(model, inputs)
+        self._record("mse/chosen/policy", errors[0::2])
+        self._record("mse/rejected/policy", errors[1::2])
+        self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
+        self._count_missing_images(inputs["num_missing"])
+        losses, chosen, rejected, correct = self._pair_losses(errors, ref_errors, inputs["weights"])
+        if ref_errors is not None:
+            self._record("mse/chosen/ref", ref_errors[0::2])
+            self._record("mse/rejected/ref", ref_errors[1::2])
+            for name, values in self._reward_metrics(chosen, rejected, correct).items():
+                self._record(name, values)
+        loss = losses.mean()
         return (loss, prediction) if return_outputs else loss
+
+    @staticmethod
+    def _reward_metrics(
+        chosen: torch.Tensor, rejected: torch.Tensor, correct: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """TRL's DPO metric names, and this package's first names (``implicit_acc``, ``margin``) beside them."""
+        margin = chosen - rejected
+        return {
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/accuracies": correct,
+            "rewards/margins": margin,
+            "implicit_acc": correct,
+            "margin": margin,
+        }
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Evaluation
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate on ``eval_dataset`` (default: the trainer's) and sample ``eval_prompts``; call on every process.
+
+        Pairs: centre crops, no flips or caption dropout, and per pair a timestep and noise drawn from (``eval_seed``,
+        row index), so evaluations at different steps (and on any number of processes) see the same draws; the policy
+        with its EMA when kept. Logs and returns ``{prefix}_loss``, ``{prefix}_rewards/chosen|rejected|accuracies|
+        margins`` (TRL's names), ``{prefix}_implicit_acc``, ``{prefix}_margin``. Prompts: the deterministic sampler
+        with the ``eval_*`` settings (default: the pipeline's), to the trackers and ``{prefix}_samples_step<N>.png``.
+        """
+        args = self.args
+        dataset = self.eval_dataset if self.eval_dataset else None
+        if eval_dataset is not None:
+            dataset, *_ = self._prepare_pairs(eval_dataset, args, "eval_dataset")
+        if dataset is None and not args.eval_prompts:
+            raise ValueError("evaluate needs an eval_dataset (given here or to the trainer) or eval_prompts")
+        metrics = {}
+        if dataset is not None:
+            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+                metrics = self._evaluate_pairs(list(dataset) if isinstance(dataset, IterableDataset) else dataset)
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in metrics.items()}
+        self.log(metrics)  # first: a tracker's writer may open at its first log
+        if args.eval_prompts:
+            if self._eval_policy is None:
+                self._eval_policy = evaluation_policy(
+                    self.policy, args, sigma_schedule="pipeline", **pipeline_call_defaults(self.policy.pipeline)
+                )
+            rows = [{"prompt": prompt} for prompt in args.eval_prompts]
+            images = torch.cat([images for _, images in self._eval_samples(self._eval_policy, rows)])
+            images = self.accelerator.gather(images)[: len(rows)].cpu()
+            self._log_eval_images(images, args.eval_prompts, None, metric_key_prefix)
+        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
+        return metrics
+
+    def _evaluate_pairs(self, dataset) -> dict[str, float]:
+        """The eval loss and reward metrics over all pairs of ``dataset``, split over the processes."""
+        args, accelerator = self.args, self.accelerator
+        collator = PreferenceCollator(args.resolution, random_crop=False, random_flip=False)
+        indices = list(range(len(dataset)))
+        stats = []
+        with accelerator.split_between_processes(indices, apply_padding=True) as mine:
+            for start in range(0, len(mine), args.per_device_eval_batch_size):
+                rows = mine[start : start + args.per_device_eval_batch_size]
+                batch = collator([{**dataset[i], INDEX_KEY: i} for i in rows])
+                if batch["num_missing"]:
+                    raise ValueError(
+                        f"eval_dataset: {batch['num_missing']} of rows {rows} have a missing image; evaluation needs "
+                        "every pair (the same pairs at every evaluation)"
+                    )
+                generators = [torch.Generator().manual_seed(mix_seed(args.eval_seed, i)) for i in rows]
+                with torch.no_grad(), self.compute_loss_context_manager():
+                    errors, ref_errors, _ = self._pair_errors(self.model, self._prepare_inputs(batch), generators)
+                    losses, chosen, rejected, correct = self._pair_losses(errors, ref_errors, batch["weights"])
+                stats.append(torch.stack([losses, chosen, rejected, correct], dim=1))
+        stats = accelerator.gather(torch.cat(stats))[: len(dataset)]  # (n, 4), padding dropped
+        metrics = {"loss": stats[:, 0].mean().item()}
+        if self.needs_reference:
+            named = self._reward_metrics(stats[:, 1], stats[:, 2], stats[:, 3])
+            metrics |= {name: values.mean().item() for name, values in named.items()}
+        return metrics
 
     def _model_card_details(self) -> dict[str, str]:
         args = self.args
-        mode = "SFT on the chosen images" if args.sft else f"{args.loss_type} loss, β {args.beta:g}"
+        weights = args.loss_weights or [1.0] * len(args.loss_type)
+        losses = " + ".join(f"{w:g}·{kind}" if w != 1 else kind for kind, w in zip(args.loss_type, weights))
         return {
-            "Diffusion-DPO": f"{mode}, {args.resolution} px, ties {args.ties}, caption dropout {args.proportion_empty_prompts}"
+            "Diffusion-DPO": f"{losses} loss, β {args.beta:g}, {args.resolution} px, ties {args.ties}, caption "
+            f"dropout {args.proportion_empty_prompts}"
         }
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -276,4 +401,4 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         super().log(logs, start_time)
 
 
-__all__ = ["DiffusionDPOTrainer", "dpo_loss"]
+__all__ = ["DiffusionDPOTrainer"]

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import diffusers
@@ -29,9 +30,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .._compat import RepeatSampler, _BaseTrainer
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
+from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
 from .ema import EMAUpdate, EMAWeights
-from .media import use_diffusers_callbacks
+from .media import log_rollout_media, use_diffusers_callbacks
 
 
 @contextlib.contextmanager
@@ -144,6 +146,7 @@ class DiffusionTrainer(_BaseTrainer):
         args: a config derived from ``_BaseConfig``.
         peft_config: a LoRA to add (then the reference model is the adapter disabled), or None (full fine-tuning).
         need_reference: keep a frozen copy of the denoiser as reference when training without LoRA.
+        ref_model: a denoiser to use as the reference instead (frozen, moved to the device).
         **trainer_kwargs: ``train_dataset``, ``data_collator``, ``callbacks``, ``optimizers``.
     """
 
@@ -155,6 +158,7 @@ class DiffusionTrainer(_BaseTrainer):
         args,
         peft_config: LoraConfig | None,
         need_reference: bool,
+        ref_model: torch.nn.Module | None = None,
         **trainer_kwargs,
     ):
         self.policy = policy
@@ -170,7 +174,9 @@ class DiffusionTrainer(_BaseTrainer):
         # step moved 2.3 % of a LoRA matrix). The frozen base keeps its dtype; bf16/fp16 autocast the forward passes.
         cast_training_params(denoiser, torch.float32)
         self.ref_model = None
-        if need_reference and peft_config is None:
+        if ref_model is not None:
+            self.ref_model = ref_model.requires_grad_(False).eval()
+        elif need_reference and peft_config is None:
             self.ref_model = copy.deepcopy(denoiser).requires_grad_(False).eval()
         if args.activation_checkpointing:
             # transformers' Trainer enables checkpointing by this name; diffusers models call it differently.
@@ -322,6 +328,48 @@ class DiffusionTrainer(_BaseTrainer):
         card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
         os.makedirs(folder, exist_ok=True)
         card.save(os.path.join(folder, "README.md"))
+
+    # Evaluation samples: the deterministic sampler, fixed noise, the EMA weights when kept (see evaluation.py).
+
+    def _eval_samples(
+        self, policy: DiffusionPolicy, rows: list[dict[str, Any]]
+    ) -> Iterator[tuple[list, torch.Tensor]]:
+        """Yield ``(chunk, images)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
+        condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s deterministic samples from noise
+        seeded by (``eval_seed``, row index), decoded to (B, 3, H, W) in [0, 1]. Shares are padded to equal length
+        (the last row repeated: under ZeRO-3 every process must take part in every forward), so gathered results are
+        the rows in order followed by the padding. Call on every process and exhaust it."""
+        args = self.args
+        plan = RolloutPlan.deterministic(policy.num_steps)
+        ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        indices = list(range(len(rows)))
+        with ema, self.accelerator.split_between_processes(indices, apply_padding=True) as mine:
+            for start in range(0, len(mine), args.per_device_eval_batch_size):
+                chunk = [rows[i] for i in mine[start : start + args.per_device_eval_batch_size]]
+                columns = {name: [row[name] for row in chunk] for name in policy.condition_columns}
+                cond = policy.encode_prompts([row["prompt"] for row in chunk], **columns)
+                generators = sample_generators(args.eval_seed, -1, mine[start], len(chunk))
+                with torch.no_grad(), self.compute_loss_context_manager():
+                    yield chunk, generate(policy, self.model, generators, cond, plan)["images"]
+
+    def _log_eval_images(
+        self, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor | None, prefix: str
+    ) -> None:
+        """Send the first ``num_completions_to_log`` evaluation images (captioned with their prompts and rewards, if
+        any) to the trackers under ``eval/`` and write them to ``{prefix}_samples_step<N>.png`` in ``output_dir``.
+        Main process only."""
+        if not self.accelerator.is_main_process:
+            return
+        from ..visualization import save_image_grid
+
+        count, step = getattr(self.args, "num_completions_to_log", 8), self.state.global_step
+        shown = None if rewards is None else rewards[:count]
+        log_rollout_media(
+            self.callback_handler.callbacks, step, images[:count], prompts[:count], shown, rewards, prefix
+        )
+        path = os.path.join(self.args.output_dir, f"{prefix}_samples_step{step}.png")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        save_image_grid([images[:count]], path, size=128, captions=prompts[:count])
 
     def _send_telemetry(self):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.

@@ -39,18 +39,20 @@ def log_rollout_media(
     step: int,
     images: torch.Tensor,
     prompts: list[str],
-    rewards: torch.Tensor,
-    all_rewards: torch.Tensor,
+    rewards: torch.Tensor | None,
+    all_rewards: torch.Tensor | None,
     name: str = "completions",
 ) -> list[str]:
     """Log ``images`` (K, 3, H, W) in [0, 1] (videos (K, F, 3, H, W) as frame strips) captioned with their prompts
     and rewards (K,), and the histogram of ``all_rewards`` (the round's rewards over all processes), at optimizer
-    step ``step``, under ``name/`` (``eval/`` for evaluations).
+    step ``step``, under ``name/`` (``eval/`` for evaluations). Without rewards: the images and prompts only.
 
     Returns:
         the names of the trackers written to.
     """
-    captions = [f"{prompt} | reward {reward:.4f}" for prompt, reward in zip(prompts, rewards.tolist())]
+    captions = list(prompts)
+    if rewards is not None:
+        captions = [f"{prompt} | reward {reward:.4f}" for prompt, reward in zip(prompts, rewards.tolist())]
     written = []
     for callback in callbacks:
         if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
@@ -58,19 +60,17 @@ def log_rollout_media(
             strips = frame_strip(images).float().clamp(0, 1).cpu()
             writer.add_images(f"{name}/images", strips, step, dataformats="NCHW")
             writer.add_text(f"{name}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
-            writer.add_histogram(f"{name}/reward", all_rewards.float().cpu(), step)
+            if all_rewards is not None:
+                writer.add_histogram(f"{name}/reward", all_rewards.float().cpu(), step)
             writer.flush()
             written.append("tensorboard")
         elif isinstance(callback, WandbCallback) and getattr(callback, "_wandb", None) is not None:
             wandb = callback._wandb
             if wandb.run is not None:
-                wandb.log(
-                    {
-                        f"{name}/images": [wandb.Image(im, caption=c) for im, c in zip(to_pil(images), captions)],
-                        f"{name}/reward": wandb.Histogram(all_rewards.float().cpu().numpy()),
-                        "train/global_step": step,
-                    }
-                )
+                logged = {f"{name}/images": [wandb.Image(im, caption=c) for im, c in zip(to_pil(images), captions)]}
+                if all_rewards is not None:
+                    logged[f"{name}/reward"] = wandb.Histogram(all_rewards.float().cpu().numpy())
+                wandb.log(logged | {"train/global_step": step})
                 written.append("wandb")
         elif isinstance(callback, TrackioCallback) and getattr(callback, "_trackio", None) is not None:
             trackio = callback._trackio

@@ -7,13 +7,14 @@ from typing import Any
 from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
 from .ema import EMAArguments
+from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
-class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig):
+class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -91,7 +92,9 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
         > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
 
         eval_num_generations (`int`, defaults to `1`): Samples per evaluation prompt, from the deterministic sampler.
-        eval_seed (`int`, defaults to `0`): Seed of the evaluation noise: every evaluation starts from the same noise.
+        eval_seed, eval_num_inference_steps, eval_guidance_scale, eval_negative_prompt: the evaluation sampler's
+            noise seed and settings (default: training's), see
+            [`~trl_dance.trainer.evaluation.EvaluationArguments`].
 
         > Model
 
@@ -202,9 +205,6 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
     eval_num_generations: int = field(default=1, metadata={"help": "Evaluation samples per prompt."})
-    eval_seed: int = field(
-        default=0, metadata={"help": "Seed of the evaluation noise (the same at every evaluation)."}
-    )
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
     )
@@ -217,6 +217,7 @@ class OnlineDiffusionConfig(EMAArguments, FrozenComponentsArguments, _BaseConfig
         super().__post_init__()
         self._check_frozen_components()
         self._check_ema()
+        self._check_evaluation()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
         if str(self.scale_rewards).lower() in ("true", "false"):  # TRL's booleans: True is "group", False "none"

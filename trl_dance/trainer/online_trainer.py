@@ -6,10 +6,8 @@ how it splits it into micro-batches (:meth:`OnlineDiffusionTrainer._plan_round`)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,9 +25,9 @@ from ..advantages import PerPromptStatTracker, group_advantages, normalized_rewa
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
-from ..sampling import RolloutPlan, group_generators, mix_seed, rollout, sample_generators
-from ..visualization import save_image_grid
+from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
+from .evaluation import evaluation_policy
 from .media import log_rollout_media
 from .online_config import OnlineDiffusionConfig
 
@@ -149,6 +147,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._cpu_generator = torch.Generator().manual_seed(mix_seed(args.seed, self.accelerator.process_index))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
+        self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
@@ -283,8 +282,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         columns: dict[str, list] | None = None,
         plan: RolloutPlan | None = None,
         groups: list[int] | None = None,
+        policy: DiffusionPolicy | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Denoise one batch along a noise plan (:func:`trl_dance.sampling.rollout`).
+        """Denoise one batch along a noise plan (:func:`trl_dance.sampling.generate`), under the Trainer's autocast.
 
         Args:
             prompts: B prompts (ignored when ``cond`` is given).
@@ -298,6 +298,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             initial_noise: (B, ...) starting latents to use instead of drawing them.
             plan: the noise plan (default: :meth:`rollout_plan` of the next round).
             groups: B group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
+            policy: the sampler (default: the training one; evaluation passes its own settings').
 
         Returns:
             ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
@@ -307,17 +308,13 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         """
         model = self.model_wrapped if model is None else model
         plan = self.rollout_plan() if plan is None else plan
+        policy = self.policy if policy is None else policy
         if cond is None:
-            cond = self.policy.encode_prompts(prompts, **(columns or {}))
-        with self.compute_loss_context_manager(), self.policy.sampling():
-            latents = self.policy.initial_noise(generators) if initial_noise is None else initial_noise
-            # (N, B, ...): every step's noise of every sample, moved to the device once.
-            noise = torch.stack(
-                [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
-            ).to(latents.device)
-            result = rollout(self.policy, model, latents, cond, noise, plan, groups, keep_means=self._keep_means())
-            result["images"] = self.policy.decode(self.policy.final_latents(result["final_latents"], cond))
-        return result
+            cond = policy.encode_prompts(prompts, **(columns or {}))
+        with self.compute_loss_context_manager():
+            return generate(
+                policy, model, generators, cond, plan, initial_noise, groups, keep_means=self._keep_means()
+            )
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
         """One image per prompt from the current policy with the training sampler, reproducible for ``seed``;
@@ -424,31 +421,26 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self, eval_dataset: Dataset | None = None, ignore_keys=None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         """Score ``eval_dataset`` (default: the trainer's): ``eval_num_generations`` samples per prompt with the
-        deterministic sampler (no SDE noise) from noise seeded by (``eval_seed``, sample index), so that evaluations at
-        different steps compare policies on the same starts; with ``use_ema``, the EMA weights. Logs and returns ``{prefix}_reward``,
-        ``{prefix}_reward_std`` and ``{prefix}_rewards/<name>/mean|std``; sends the first ``num_completions_to_log``
-        images to the trackers and writes ``{prefix}_samples_step<N>.png`` to ``output_dir``. Call on every process."""
+        deterministic sampler (no SDE noise; ``eval_num_inference_steps``, ``eval_guidance_scale``,
+        ``eval_negative_prompt`` where set) from noise seeded by (``eval_seed``, sample index), so that evaluations at
+        different steps compare policies on the same starts; with ``use_ema``, the EMA weights. Logs and returns
+        ``{prefix}_reward``, ``{prefix}_reward_std`` and ``{prefix}_rewards/<name>/mean|std``; sends the first
+        ``num_completions_to_log`` images to the trackers and writes ``{prefix}_samples_step<N>.png`` to
+        ``output_dir``. Call on every process."""
         dataset = text_prompts(eval_dataset) if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate needs an eval_dataset (given here or to the trainer)")
-        args, accelerator = self.args, self.accelerator
+        args = self.args
+        if self._eval_policy is None:
+            self._eval_policy = evaluation_policy(self.policy, args)
         rows = [row for row in dataset for _ in range(args.eval_num_generations)]
-        indices = list(range(len(rows)))
-        plan = RolloutPlan.deterministic(self.policy.num_steps)
-        scores, first_images = [], None
-        # Padded to equal shares: under ZeRO-3 every process must take part in every forward.
-        ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
-        with ema, accelerator.split_between_processes(indices, apply_padding=True) as mine:
-            for start in range(0, len(mine), args.per_device_eval_batch_size):
-                chunk = [rows[i] for i in mine[start : start + args.per_device_eval_batch_size]]
-                prompts = [row["prompt"] for row in chunk]
-                columns = {key: [row[key] for row in chunk] for key in chunk[0] if key != "prompt"}
-                generators = sample_generators(args.eval_seed, -1, mine[start], len(chunk))
-                conditions = {name: columns[name] for name in self.policy.condition_columns}
-                images = self.sample(prompts, generators, model=self.model, plan=plan, columns=conditions)["images"]
-                scores.append(score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames))
-                first_images = (images.cpu(), prompts) if first_images is None else first_images
-        all_scores = accelerator.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
+        scores, first = [], None
+        for chunk, images in self._eval_samples(self._eval_policy, rows):
+            prompts = [row["prompt"] for row in chunk]
+            columns = {key: [row[key] for row in chunk] for key in chunk[0] if key != "prompt"}
+            scores.append(score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames))
+            first = (images.cpu(), prompts) if first is None else first
+        all_scores = self.accelerator.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
         total = (all_scores * self.reward_weights.to(all_scores.device)).sum(dim=1)
         metrics = {
             f"{metric_key_prefix}_reward": total.mean().item(),
@@ -457,22 +449,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         for column, name in enumerate(self.reward_names):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].mean().item()
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = all_scores[:, column].std().item()
-        if accelerator.is_main_process and first_images is not None:
-            images, prompts = first_images
-            count, step = args.num_completions_to_log, self.state.global_step
-            log_rollout_media(
-                self.callback_handler.callbacks,
-                step,
-                images[:count],
-                prompts[:count],
-                total[:count],
-                total,
-                metric_key_prefix,
-            )
-            path = os.path.join(args.output_dir, f"{metric_key_prefix}_samples_step{step}.png")
-            os.makedirs(args.output_dir, exist_ok=True)
-            save_image_grid([images[:count]], path, size=128, captions=prompts[:count])
-        self.log(metrics)
+        self.log(metrics)  # first: a tracker's writer may open at its first log
+        if first is not None:
+            self._log_eval_images(*first, total, metric_key_prefix)
         self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
         return metrics
 

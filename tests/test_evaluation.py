@@ -1,0 +1,182 @@
+"""Evaluation: Diffusion-DPO's held-out loss and TRL metric names from fixed draws, its sample images, the evaluation
+sampler's own settings, and a given reference model."""
+
+import glob
+import math
+
+import pytest
+import torch
+from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from datasets import Dataset, IterableDataset
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+
+from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance.testing import tiny_preference_dataset
+
+
+def _dpo_config(tmp_path, **overrides):
+    values = {
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "resolution": 32,
+        "max_sequence_length": 32,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "learning_rate": 1e-2,
+        "max_steps": 2,
+        "seed": 0,
+    }
+    return DiffusionDPOConfig(**(values | overrides))
+
+
+def _lora():
+    return LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def sd_pairs():
+    return tiny_preference_dataset("sd", 10)
+
+
+def test_dpo_evaluation_at_eval_steps_in_tensorboard(tiny_model_dir, tmp_path, sd_pairs, monkeypatch):
+    """eval_dataset + eval_strategy: the held-out loss and TRL's DPO metric names at every eval_steps, in the
+    TensorBoard run of the training metrics, with eval_prompts' images; at the LoRA's initialisation the policy is the
+    reference: loss ln 2, accuracy ½, margin 0."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logs))
+    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "eval_prompts": PROMPTS[:2]}
+    evaluation |= {"eval_num_inference_steps": 3, "report_to": "tensorboard"}
+    trainer = DiffusionDPOTrainer(
+        tiny_model_dir("sd"),
+        args=_dpo_config(tmp_path, **evaluation),
+        train_dataset=sd_pairs.select(range(8)),
+        eval_dataset=sd_pairs.select(range(8, 10)),
+        peft_config=_lora(),
+    )
+    assert trainer._eval_policy is None
+    before = trainer.evaluate()
+    assert before["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert before["eval_rewards/accuracies"] == 0.5 and before["eval_rewards/margins"] == 0.0
+    # The pipeline's own defaults, with eval_num_inference_steps: SD1.5 samples with CFG 7.5.
+    assert trainer._eval_policy.num_steps == 3 and trainer._eval_policy.settings.guidance_scale == 7.5
+    assert trainer.policy.settings.guidance_scale == 1.0  # training still trains the conditional prediction
+
+    trainer.train()
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals] == [1, 2]  # train() starts a new log history
+    names = ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_implicit_acc")
+    assert all(name in entry for entry in evals for name in names)
+    assert evals[-1]["eval_loss"] != before["eval_loss"]  # the policy moved
+    train = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all("rewards/margins" in entry and "rewards/accuracies" in entry for entry in train)
+    # Fixed draws: the same policy evaluates identically, whatever the batch size.
+    trainer.args.per_device_eval_batch_size = 3
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+    assert (tmp_path / "out" / "eval_samples_step2.png").exists()
+
+    # The training run's event file (the evaluate() after train() opens a writer of its own).
+    runs = [
+        EventAccumulator(path, size_guidance={"images": 0})
+        for path in glob.glob(str(logs / "**" / "events.*"), recursive=True)
+    ]
+    (events,) = [run for run in runs if run.Reload() and "train/loss" in run.Tags()["scalars"]]
+    assert [event.step for event in events.Scalars("eval/loss")] == [0, 1, 2]  # before training, then eval_steps
+    assert {"eval/rewards/accuracies", "train/rewards/margins"} <= set(events.Tags()["scalars"])
+    assert [image.step for image in events.Images("eval/images")] == [0, 1, 2]
+
+
+def test_dpo_evaluation_inputs_are_checked(tiny_model_dir, tmp_path, sd_pairs):
+    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset or eval_prompts"):
+        DiffusionDPOTrainer(
+            tiny_model_dir("sd"), args=_dpo_config(tmp_path, eval_strategy="steps"), train_dataset=sd_pairs
+        )
+    with pytest.raises(ValueError, match="eval_dataset: a preference dataset needs the columns"):
+        DiffusionDPOTrainer(
+            tiny_model_dir("sd"),
+            args=_dpo_config(tmp_path),
+            train_dataset=sd_pairs,
+            eval_dataset=Dataset.from_dict({"prompt": ["a"]}),
+        )
+    # A stream is read once; eval_prompts alone satisfy eval_strategy.
+    stream = IterableDataset.from_generator(lambda: iter(sd_pairs.select(range(2))))
+    trainer = DiffusionDPOTrainer(
+        tiny_model_dir("sd"),
+        args=_dpo_config(tmp_path, loss_type=["sft"]),
+        train_dataset=sd_pairs,
+        eval_dataset=stream,
+    )
+    metrics = trainer.evaluate()
+    assert (
+        set(metrics) - {"epoch"} == {"eval_loss"} and metrics["eval_loss"] > 0
+    )  # sft: no reference, no reward metrics
+    only_prompts = _dpo_config(tmp_path, eval_strategy="steps", eval_prompts=["a cat"], eval_num_inference_steps=2)
+    trainer = DiffusionDPOTrainer(tiny_model_dir("sd"), args=only_prompts, train_dataset=sd_pairs)
+    assert set(trainer.evaluate()) <= {"epoch"}  # images only
+    assert (tmp_path / "out" / "eval_samples_step0.png").exists()
+    rows = sd_pairs.to_dict()
+    rows["rejected"][0] = None
+    trainer = DiffusionDPOTrainer(
+        tiny_model_dir("sd"), args=_dpo_config(tmp_path), train_dataset=sd_pairs, eval_dataset=Dataset.from_dict(rows)
+    )
+    with pytest.raises(ValueError, match="eval_dataset: 1 of rows .* have a missing image"):
+        trainer.evaluate()
+
+
+def test_given_reference_model(tiny_model_dir, tmp_path, sd_pairs):
+    """ref_model replaces the disabled-adapter reference: a pipeline folder's denoiser, checked for its class."""
+    args = _dpo_config(tmp_path, per_device_train_batch_size=4)
+    base = DiffusionDPOTrainer(tiny_model_dir("sd"), args=args, train_dataset=sd_pairs, peft_config=_lora())
+    # The same weights as reference: z = 0 exactly, as with the adapter disabled.
+    given = DiffusionDPOTrainer(
+        tiny_model_dir("sd"), tiny_model_dir("sd"), args=args, train_dataset=sd_pairs, peft_config=_lora()
+    )
+    assert given.ref_model is not None and given.ref_model is not given.policy.denoiser
+    with torch.no_grad():
+        metrics = given.evaluate(sd_pairs.select(range(4)))
+    assert metrics["eval_rewards/margins"] == 0.0 and base.ref_model is None
+    # Another denoiser as reference (a module): the margins move away from 0.
+    other = DiffusionPipeline.from_pretrained(tiny_model_dir("sd")).unet
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(1.05)
+    moved = DiffusionDPOTrainer(tiny_model_dir("sd"), other, args=args, train_dataset=sd_pairs, peft_config=_lora())
+    assert moved.evaluate(sd_pairs.select(range(4)))["eval_rewards/margins"] != 0.0
+    with pytest.raises(ValueError, match="ref_model must be a UNet2DConditionModel"):
+        DiffusionDPOTrainer(tiny_model_dir("sd"), tiny_model_dir("sd3"), args=args, train_dataset=sd_pairs)
+
+
+def test_grpo_evaluation_sampler_settings(tiny_model_dir, tmp_path):
+    """eval_num_inference_steps / eval_guidance_scale build a second sampler on the same pipeline; without them
+    evaluation samples with the training settings (the same policy object)."""
+    prompts = Dataset.from_dict({"prompt": PROMPTS})
+    plain = DanceGRPOTrainer(
+        tiny_model_dir("sd3"), "brightness", args=tiny_grpo_config(tmp_path), train_dataset=prompts
+    )
+    first = plain.evaluate(prompts)
+    assert plain._eval_policy is plain.policy
+    args = tiny_grpo_config(tmp_path, eval_num_inference_steps=3, eval_guidance_scale=2.0)
+    trainer = DanceGRPOTrainer(tiny_model_dir("sd3"), "brightness", args=args, train_dataset=prompts)
+    second = trainer.evaluate(prompts)
+    policy = trainer._eval_policy
+    assert policy is not trainer.policy and policy.pipeline is trainer.policy.pipeline
+    assert policy.num_steps == 3 and policy.settings.guidance_scale == 2.0 and trainer.policy.num_steps != 3
+    assert second["eval_reward"] != first["eval_reward"]
+    with pytest.raises(ValueError, match="eval_num_inference_steps must be >= 1"):
+        tiny_grpo_config(tmp_path, eval_num_inference_steps=0)
+    flux = DanceGRPOTrainer(
+        tiny_model_dir("flux"),
+        "brightness",
+        args=tiny_grpo_config(tmp_path, eval_negative_prompt="blurry"),
+        train_dataset=prompts,
+    )
+    with pytest.raises(ValueError, match="negative_prompt feeds the unconditional branch of CFG"):
+        flux.evaluate(prompts)

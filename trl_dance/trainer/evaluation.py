@@ -1,0 +1,77 @@
+"""What evaluation shares between the trainers: its settings, its sampler, and where its images go.
+
+An evaluation samples with the deterministic sampler (no SDE noise) from noise seeded by (``eval_seed``, row index),
+so evaluations at different steps compare policies on the same starts, with settings of its own (steps, guidance,
+negative prompt) that default to those of training (GRPO) or of the pipeline's ``__call__`` (DPO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusers import DiffusionPipeline
+
+from ..policies import DiffusionPolicy, make_policy
+
+
+@dataclass
+class EvaluationArguments:
+    r"""
+    Parameters:
+        eval_seed (`int`, defaults to `0`): Seed of the evaluation noise: every evaluation starts from the same noise.
+        eval_num_inference_steps (`int` or `None`, defaults to `None`): Denoising steps of evaluation samples.
+        eval_guidance_scale (`float` or `None`, defaults to `None`): CFG scale of evaluation samples (FLUX: its
+            guidance-embedding value).
+        eval_negative_prompt (`str` or `None`, defaults to `None`): Negative prompt of evaluation samples (CFG
+            families). `None` in these three: the training sampler's value (online trainers) or the pipeline's own
+            default (Diffusion-DPO).
+    """
+
+    eval_seed: int = field(
+        default=0, metadata={"help": "Seed of the evaluation noise (the same at every evaluation)."}
+    )
+    eval_num_inference_steps: int | None = field(default=None, metadata={"help": "Denoising steps of evaluation."})
+    eval_guidance_scale: float | None = field(default=None, metadata={"help": "Guidance scale of evaluation."})
+    eval_negative_prompt: str | None = field(default=None, metadata={"help": "Negative prompt of evaluation."})
+
+    def _check_evaluation(self) -> None:
+        if self.eval_num_inference_steps is not None and self.eval_num_inference_steps < 1:
+            raise ValueError(f"eval_num_inference_steps must be >= 1, got {self.eval_num_inference_steps}")
+        scale = self.eval_guidance_scale
+        if scale is not None and not (scale >= 0 and math.isfinite(scale)):
+            raise ValueError(f"eval_guidance_scale must be a number >= 0, got {scale}")
+
+
+def pipeline_call_defaults(pipeline: DiffusionPipeline) -> dict[str, Any]:
+    """``num_inference_steps`` and ``guidance_scale`` as the pipeline's ``__call__`` defaults them (SD1.5: 50, 7.5;
+    SDXL: 50, 5.0; SD3: 28, 7.0; FLUX: 28, 3.5)."""
+    parameters = inspect.signature(type(pipeline).__call__).parameters
+    return {
+        name: parameters[name].default
+        for name in ("num_inference_steps", "guidance_scale")
+        if name in parameters and parameters[name].default is not inspect.Parameter.empty
+    }
+
+
+def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defaults: Any) -> DiffusionPolicy:
+    """The sampler of evaluation: ``policy``'s settings with ``defaults`` (SamplerSettings fields) and then the config's
+    ``eval_*`` values where set; ``policy`` itself when nothing changes. A second policy on the same pipeline holds
+    no weights of its own."""
+    given = {
+        "num_inference_steps": args.eval_num_inference_steps,
+        "guidance_scale": args.eval_guidance_scale,
+        "negative_prompt": args.eval_negative_prompt,
+    }
+    settings = dataclasses.replace(
+        policy.settings, **(defaults | {name: value for name, value in given.items() if value is not None})
+    )
+    if settings == policy.settings:
+        return policy
+    evaluation = make_policy(policy.pipeline, settings)
+    evaluation.offload_text_encoders = policy.offload_text_encoders
+    evaluation.offload_frozen_expert = policy.offload_frozen_expert
+    return evaluation
