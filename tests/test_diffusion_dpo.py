@@ -10,9 +10,9 @@ from peft import LoraConfig
 from PIL import Image
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance.losses import dpo_losses
 from trl_dance.preference_data import PreferenceCollator, load_image
 from trl_dance.testing import tiny_preference_dataset
-from trl_dance.losses import dpo_losses
 
 
 def _config(tmp_path, **overrides):
