@@ -15,14 +15,14 @@ from trl_dance.testing import TINY_VIDEO_FRAMES
 pytest.importorskip("deepspeed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "deepspeed_run.py")
+SCRIPT = os.path.join(ROOT, "tests", "distributed_run.py")
 
 
 def _launch(stage, trainer, mode, model_dir, tmp_path, port, overrides):
     output_dir, result = tmp_path / "out", tmp_path / "result.json"
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", os.path.join(ROOT, "recipes", "accelerate", f"deepspeed_zero{stage}.yaml"),
+        "--config_file", os.path.join(ROOT, "trl_dance", "accelerate_configs", f"zero{stage}.yaml"),
         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port),
         SCRIPT, trainer, mode, model_dir, str(output_dir), str(result), json.dumps(overrides),
     ]  # fmt: skip

@@ -51,10 +51,10 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if self.parameter_sharding is not None:
             raise ValueError(
-                "DiffusionNFTTrainer keeps an old copy of the trained parameters, which ZeRO-3 shards: use ZeRO-2 "
-                "(recipes/accelerate/deepspeed_zero2.yaml) or DDP"
+                f"DiffusionNFTTrainer keeps an old copy of the trained parameters, which {self.parameter_sharding} "
+                "shards: use DeepSpeed ZeRO-2 (--accelerate_config zero2) or DDP"
             )
         self.old_policy = OldPolicy(self.policy.denoiser)
 

@@ -207,10 +207,19 @@ class DiffusionTrainer(_BaseTrainer):
         self._base_license: dict[str, str] | None = None
         self.ema = None
         if args.use_ema:
-            if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-                raise ValueError("use_ema averages whole parameters, which ZeRO-3 shards: use ZeRO-2 or DDP")
+            if self.parameter_sharding is not None:
+                raise ValueError(
+                    f"use_ema averages whole parameters, which {self.parameter_sharding} shards: use ZeRO-2 or DDP"
+                )
             self.ema = EMAWeights(denoiser, args.ema_decay)
             self.add_callback(EMAUpdate(self.ema))
+
+    @property
+    def parameter_sharding(self) -> str | None:
+        """The scheme that shards the trained parameters over the processes ("DeepSpeed ZeRO-3", "FSDP"), or None."""
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            return "DeepSpeed ZeRO-3"
+        return "FSDP" if self.is_fsdp_enabled else None
 
     @staticmethod
     def _resolve_args(model, args, config_class, suffix: str):

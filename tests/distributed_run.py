@@ -1,9 +1,10 @@
-"""Run by tests/test_deepspeed.py under `accelerate launch --config_file recipes/accelerate/deepspeed_zero*.yaml`:
-a short GRPO or Diffusion-DPO run on a tiny pipeline, LoRA or full fine-tune, then `save_model`.
+"""Run by tests/test_deepspeed.py and tests/test_fsdp.py under `accelerate launch --config_file
+trl_dance/accelerate_configs/{zero2,zero3,fsdp2}.yaml`: a short GRPO, DiffusionNFT or Diffusion-DPO run on a tiny
+pipeline, LoRA or full fine-tune, then `save_model`.
 
 argv: trainer (grpo | nft | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
-further GRPO config values. The main process writes what it saw (process count, ZeRO stage, whether the parameters
-were partitioned, the losses) to result_path as JSON.
+further config values. The main process writes what it saw (process count, distributed type, ZeRO stage, whether the
+parameters were partitioned, the losses) to result_path as JSON.
 """
 
 import json
@@ -45,6 +46,8 @@ peft = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to
 def partition_everything(args):
     # ZeRO-3 keeps parameters under 1e5 elements whole on every rank: all of a tiny model's. Partition them all,
     # as a real model's are, so that saving has to gather them.
+    if args.deepspeed_plugin is None:
+        return args
     zero = args.deepspeed_plugin.deepspeed_config["zero_optimization"]
     if zero["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = 0
@@ -90,8 +93,11 @@ if trainer.accelerator.is_main_process:
             {
                 "num_processes": trainer.accelerator.num_processes,
                 "distributed_type": str(trainer.accelerator.distributed_type),
-                "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
-                "partitioned": any(getattr(p, "ds_numel", 0) > p.numel() for p in trainer.model.parameters()),
+                "zero_stage": trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage,
+                "partitioned": any(
+                    getattr(p, "ds_numel", 0) > p.numel() or type(p).__name__ == "DTensor"
+                    for p in trainer.model.parameters()
+                ),
                 "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             },
             handle,
