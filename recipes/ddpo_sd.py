@@ -3,7 +3,7 @@
 accelerate launch recipes/ddpo_sd.py --config recipes/configs/ddpo_sd.yaml
 """
 
-from grpo import cli
+from trl_dance.scripts.grpo import cli
 
 if __name__ == "__main__":
     cli()

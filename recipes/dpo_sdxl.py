@@ -3,7 +3,7 @@
 accelerate launch recipes/dpo_sdxl.py --config recipes/configs/dpo_sdxl.yaml
 """
 
-from dpo import cli
+from trl_dance.scripts.dpo import cli
 
 if __name__ == "__main__":
     cli()

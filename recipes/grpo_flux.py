@@ -3,7 +3,7 @@
 accelerate launch recipes/grpo_flux.py --config recipes/configs/grpo_flux.yaml
 """
 
-from grpo import cli
+from trl_dance.scripts.grpo import cli
 
 if __name__ == "__main__":
     cli()

@@ -1,14 +1,11 @@
-"""DiffusionNFT with trl-dance (flow-matching pipelines: FLUX, SD3, Wan): recipes/grpo.py with its trainer.
+"""DiffusionNFT / AWM / DGPO for flow-matching pipelines (FLUX, SD3, Wan).
 
-    accelerate launch recipes/nft.py --config recipes/configs/nft_sd3.yaml
+    accelerate launch recipes/nft.py --config recipes/configs/nft_sd3.yaml   # or: trl-dance nft --config ...
 
-Any field of DiffusionNFTConfig, trl.ModelConfig or grpo.py's ScriptArguments can be given in the YAML file or on the
-command line; the outputs are grpo.py's.
+The script is the installed package's trl_dance/scripts/nft.py (`trl-dance nft`); see its docstring for the options.
 """
 
-from grpo import cli
-
-from trl_dance import DiffusionNFTConfig, DiffusionNFTTrainer
+from trl_dance.scripts.nft import cli
 
 if __name__ == "__main__":
-    cli(DiffusionNFTConfig, DiffusionNFTTrainer)
+    cli()

@@ -180,3 +180,30 @@ def test_grpo_evaluation_sampler_settings(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="negative_prompt feeds the unconditional branch of CFG"):
         flux.evaluate(prompts)
+
+
+def test_grpo_streams_an_iterable_dataset_in_groups(tiny_model_dir, tmp_path, monkeypatch):
+    """As trl.GRPOTrainer: a streaming train_dataset (max_steps required) is read in rounds of whole groups, each
+    prompt num_generations times; an IterableDataset evaluates too."""
+    rows = [{"prompt": prompt} for prompt in PROMPTS * 3]
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ValueError, match="a streaming \\(Iterable\\) train_dataset has no length: set max_steps > 0"):
+        DanceGRPOTrainer(
+            tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, max_steps=-1), train_dataset=stream
+        )
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path, max_steps=3), train_dataset=stream
+    )
+    rounds = []
+    generate = trainer._generate_and_score
+    monkeypatch.setattr(
+        trainer, "_generate_and_score", lambda batch: rounds.append([r["prompt"] for r in batch]) or generate(batch)
+    )
+    trainer.train()
+    size = trainer.args.num_generations
+    assert len(rounds) == 3 and all(len(batch) == trainer.args.generation_batch_size for batch in rounds)
+    for batch in rounds:
+        groups = [batch[i : i + size] for i in range(0, len(batch), size)]
+        assert all(len(set(group)) == 1 for group in groups) and len({g[0] for g in groups}) == len(groups)
+    assert {prompt for batch in rounds for prompt in batch} <= set(PROMPTS)
+    assert "eval_reward" in trainer.evaluate(IterableDataset.from_generator(lambda: iter(rows[:2])))

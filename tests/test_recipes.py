@@ -13,13 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _recipe_module(name: str):
-    """``recipes/<name>.py`` imported as a module (the recipes are scripts, not a package)."""
-    import importlib.util
+    """The script ``trl-dance <name>`` and ``recipes/<name>.py`` run: ``trl_dance.scripts.<name>``."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe", os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"trl_dance.scripts.{name}")
 
 
 def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.CompletedProcess:
@@ -247,7 +244,7 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise(given, exp
     code = "import trl_dance, torch, os; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == expected
-    with open(os.path.join(ROOT, "recipes", "grpo.py")) as handle:
+    with open(os.path.join(ROOT, "trl_dance", "scripts", "grpo.py")) as handle:
         recipe = handle.read()
     assert recipe.index('os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")') < recipe.index("from trl import")
 

@@ -2,6 +2,6 @@
 
 from trl.trainer.base_config import _BaseConfig
 from trl.trainer.base_trainer import _BaseTrainer
-from trl.trainer.utils import RepeatSampler
+from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
-__all__ = ["RepeatSampler", "_BaseConfig", "_BaseTrainer"]
+__all__ = ["RepeatSampler", "_BaseConfig", "_BaseTrainer", "repeat_iterable_dataset"]

@@ -81,9 +81,13 @@ def _prompt_text(value: Any, row: int) -> str:
     )
 
 
-def text_prompts(dataset: Dataset) -> Dataset:
+def text_prompts(dataset: Dataset | IterableDataset) -> Dataset | IterableDataset:
     """``dataset`` with every ``prompt`` checked to be text; TRL's conversational prompts (lists of messages) become
-    the text of their last user turn. Raises ValueError naming the first bad row."""
+    the text of their last user turn. Raises ValueError naming the first bad row (for a stream: as it streams)."""
+    if isinstance(dataset, IterableDataset):
+        return dataset.map(
+            lambda value, row: {"prompt": _prompt_text(value, row)}, input_columns="prompt", with_indices=True
+        )
     prompts = dataset["prompt"]
     for row, value in enumerate(prompts):
         _prompt_text(value, row)

@@ -1,5 +1,5 @@
-"""Command-line handling shared by the recipes (``recipes/grpo.py``, ``recipes/dpo.py``): TRL's parser with ``--config``
-named first, the ``trl.ModelConfig`` fields the recipes use (the others refused, not silently ignored), and
+"""Command-line handling shared by the training scripts (``trl_dance/scripts/``, run by ``trl-dance grpo|nft|dpo`` and
+``recipes/*.py``): TRL's parser with ``--config`` named first, the ``trl.ModelConfig`` fields the recipes use (the others refused, not silently ignored), and
 ``module:function`` rewards from the working directory."""
 
 from __future__ import annotations
@@ -34,13 +34,18 @@ on the command line override it. The options are those of the script, of the tra
 (model_name_or_path, dtype, use_peft, lora_*)."""
 
 
+def recipe_parser(dataclass_types: tuple[type, ...], prog: str | None = None) -> TrlParser:
+    """TRL's parser of ``dataclass_types`` with the usage line naming ``--config``."""
+    return TrlParser(dataclass_types, prog=prog, usage=USAGE)
+
+
 def parse_recipe_args(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple[Any, ...]:
-    """``TrlParser(dataclass_types).parse_args_and_config(argv)``, with the usage line naming ``--config``, the
-    ``ModelConfig`` instance checked by :func:`check_model_args` and the working directory importable (for
-    ``reward_funcs: [my_rewards:fn]``, as a Python script would see it)."""
+    """``recipe_parser(dataclass_types).parse_args_and_config(argv)``, with the ``ModelConfig`` instance checked by
+    :func:`check_model_args` and the working directory importable (for ``reward_funcs: [my_rewards:fn]``, as a Python
+    script would see it)."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    parsed = TrlParser(dataclass_types, usage=USAGE).parse_args_and_config(argv)
+    parsed = recipe_parser(dataclass_types).parse_args_and_config(argv)
     for value in parsed:
         if isinstance(value, ModelConfig):
             check_model_args(value)

@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from PIL import Image
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
+from .._compat import repeat_iterable_dataset
 from ..advantages import PerPromptStatTracker, group_advantages, normalized_reward_sum
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
@@ -53,6 +54,11 @@ def sampler_settings(args: OnlineDiffusionConfig) -> SamplerSettings:
         train_expert=args.train_expert,
         **{name: getattr(args, field) for name, field in sde.items() if hasattr(args, field)},
     )
+
+
+def _columns(dataset: Dataset | IterableDataset) -> list[str]:
+    """A dataset's columns; for a stream whose features are not declared, its first row's keys."""
+    return dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
 
 
 def _fingerprint(value: Any) -> Any:
@@ -106,9 +112,17 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._check_dataset(train_dataset, args)
         train_dataset = text_prompts(train_dataset)
         if eval_dataset is not None:
-            if not isinstance(eval_dataset, Dataset) or "prompt" not in eval_dataset.column_names:
-                raise ValueError("eval_dataset must be a datasets.Dataset with a 'prompt' column")
+            if not isinstance(eval_dataset, (Dataset, IterableDataset)) or "prompt" not in _columns(eval_dataset):
+                raise ValueError("eval_dataset must be a datasets.Dataset or IterableDataset with a 'prompt' column")
             eval_dataset = text_prompts(eval_dataset)
+        if isinstance(train_dataset, IterableDataset):
+            # As trl.GRPOTrainer: the prompt repeats are baked into the stream, which each process then shards into
+            # contiguous slices itself (dispatching would collate the string column on the main process), read by
+            # one worker so that groups are not interleaved.
+            if args.accelerator_config.dispatch_batches:
+                raise ValueError("a streaming train_dataset needs accelerator_config.dispatch_batches=False")
+            args.accelerator_config.dispatch_batches = False
+            args.dataloader_num_workers = 0
 
         policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
         if args.offload_frozen_expert and policy.frozen_expert is None:
@@ -119,11 +133,11 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         policy.offload_frozen_expert = args.offload_frozen_expert
         self._check_policy(policy, args)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            missing = [c for c in policy.condition_columns if dataset is not None and c not in dataset.column_names]
+            missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
                 raise ValueError(
                     f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
-                    f"PIL images for image-to-video); {name} has {dataset.column_names}"
+                    f"PIL images for image-to-video); {name} has {_columns(dataset)}"
                 )
         super().__init__(
             policy,
@@ -207,10 +221,16 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     def _check_dataset(cls, dataset: Dataset | None, args: OnlineDiffusionConfig) -> None:
         if dataset is None:
             raise ValueError(f"{cls.__name__} needs a train_dataset with a 'prompt' column")
-        if not isinstance(dataset, Dataset):
-            raise TypeError(f"train_dataset must be a datasets.Dataset, got {type(dataset).__name__}")
-        if "prompt" not in dataset.column_names:
-            raise ValueError(f"train_dataset needs a 'prompt' column; it has {dataset.column_names}")
+        if not isinstance(dataset, (Dataset, IterableDataset)):
+            raise TypeError(
+                f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}"
+            )
+        if "prompt" not in _columns(dataset):
+            raise ValueError(f"train_dataset needs a 'prompt' column; it has {_columns(dataset)}")
+        if isinstance(dataset, IterableDataset):
+            if args.max_steps <= 0:
+                raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
+            return
         prompts_per_round = args.generation_batch_size // args.num_generations
         if len(dataset) < prompts_per_round:
             raise ValueError(
@@ -226,8 +246,18 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             self._signature_columns = ["prompt"]
 
     def get_train_dataloader(self):
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            # The sampler's order as a stream (TRL's streaming counterpart of RepeatSampler): a buffered shuffle,
+            # reshuffled every epoch, each prompt num_generations times, each round's prompts for all its micro-steps.
+            dataset = repeat_iterable_dataset(
+                dataset.shuffle(seed=self.args.seed),
+                mini_repeat_count=self.args.num_generations,
+                batch_size=self.args.generation_batch_size // self.args.num_generations,
+                repeat_count=self.args.num_iterations * self.args.steps_per_generation,
+            )
         return self._get_dataloader(
-            dataset=self.train_dataset,
+            dataset=dataset,
             description="Training",
             batch_size=self.args.per_device_generation_batch_size,
             sampler_fn=self._get_train_sampler,

@@ -1,0 +1,107 @@
+"""The ``trl-dance`` command.
+
+    trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|PATH] [accelerate launch options]
+    trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
+    trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
+    trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
+    trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
+
+The training commands work as TRL's CLI does: options the script does not know (``--num_processes 8``,
+``--accelerate_config zero2``) go to ``accelerate launch``, which runs the script shipped in ``trl_dance/scripts/``;
+``--accelerate_config`` names a config shipped in ``trl_dance/accelerate_configs/`` or a file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import os
+import sys
+
+TRAINING_SCRIPTS = {
+    "grpo": ("trl_dance.scripts.grpo", "DanceGRPO / Flow-GRPO / MixGRPO / DDPO"),
+    "nft": ("trl_dance.scripts.nft", "DiffusionNFT / AWM / DGPO (flow-matching models)"),
+    "dpo": ("trl_dance.scripts.dpo", "Diffusion-DPO on image preference pairs"),
+}
+OTHER_COMMANDS = {
+    "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
+    "tiny": ("trl_dance.testing", "save a tiny random-weight pipeline (FLUX, SD3, SD, SDXL, Wan) to a folder"),
+}
+
+
+def accelerate_configs() -> dict[str, str]:
+    """The shipped accelerate configs by name (ddp, zero2, zero3, fsdp2) and their paths."""
+    folder = importlib.resources.files("trl_dance") / "accelerate_configs"
+    return {entry.name.removesuffix(".yaml"): str(entry) for entry in folder.iterdir() if entry.name.endswith(".yaml")}
+
+
+def resolve_accelerate_config(launch_args: list[str]) -> list[str]:
+    """``--accelerate_config NAME|PATH`` in ``launch_args`` → ``--config_file PATH`` (accelerate's option)."""
+    if "--accelerate_config" not in launch_args:
+        return launch_args
+    index = launch_args.index("--accelerate_config")
+    if index + 1 >= len(launch_args):
+        raise ValueError("--accelerate_config needs a value: one of the shipped configs or a file")
+    value, shipped = launch_args[index + 1], accelerate_configs()
+    if os.path.isfile(value):
+        path = value
+    elif value in shipped:
+        path = shipped[value]
+    else:
+        raise ValueError(
+            f"--accelerate_config {value!r} is neither a file nor a shipped config ({', '.join(sorted(shipped))})"
+        )
+    return ["--config_file", path, *launch_args[:index], *launch_args[index + 2 :]]
+
+
+def _without(argv: list[str], subsequence: list[str]) -> list[str]:
+    """``argv`` minus the ordered ``subsequence`` (the options that go to the launcher)."""
+    remaining, pending = [], iter(subsequence)
+    current = next(pending, None)
+    for item in argv:
+        if current is not None and item == current:
+            current = next(pending, None)
+        else:
+            remaining.append(item)
+    return remaining
+
+
+def launch_training(command: str, argv: list[str]) -> None:
+    """Split ``argv`` into the script's options and the launcher's, then ``accelerate launch`` the script."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    module = importlib.import_module(TRAINING_SCRIPTS[command][0])
+    parser = module.make_parser(prog=f"trl-dance {command}")
+    # -h exits here. Options neither the script nor the YAML file knows are the launcher's.
+    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
+    script_args = _without(argv, cli_remaining)
+    launch_command(launch_command_parser().parse_args([*launch_args, module.__file__, *script_args]))
+
+
+def _usage() -> str:
+    commands = {**TRAINING_SCRIPTS, **OTHER_COMMANDS}
+    lines = [f"  {name:<6}{help_text}" for name, (_, help_text) in commands.items()]
+    return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in TRAINING_SCRIPTS:
+        launch_training(command, rest)
+    elif command in OTHER_COMMANDS:
+        importlib.import_module(OTHER_COMMANDS[command][0]).main(rest)
+    else:
+        print(f"trl-dance: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

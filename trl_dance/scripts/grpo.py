@@ -1,0 +1,121 @@
+"""DanceGRPO (and DDPO) with trl-dance, for any supported pipeline: FLUX, SD3, SD1.x/2.x, SDXL, Wan (video).
+
+    trl-dance grpo --config recipes/configs/grpo_flux.yaml [--accelerate_config ddp|zero2|zero3|fsdp2]
+    accelerate launch recipes/grpo.py --config recipes/configs/grpo_flux.yaml      # the same script
+
+The online trainers share this script: ``trl-dance nft`` runs it with DiffusionNFTConfig / DiffusionNFTTrainer.
+
+Any field of DanceGRPOConfig, trl.ModelConfig (model_name_or_path, use_peft, lora_*) or ScriptArguments below can
+be given in the YAML file or on the command line. Writes to output_dir: the LoRA (pytorch_lora_weights.safetensors,
+for Pipeline.load_lora_weights) or the full denoiser, reward_curve.png, and samples.png (top row: before training,
+bottom row: after, same seeds).
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
+
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, get_peft_config
+
+from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
+from trl_dance.data import load_prompt_dataset
+from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args, recipe_parser
+from trl_dance.trainer.online_config import OnlineDiffusionConfig
+from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer
+from trl_dance.visualization import save_image_grid, save_reward_curve
+
+
+@dataclass
+class ScriptArguments:
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["brightness"],
+        metadata={"help": "Registered reward names or 'module.path:function'; weights in reward_weights."},
+    )
+    prompts_file: str | None = field(
+        default=None, metadata={"help": "Local .txt (one prompt per line) or .jsonl/.csv."}
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset with prompts (if no prompts_file)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
+    num_sample_images: int = field(default=4, metadata={"help": "Prompts in the before/after sample grid (0: none)."})
+    eval_prompts_file: str | None = field(
+        default=None,
+        metadata={"help": "Held-out prompts (.txt/.jsonl/.csv) scored at eval_steps with the deterministic sampler."},
+    )
+
+
+def main(
+    script_args: ScriptArguments,
+    training_args: OnlineDiffusionConfig,
+    model_args: ModelConfig,
+    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
+) -> OnlineDiffusionTrainer:
+    dataset = load_prompt_dataset(
+        script_args.prompts_file,
+        script_args.dataset_name,
+        script_args.dataset_config,
+        script_args.dataset_train_split,
+        script_args.prompt_column,
+    )
+    eval_dataset = None
+    if script_args.eval_prompts_file:
+        eval_dataset = load_prompt_dataset(script_args.eval_prompts_file, prompt_column=script_args.prompt_column)
+    model_init_kwargs(training_args, model_args)
+    trainer = trainer_class(
+        model=model_args.model_name_or_path,
+        reward_funcs=script_args.reward_funcs,
+        args=training_args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        peft_config=get_peft_config(model_args),
+    )
+    samples = dataset[: script_args.num_sample_images]  # image-to-video: their images too
+    sample_prompts = samples["prompt"]
+    conditions = {name: samples[name] for name in trainer.policy.condition_columns}
+    before = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
+
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+
+    after = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
+    if trainer.accelerator.is_main_process:
+        output_dir = training_args.output_dir
+        rewards = save_reward_curve(
+            trainer.state.log_history,
+            os.path.join(output_dir, "reward_curve.png"),
+            title=" + ".join(trainer.reward_names),
+        )
+        print(f"reward: first step {rewards[0]:.4f}, last step {rewards[-1]:.4f} ({len(rewards)} rollouts)")
+        if before is not None:
+            save_image_grid(
+                [before, after],
+                os.path.join(output_dir, "samples.png"),
+                size=128,
+                row_labels=["before", "after"],
+                captions=sample_prompts,
+            )
+            trainer.save_samples(sample_prompts, after)  # image_<i>.png, the model card's widget gallery
+        print(f"wrote {output_dir}: {sorted(os.listdir(output_dir))}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return trainer
+
+
+def make_parser(prog: str | None = None, config_class: type[OnlineDiffusionConfig] = DanceGRPOConfig):
+    """The script's parser (``trl-dance`` separates the launcher's options with it)."""
+    return recipe_parser((ScriptArguments, config_class, ModelConfig), prog)
+
+
+def cli(
+    config_class: type[OnlineDiffusionConfig] = DanceGRPOConfig,
+    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
+) -> OnlineDiffusionTrainer:
+    """Parse the command line (and --config YAML) into ``config_class`` and run :func:`main` with ``trainer_class``."""
+    return main(*parse_recipe_args((ScriptArguments, config_class, ModelConfig)), trainer_class=trainer_class)
+
+
+if __name__ == "__main__":
+    cli()
