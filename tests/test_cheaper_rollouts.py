@@ -420,7 +420,9 @@ def test_evaluation_at_eval_steps(tiny_model_dir, tmp_path, trainer_name):
 
 
 def test_eval_dataset_needs_prompts(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="eval_dataset must be a datasets.Dataset or IterableDataset with a .prompt. column"):
+    with pytest.raises(
+        ValueError, match="eval_dataset must be a datasets.Dataset or IterableDataset with a .prompt. column"
+    ):
         DanceGRPOTrainer(
             tiny_model_dir("flux"),
             "brightness",
