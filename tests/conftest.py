@@ -77,6 +77,30 @@ def tiny_grpo_config(output_dir, **overrides):
     return DanceGRPOConfig(**(values | overrides))
 
 
+def tiny_dpo_config(tmp_path, **overrides):
+    """A Diffusion-DPO config for the tiny pipelines: CPU, 32 px, 8 pairs per step, 2 steps, written under
+    ``tmp_path / "out"``."""
+    from trl_dance import DiffusionDPOConfig
+
+    values = {
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "logging_steps": 5,
+        "resolution": 32,
+        "max_sequence_length": 32,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "max_steps": 2,
+        "seed": 0,
+    }
+    return DiffusionDPOConfig(**(values | overrides))
+
+
 def recomputed_steps(trainer):
     """(inputs, output, step) of every transition planned for the last round, recomputed by the policy as the loss
     does (without gradients)."""

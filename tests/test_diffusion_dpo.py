@@ -3,37 +3,18 @@ import math
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned
+from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, tiny_dpo_config
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from PIL import Image
 
-from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance import DiffusionDPOTrainer
 from trl_dance.losses import dpo_losses
 from trl_dance.preference_data import PreferenceCollator, load_image
 from trl_dance.testing import tiny_preference_dataset
 
-
-def _config(tmp_path, **overrides):
-    values = {
-        "output_dir": str(tmp_path / "out"),
-        "use_cpu": True,
-        "bf16": False,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "logging_steps": 5,
-        "resolution": 32,
-        "max_sequence_length": 32,
-        "per_device_train_batch_size": 8,
-        "learning_rate": 1e-2,
-        "lr_scheduler_type": "constant",
-        "max_steps": 2,
-        "seed": 0,
-    }
-    values.update(overrides)
-    return DiffusionDPOConfig(**values)
+_config = tiny_dpo_config
 
 
 def _lora():

@@ -6,33 +6,18 @@ import math
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, tiny_dpo_config, tiny_grpo_config
 from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
 
-from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
+from trl_dance import DanceGRPOTrainer, DiffusionDPOTrainer
 from trl_dance.testing import tiny_preference_dataset
 
 
 def _dpo_config(tmp_path, **overrides):
-    values = {
-        "output_dir": str(tmp_path / "out"),
-        "use_cpu": True,
-        "bf16": False,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "resolution": 32,
-        "max_sequence_length": 32,
-        "per_device_train_batch_size": 4,
-        "per_device_eval_batch_size": 4,
-        "learning_rate": 1e-2,
-        "max_steps": 2,
-        "seed": 0,
-    }
-    return DiffusionDPOConfig(**(values | overrides))
+    batches = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "logging_steps": 1}
+    return tiny_dpo_config(tmp_path, **(batches | overrides))
 
 
 def _lora():
