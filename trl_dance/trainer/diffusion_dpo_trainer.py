@@ -78,10 +78,6 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         peft_config: LoraConfig | None = None,
     ):
         args = self._resolve_args(model, args, DiffusionDPOConfig, "DiffusionDPO")
-        if not isinstance(train_dataset, (Dataset, IterableDataset)):
-            raise TypeError(
-                f"train_dataset must be a datasets.Dataset or IterableDataset, got {type(train_dataset).__name__}"
-            )
         if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
         if args.eval_strategy != "no" and eval_dataset is None and not args.eval_prompts:

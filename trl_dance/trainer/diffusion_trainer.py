@@ -346,7 +346,7 @@ class DiffusionTrainer(_BaseTrainer):
         """Yield ``(chunk, images)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
         condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s deterministic samples from noise
         seeded by (``eval_seed``, row index), decoded to (B, 3, H, W) in [0, 1]. Shares are padded to equal length
-        (the last row repeated: under ZeRO-3 every process must take part in every forward), so gathered results are
+        (the last row repeated: under ZeRO-3 and FSDP every process must take part in every forward), so gathered results are
         the rows in order followed by the padding. Call on every process and exhaust it."""
         args = self.args
         plan = RolloutPlan.deterministic(policy.num_steps)

@@ -312,7 +312,6 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         columns: dict[str, list] | None = None,
         plan: RolloutPlan | None = None,
         groups: list[int] | None = None,
-        policy: DiffusionPolicy | None = None,
     ) -> dict[str, torch.Tensor]:
         """Denoise one batch along a noise plan (:func:`trl_dance.sampling.generate`), under the Trainer's autocast.
 
@@ -328,7 +327,6 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             initial_noise: (B, ...) starting latents to use instead of drawing them.
             plan: the noise plan (default: :meth:`rollout_plan` of the next round).
             groups: B group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
-            policy: the sampler (default: the training one; evaluation passes its own settings').
 
         Returns:
             ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
@@ -338,12 +336,11 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         """
         model = self.model_wrapped if model is None else model
         plan = self.rollout_plan() if plan is None else plan
-        policy = self.policy if policy is None else policy
         if cond is None:
-            cond = policy.encode_prompts(prompts, **(columns or {}))
+            cond = self.policy.encode_prompts(prompts, **(columns or {}))
         with self.compute_loss_context_manager():
             return generate(
-                policy, model, generators, cond, plan, initial_noise, groups, keep_means=self._keep_means()
+                self.policy, model, generators, cond, plan, initial_noise, groups, keep_means=self._keep_means()
             )
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
