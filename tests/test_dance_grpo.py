@@ -304,9 +304,10 @@ def _reward_returning(value):
     ("values", "message"),
     [
         (lambda n: [0.0] * (n - 1), "returned 7 values for 8 images"),
-        (lambda n: [float("nan")] * n, "not finite in float32 at positions"),
-        (lambda n: [1e300] * n, r"not finite in float32 at positions \[0, 1, .*1e\+300"),  # finite in float64
+        (lambda n: [float("inf")] * n, "infinite in float32 at positions"),
+        (lambda n: [1e300] * n, r"infinite in float32 at positions \[0, 1, .*1e\+300"),  # finite in float64
         (lambda n: ["high"] * n, "must return 8 numbers"),
+        (lambda n: [None] * n, r"no reward scored sample 0 \(prompt '"),  # every reward abstained
     ],
 )
 def test_bad_rewards_fail_with_the_function_name(tiny_model_dir, tmp_path, values, message):

@@ -57,3 +57,67 @@ def test_dotted_reward_paths_as_in_trl():
         get_reward_function("no_such_package.rewards.score")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
         get_reward_function("trl_dance.rewards.pixel.missing")
+
+
+def test_abstaining_group_wise_rewards_and_trl_extras():
+    """None/NaN abstains (the weighted sum skips it, a row no reward scores is an error); a group-wise reward is called
+    once per run of equal group ids; every function receives the extra keyword arguments."""
+    from trl_dance.rewards import weighted_reward_sum
+
+    images = torch.rand(6, 3, 8, 8)
+    prompts = ["a cat", "a cat", "a cat", "text: hi", "text: hi", "text: hi"]
+    calls = []
+
+    def ocr(prompts, images, **kwargs):  # applies to text prompts only
+        return [1.0 if p.startswith("text") else None for p in prompts]
+
+    def ranks(prompts, images, trainer_state, **kwargs):
+        calls.append((len(prompts), trainer_state))
+        return torch.argsort(torch.argsort(images.mean(dim=(1, 2, 3)))).float() / (len(prompts) - 1)
+
+    ranks.groupwise = True
+    scores = score_images(
+        [brightness, ocr, ranks], prompts, images, {}, groups=[0, 0, 0, 1, 1, 1], extra={"trainer_state": "S"}
+    )
+    assert calls == [(3, "S"), (3, "S")]  # one call per group
+    assert torch.isnan(scores[:3, 1]).all() and (scores[3:, 1] == 1).all()
+    assert sorted(scores[:3, 2].tolist()) == [0.0, 0.5, 1.0]  # ranks within each group
+    total = weighted_reward_sum(scores, torch.tensor([1.0, 2.0, 0.0]))
+    torch.testing.assert_close(total, scores[:, 0] + torch.tensor([0.0, 0, 0, 2, 2, 2]))
+    with pytest.raises(ValueError, match=r"no reward scored sample 1 \(prompt 'b'\)"):
+        weighted_reward_sum(torch.tensor([[1.0], [float("nan")]]), torch.ones(1), ["a", "b"])
+    with pytest.raises(ValueError, match="infinite in float32"):
+        score_images([lambda prompts, images, **kw: [float("-inf")] * len(prompts)], ["a"], images[:1], {})
+
+
+def test_grpo_with_an_abstaining_reward_and_logged_metrics(tiny_model_dir, tmp_path):
+    """A reward that applies to half the prompts: its statistics are over the rows it scored, the total is the
+    weighted sum of the rewards that scored each row, and its log_metric values reach the logs."""
+    from conftest import tiny_grpo_config
+    from datasets import Dataset
+    from transformers import TrainerState
+
+    from trl_dance import DanceGRPOTrainer
+
+    seen = []
+
+    def cats_only(prompts, images, trainer_state, log_metric, **kwargs):
+        seen.append(trainer_state)
+        scored = ["cat" in p for p in prompts]
+        log_metric("cats_only/fraction_scored", sum(scored) / len(scored))
+        return [1.0 if s else None for s in scored]
+
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"),
+        ["brightness", cats_only],
+        args=tiny_grpo_config(tmp_path, max_steps=1, logging_steps=1, num_generations=4, generation_batch_size=8),
+        train_dataset=Dataset.from_dict({"prompt": ["a cat", "a dog"]}),
+    )
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert logged["rewards/cats_only/mean"] == 1.0 and logged["cats_only/fraction_scored"] == 0.5
+    assert seen and isinstance(seen[0], TrainerState)
+    rollout = trainer._rollout
+    cats = torch.tensor(["cat" in p for p in rollout["prompts"]])
+    brightness_ = rollout["images"].mean(dim=(1, 2, 3))
+    torch.testing.assert_close(rollout["rewards"].cpu(), brightness_ + cats.float(), atol=1e-6, rtol=0)

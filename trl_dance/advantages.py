@@ -99,6 +99,17 @@ class PerPromptStatTracker:
         self.buffers = {p: deque(values, maxlen=self.buffer_size) for p, values in state["buffers"].items()}
 
 
+def nan_std(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The sample standard deviation (Bessel-corrected) over the non-NaN entries; NaN where fewer than two."""
+    count = (~values.isnan()).sum(dim=dim, keepdim=True) if dim is not None else (~values.isnan()).sum()
+    mean = values.nanmean(dim=dim, keepdim=True) if dim is not None else values.nanmean()
+    squares = (
+        ((values - mean) ** 2).nansum(dim=dim, keepdim=True) if dim is not None else ((values - mean) ** 2).nansum()
+    )
+    std = (squares / (count - 1)).sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
 def normalized_reward_sum(
     rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, clip: float | None = 5.0, epsilon: float = 1e-4
 ) -> torch.Tensor:
@@ -106,7 +117,8 @@ def normalized_reward_sum(
     over the batch.
 
     Args:
-        rewards: (B, F) rewards of the F reward functions, groups contiguous (``[k·G, (k+1)·G)``).
+        rewards: (B, F) rewards of the F reward functions, groups contiguous (``[k·G, (k+1)·G)``); NaN where a
+            reward abstained.
         weights: (F,) weights of the sum.
         num_generations: group size G (>= 2); must divide B.
         clip: advantages are clipped to ``±clip``; None disables.
@@ -118,8 +130,9 @@ def normalized_reward_sum(
     if rewards.ndim != 2 or rewards.shape[0] % num_generations or num_generations < 2:
         raise ValueError(f"rewards must be (k · {num_generations}, F) with G >= 2, got {tuple(rewards.shape)}")
     grouped = rewards.to(torch.float32).view(-1, num_generations, rewards.shape[1])
-    normalized = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + epsilon)
-    total = (normalized.view(-1, rewards.shape[1]) * weights.to(normalized)).sum(dim=1)
+    # A reward's abstentions (NaN) are left out of its group statistics and of the sum, as in TRL.
+    normalized = (grouped - grouped.nanmean(dim=1, keepdim=True)) / (nan_std(grouped, dim=1, keepdim=True) + epsilon)
+    total = (normalized.view(-1, rewards.shape[1]) * weights.to(normalized)).nansum(dim=1)
     advantages = (total - total.mean()) / (total.std() + epsilon)
     return advantages.clamp(-clip, clip) if clip is not None else advantages
 

@@ -2,7 +2,14 @@
 (videos: see :func:`score_images`)."""
 
 from .aesthetic import AestheticReward
-from .base import RewardFunc, get_reward_function, registered_rewards, reward_name, score_images
+from .base import (
+    RewardFunc,
+    get_reward_function,
+    registered_rewards,
+    reward_name,
+    score_images,
+    weighted_reward_sum,
+)
 from .clip import CLIPScore, PickScore
 from .hps import HPSv2Reward
 from .image_reward import ImageReward
@@ -25,4 +32,5 @@ __all__ = [
     "reward_name",
     "score_images",
     "temporal_consistency",
+    "weighted_reward_sum",
 ]

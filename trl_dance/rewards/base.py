@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,11 +11,16 @@ import torch
 
 from ..video import frame_indices
 
-RewardFunc = Callable[..., Sequence[float]]
-"""``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats``.
+RewardFunc = Callable[..., Sequence[float | None]]
+"""``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats (or None)``.
 
-A function with the attribute ``accepts_video = True`` scores videos whole: ``images`` is then (B, F, 3, H, W). Any
-other function scores videos frame by frame (see :func:`score_images`)."""
+As in TRL, a reward may abstain on a row it does not apply to by returning None (or NaN) there: the weighted sum of
+the rewards skips it, and a row no reward scores is an error. The trainers also pass ``trainer_state`` (the
+``transformers.TrainerState``) and ``log_metric(name, value)`` (a scalar averaged per log) as keyword arguments.
+
+Attributes a function may set: ``accepts_video = True`` scores videos whole (``images`` is then (B, F, 3, H, W); any
+other function scores videos frame by frame, see :func:`score_images`); ``groupwise = True`` is called once per
+group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
@@ -88,6 +94,8 @@ def score_images(
     images: torch.Tensor,
     columns: dict[str, list[Any]],
     video_frames: int | None = None,
+    groups: Sequence[int] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Call every reward function on one batch and validate what it returns.
 
@@ -96,16 +104,24 @@ def score_images(
         video_frames: for videos, a reward without ``accepts_video = True`` scores this many evenly spaced frames of
             each video (first and last included; ``None``: every frame) as images, prompt and columns repeated, and
             the video's reward is their mean. A reward with ``accepts_video = True`` gets the videos.
+        groups: B group ids, equal and contiguous within a group; a ``groupwise`` reward is called once per run of
+            equal ids (default: the whole batch is one group).
+        extra: keyword arguments for every function beside the columns (``trainer_state``, ``log_metric``).
 
     Returns:
-        (B, F) float32 on ``images.device``, one column per function.
+        (B, F) float32 on ``images.device``, one column per function; NaN where a function abstained.
 
     Raises:
-        ValueError naming the function if it returns the wrong number of values, non-numbers, or NaN/inf.
+        ValueError naming the function if it returns the wrong number of values, non-numbers, or ±inf.
     """
+    extra = extra or {}
     columns_out = []
     for func in funcs:
         if images.ndim == 5 and not getattr(func, "accepts_video", False):
+            if getattr(func, "groupwise", False):
+                raise ValueError(
+                    f"group-wise reward {reward_name(func)!r} scores videos only with accepts_video = True"
+                )
             frames = frame_indices(images.shape[1], video_frames)
             count = len(frames)
             values = _call(
@@ -113,33 +129,87 @@ def score_images(
                 [p for p in prompts for _ in range(count)],
                 images[:, frames].flatten(0, 1),
                 {key: [v for v in column for _ in range(count)] for key, column in columns.items()},
+                extra,
                 unit=f"frames ({count} per video)",
             )
-            values = values.view(-1, count).mean(dim=1)
+            values = values.view(-1, count).nanmean(dim=1)
+        elif getattr(func, "groupwise", False):
+            runs = _runs(groups if groups is not None else [0] * len(prompts))
+            values = torch.cat(
+                [
+                    _call(
+                        func,
+                        prompts[a:b],
+                        images[a:b],
+                        {key: column[a:b] for key, column in columns.items()},
+                        extra,
+                        unit="samples of a group",
+                    )
+                    for a, b in runs
+                ]
+            )
         else:
-            values = _call(func, prompts, images, columns, unit="videos" if images.ndim == 5 else "images")
+            values = _call(func, prompts, images, columns, extra, unit="videos" if images.ndim == 5 else "images")
         columns_out.append(values)
     return torch.stack(columns_out, dim=1).to(images.device)
 
 
-def _call(func: RewardFunc, prompts: list[str], images: torch.Tensor, columns: dict[str, list[Any]], unit: str):
-    """(len(prompts),) float32 CPU values of one reward function, validated."""
+def _runs(groups: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of equal consecutive ids."""
+    runs, start = [], 0
+    for i in range(1, len(groups) + 1):
+        if i == len(groups) or groups[i] != groups[start]:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _call(
+    func: RewardFunc,
+    prompts: list[str],
+    images: torch.Tensor,
+    columns: dict[str, list[Any]],
+    extra: dict[str, Any],
+    unit: str,
+) -> torch.Tensor:
+    """(len(prompts),) float32 CPU values of one reward function, validated; None becomes NaN (abstained)."""
     name, batch = reward_name(func), images.shape[0]
-    values = func(prompts=prompts, images=images, **columns)
+    values = func(prompts=prompts, images=images, **columns, **extra)
     if isinstance(values, torch.Tensor):
         values = values.detach().flatten().tolist()
     try:
-        values = [float(v) for v in values]
+        values = [math.nan if v is None else float(v) for v in values]
     except (TypeError, ValueError) as err:
-        raise ValueError(f"reward function {name!r} must return {batch} numbers, got {values!r:.200}") from err
+        raise ValueError(
+            f"reward function {name!r} must return {batch} numbers (or None), got {values!r:.200}"
+        ) from err
     if len(values) != batch:
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {batch} {unit}")
     # Checked in the dtype training uses: 1e300 is a finite float64 but inf in float32.
     tensor = torch.tensor(values, dtype=torch.float32)
-    bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
+    bad = torch.isinf(tensor).nonzero().flatten().tolist()
     if bad:
         raise ValueError(
-            f"reward function {name!r} returned values that are not finite in float32 at positions {bad[:10]}: "
-            f"{[values[i] for i in bad[:10]]}"
+            f"reward function {name!r} returned values that are infinite in float32 at positions {bad[:10]}: "
+            f"{[values[i] for i in bad[:10]]} (return None to abstain on a row)"
         )
     return tensor
+
+
+def weighted_reward_sum(
+    scores: torch.Tensor, weights: torch.Tensor, prompts: Sequence[str] | None = None
+) -> torch.Tensor:
+    """(B,) the weighted sum of the (B, F) rewards over those that scored each row (abstentions, NaN, skipped).
+
+    Raises:
+        ValueError naming the first row (and its prompt, when given) that no reward scored.
+    """
+    unscored = torch.isnan(scores).all(dim=1)
+    if unscored.any():
+        row = int(unscored.nonzero()[0])
+        prompt = f" (prompt {prompts[row]!r:.100})" if prompts is not None else ""
+        raise ValueError(
+            f"no reward scored sample {row}{prompt}: every reward function abstained (returned None/NaN); at least one "
+            "must score each sample"
+        )
+    return (scores * weights.to(scores)).nansum(dim=1)

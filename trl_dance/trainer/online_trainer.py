@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -22,10 +23,10 @@ from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
 from .._compat import repeat_iterable_dataset
-from ..advantages import PerPromptStatTracker, group_advantages, normalized_reward_sum
+from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normalized_reward_sum
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
-from ..rewards import RewardFunc, get_reward_function, reward_name, score_images
+from ..rewards import RewardFunc, get_reward_function, reward_name, score_images, weighted_reward_sum
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
@@ -54,6 +55,9 @@ def sampler_settings(args: OnlineDiffusionConfig) -> SamplerSettings:
         train_expert=args.train_expert,
         **{name: getattr(args, field) for name, field in sde.items() if hasattr(args, field)},
     )
+
+
+_GROUP = "__group__"  # an evaluation row's group (its prompt's index), for group-wise rewards
 
 
 def _columns(dataset: Dataset | IterableDataset) -> list[str]:
@@ -109,6 +113,14 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         if len(weights) != len(self.reward_funcs):
             raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_funcs)} reward functions")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        groupwise = [reward_name(f) for f in self.reward_funcs if getattr(f, "groupwise", False)]
+        local = args.generation_batch_size // args.world_size
+        if groupwise and (local % args.num_generations or (args.rollout_batch_size or local) % args.num_generations):
+            raise ValueError(
+                f"group-wise rewards {groupwise} score whole groups: each process's samples per round ({local}) and "
+                f"rollout_batch_size ({args.rollout_batch_size}) must be multiples of num_generations "
+                f"({args.num_generations})"
+            )
         self._check_dataset(train_dataset, args)
         train_dataset = text_prompts(train_dataset)
         if eval_dataset is not None:
@@ -162,6 +174,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
+        self._pending_reward_metrics: defaultdict[str, list[float]] = defaultdict(list)
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
@@ -401,13 +414,21 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
                     parts[-1]["images"],
                     {key: values[part] for key, values in columns.items()},
                     args.video_reward_frames,
+                    [
+                        (first_index + i) // args.num_generations
+                        for i in range(chunk_start, min(chunk_start + chunk, batch))
+                    ],
+                    self._reward_extra(),
                 )
                 scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
         calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
-        total = (all_rewards * self.reward_weights.to(device)).sum(dim=1)
+        self._flush_reward_metrics()
+        if all_rewards.isnan().all(dim=1).any():  # every process sees it: name the prompt (a collective, so here)
+            weighted_reward_sum(all_rewards, self.reward_weights, gather_object(prompts))
+        total = weighted_reward_sum(all_rewards, self.reward_weights)
         all_advantages = self._advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
@@ -460,22 +481,27 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         args = self.args
         if self._eval_policy is None:
             self._eval_policy = evaluation_policy(self.policy, args)
-        rows = [row for row in dataset for _ in range(args.eval_num_generations)]
+        rows = [row | {_GROUP: i} for i, row in enumerate(dataset) for _ in range(args.eval_num_generations)]
         scores, first = [], None
         for chunk, images in self._eval_samples(self._eval_policy, rows):
             prompts = [row["prompt"] for row in chunk]
-            columns = {key: [row[key] for row in chunk] for key in chunk[0] if key != "prompt"}
-            scores.append(score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames))
+            columns = {key: [row[key] for row in chunk] for key in chunk[0] if key not in ("prompt", _GROUP)}
+            groups = [row[_GROUP] for row in chunk]  # a chunk may hold part of a group: scored as a smaller one
+            extra = self._reward_extra()
+            scores.append(
+                score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames, groups, extra)
+            )
             first = (images.cpu(), prompts) if first is None else first
         all_scores = self.accelerator.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
-        total = (all_scores * self.reward_weights.to(all_scores.device)).sum(dim=1)
+        total = weighted_reward_sum(all_scores, self.reward_weights, [row["prompt"] for row in rows])
         metrics = {
             f"{metric_key_prefix}_reward": total.mean().item(),
             f"{metric_key_prefix}_reward_std": total.std().item(),
         }
         for column, name in enumerate(self.reward_names):
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].mean().item()
-            metrics[f"{metric_key_prefix}_rewards/{name}/std"] = all_scores[:, column].std().item()
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].nanmean().item()
+            metrics[f"{metric_key_prefix}_rewards/{name}/std"] = nan_std(all_scores[:, column]).item()
+        metrics |= self._flush_reward_metrics(f"{metric_key_prefix}_")
         self.log(metrics)  # first: a tracker's writer may open at its first log
         if first is not None:
             self._log_eval_images(*first, total, metric_key_prefix)
@@ -484,6 +510,29 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
 
     # ----------------------------------------------------------------------------------------------------------
     # Metrics
+
+    def _reward_extra(self) -> dict[str, Any]:
+        """TRL's extra reward arguments: ``trainer_state`` and ``log_metric(name, value)``."""
+        return {"trainer_state": self.state, "log_metric": self._log_reward_metric}
+
+    def _log_reward_metric(self, name: str, value: float) -> None:
+        # Called by a reward, possibly from the scoring thread; averaged over processes at the next flush.
+        self._pending_reward_metrics[name].append(float(value))
+
+    def _flush_reward_metrics(self, prefix: str = "") -> dict[str, float]:
+        """The rewards' ``log_metric`` values since the last flush, averaged over calls and processes: added to the
+        training metrics (no prefix) or returned (``prefix``, evaluation). Collective: call on every process."""
+        pending, self._pending_reward_metrics = self._pending_reward_metrics, defaultdict(list)
+        flushed = {}
+        for name in sorted(set(sum(gather_object([list(pending)]), []))):  # the same order on every process
+            local = torch.tensor(
+                [sum(pending.get(name, [])), len(pending.get(name, []))], device=self.accelerator.device
+            )
+            total, count = self.accelerator.gather(local[None]).sum(dim=0).tolist()
+            flushed[name] = total / max(count, 1)
+            if not prefix:
+                self._metrics[name].append(torch.tensor(flushed[name]))
+        return {f"{prefix}{name}": value for name, value in flushed.items()} if prefix else {}
 
     def _log_rollout_media(self, images, prompts, rewards, all_rewards) -> None:
         every, step = self.args.log_completions_steps, self.state.global_step
@@ -504,9 +553,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         calls_per_sample: float,
     ) -> None:
         # Already gathered: every process holds the same global values.
-        for column, name in enumerate(self.reward_names):
-            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].mean())
-            self._metrics[f"rewards/{name}/std"].append(all_rewards[:, column].std())
+        for column, name in enumerate(self.reward_names):  # over the samples each reward scored
+            self._metrics[f"rewards/{name}/mean"].append(all_rewards[:, column].nanmean())
+            self._metrics[f"rewards/{name}/std"].append(nan_std(all_rewards[:, column]))
         self._metrics["reward"].append(total.mean())
         self._metrics["reward_std"].append(total.std())
         if self.args.num_generations > 1:
