@@ -4,6 +4,7 @@
     trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
     trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
     trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
+    trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
 
 The training commands work as TRL's CLI does: options the script does not know (``--num_processes 8``,
@@ -25,6 +26,7 @@ TRAINING_SCRIPTS = {
 }
 OTHER_COMMANDS = {
     "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
+    "serve-reward": ("trl_dance.rewards.server", "serve a reward over HTTP for remote scoring (reward_funcs: [URL])"),
     "tiny": ("trl_dance.testing", "save a tiny random-weight pipeline (FLUX, SD3, SD, SDXL, Wan) to a folder"),
 }
 
@@ -83,7 +85,7 @@ def launch_training(command: str, argv: list[str]) -> None:
 
 def _usage() -> str:
     commands = {**TRAINING_SCRIPTS, **OTHER_COMMANDS}
-    lines = [f"  {name:<6}{help_text}" for name, (_, help_text) in commands.items()]
+    lines = [f"  {name:<14}{help_text}" for name, (_, help_text) in commands.items()]
     return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
 
 

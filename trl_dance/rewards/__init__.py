@@ -15,6 +15,7 @@ from .hps import HPSv2Reward
 from .image_reward import ImageReward
 from .model_reward import RewardModel
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
+from .remote import RemoteReward, RemoteRewardError
 
 __all__ = [
     "AestheticReward",
@@ -22,6 +23,8 @@ __all__ = [
     "HPSv2Reward",
     "ImageReward",
     "PickScore",
+    "RemoteReward",
+    "RemoteRewardError",
     "RewardFunc",
     "RewardModel",
     "brightness",

@@ -41,8 +41,9 @@ def _registry() -> dict[str, Callable[..., Any]]:
 
 
 def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
-    """Resolve a reward: a callable (returned as is), a registered name (``"hpsv2"``), ``"module.path:func"``, or
-    ``"module.path.func"`` (the dotted form TRL's GRPO script takes).
+    """Resolve a reward: a callable (returned as is), a registered name (``"hpsv2"``), ``"module.path:func"``,
+    ``"module.path.func"`` (the dotted form TRL's GRPO script takes), or a URL (``"http://host:port"``: a
+    :class:`~trl_dance.rewards.remote.RemoteReward`, ``kwargs`` its options).
 
     Args:
         kwargs: constructor arguments of a registered model reward (checkpoint paths, dtype, batch size), e.g.
@@ -54,6 +55,10 @@ def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a reward must be a callable, a registered name or 'module:function', got {type(spec)}")
+    if spec.startswith(("http://", "https://")):
+        from .remote import RemoteReward
+
+        return RemoteReward(spec, **kwargs)
     registry = _registry()
     if spec in registry:
         entry = registry[spec]

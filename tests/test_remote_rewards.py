@@ -1,0 +1,198 @@
+"""Remote rewards on loopback: the client against a misbehaving stub server (slow, 500, wrong count, dying), the real
+``trl-dance serve-reward`` process, and a GRPO run scored remotely that equals the in-process run."""
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import tiny_grpo_config
+from datasets import Dataset
+
+from trl_dance import DanceGRPOTrainer
+from trl_dance.rewards import RemoteReward, RemoteRewardError, brightness, get_reward_function
+from trl_dance.rewards.remote import decode_image, encode_image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Stub(http.server.ThreadingHTTPServer):
+    """A reward server whose ``behave(request_number, body)`` decides each answer: (status, payload) or "sleep"."""
+
+    daemon_threads = True
+
+    def __init__(self, behave):
+        self.behave, self.requests = behave, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(handler):  # noqa: N805
+                body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+                self.requests += 1
+                status, payload = self.behave(self.requests, body)
+                data = json.dumps(payload).encode()
+                handler.send_response(status)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def _brightness_answer(body):
+    images = [decode_image(item, body["image_format"]) for item in body["images"]]
+    return 200, {"rewards": [image.mean().item() for image in images]}
+
+
+def test_images_round_trip_and_options_are_checked():
+    image = torch.rand(3, 8, 8)
+    assert torch.equal(decode_image(encode_image(image, "npy"), "npy"), image)  # exact
+    assert (decode_image(encode_image(image, "png"), "png") - image).abs().max() <= 0.5 / 255 + 1e-6  # 8-bit
+    video = torch.rand(2, 3, 8, 8)
+    assert decode_image(encode_image(video, "png"), "png").shape == (2, 3, 8, 8)
+    with pytest.raises(ValueError, match="needs an http\\(s\\) URL"):
+        RemoteReward("localhost:8000")
+    with pytest.raises(ValueError, match="image_format must be one of"):
+        RemoteReward("http://localhost:8000", image_format="webp")
+    reward = get_reward_function("http://127.0.0.1:9/", batch_size=2)  # a URL in reward_funcs, options in kwargs
+    assert isinstance(reward, RemoteReward) and reward.__name__ == "remote_127.0.0.1_9" and reward.batch_size == 2
+
+
+def test_client_batches_concurrently_and_survives_a_slow_server():
+    """A request that times out is retried; batches are split and reassembled in order."""
+
+    def behave(number, body):
+        if number == 1:
+            time.sleep(1.5)  # longer than the client's timeout: it gives up and retries
+        return _brightness_answer(body)
+
+    stub = _Stub(behave)
+    reward = RemoteReward(stub.url, batch_size=3, max_concurrency=1, timeout=0.5, max_retries=2, backoff=0.01)
+    images = torch.rand(7, 3, 8, 8)
+    values = reward(["p"] * 7, images, tag=list(range(7)))
+    torch.testing.assert_close(torch.tensor(values), images.mean(dim=(1, 2, 3)), atol=1 / 255, rtol=0)
+    assert stub.requests == 4  # 3 batches + 1 retry
+    stub.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("behave", "message"),
+    [
+        (
+            lambda n, body: (500, {"error": "model exploded"}),
+            r"batch 0 \(samples 0–3\): failed after 3 attempts; last: status 500: .*model exploded",
+        ),
+        (lambda n, body: (200, {"rewards": [0.5]}), r"batch 0 \(samples 0–3\): 1 rewards for 4 samples"),
+        (lambda n, body: (200, {"scores": [0.5] * 4}), "the answer has no 'rewards' list"),
+        (lambda n, body: (400, {"error": "no such column"}), "status 400: .*no such column"),
+    ],
+)
+def test_client_errors_name_the_server_the_status_and_the_batch(behave, message):
+    stub = _Stub(behave)
+    reward = RemoteReward(stub.url, batch_size=4, timeout=2, max_retries=2, backoff=0.01)
+    with pytest.raises(
+        RemoteRewardError, match=f"reward server {stub.url}, {message}" if "batch" in message else message
+    ):
+        reward(["p"] * 4, torch.rand(4, 3, 8, 8))
+    stub.shutdown()
+
+
+def test_client_fails_clearly_when_the_server_dies_mid_run():
+    stub = _Stub(lambda n, body: _brightness_answer(body))
+    reward = RemoteReward(stub.url, batch_size=2, max_concurrency=1, timeout=1, max_retries=2, backoff=0.01)
+    assert len(reward(["p"] * 2, torch.rand(2, 3, 8, 8))) == 2
+    stub.shutdown()
+    stub.server_close()
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError, match=r"failed after 3 attempts; last: ConnectError"):
+        reward(["p"] * 2, torch.rand(2, 3, 8, 8))
+    assert time.monotonic() - start < 10  # bounded: no hang
+
+
+@pytest.fixture(scope="module")
+def served_brightness():
+    """``trl-dance serve-reward brightness`` as a real server process on loopback."""
+    port = _free_port()
+    command = [sys.executable, "-m", "trl_dance.cli", "serve-reward", "brightness", "--port", str(port)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reward = RemoteReward(f"http://127.0.0.1:{port}", image_format="npy", timeout=5, max_retries=0)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert reward.health() == {"status": "ok", "reward": "brightness"}
+            break
+        except RemoteRewardError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the reward server did not start: {process.communicate()[1][-2000:]}") from None
+            time.sleep(0.2)
+    yield reward
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_served_reward_equals_in_process(served_brightness):
+    images = torch.rand(5, 3, 16, 16)
+    assert served_brightness(["a"] * 5, images) == brightness(["a"] * 5, images)  # npy: bit-exact
+    png = RemoteReward(served_brightness.url, image_format="png")(["a"] * 5, images)
+    quantized = (images * 255).round() / 255
+    torch.testing.assert_close(torch.tensor(png), quantized.mean(dim=(1, 2, 3)), atol=1e-6, rtol=0)
+    malformed = served_brightness.client.post(f"{served_brightness.url}/score", json={"prompts": ["a"]})
+    assert malformed.status_code == 400 and "bad request: KeyError" in malformed.json()["error"]
+    with pytest.raises(RemoteRewardError, match="status 400: .*1 prompts, 0 images"):
+        served_brightness._post(0, 0, {"prompts": ["a"], "images": [], "image_format": "npy"})
+
+
+def test_grpo_scored_by_the_served_reward_trains_like_in_process(tiny_model_dir, tmp_path, served_brightness):
+    """Two rounds of GRPO with brightness served over HTTP (npy images) and in-process: the same rewards (to float32
+    rounding: the server reduces a contiguous copy of each image) and the same LoRA to 1e-3 (measured 6.7e-5)."""
+    from peft import LoraConfig
+
+    runs = []
+    for reward in (served_brightness.url, "brightness"):
+        remote = reward.startswith("http")
+        args = tiny_grpo_config(
+            tmp_path / str(len(runs)),
+            max_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            reward_kwargs={reward: {"image_format": "npy"}} if remote else None,
+        )
+        trainer = DanceGRPOTrainer(
+            tiny_model_dir("flux"),
+            reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["a cat", "a dog", "a house", "a tree"]}),
+            peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]),
+        )
+        trainer.train()
+        rollout = trainer._rollout
+        runs.append(
+            (rollout["rewards"].cpu(), {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora" in k})
+        )
+        if remote:  # the served values are the in-process function's on the same images
+            torch.testing.assert_close(
+                rollout["rewards"].cpu(), rollout["images"].mean(dim=(1, 2, 3)), atol=1e-6, rtol=0
+            )
+    (remote_rewards, remote_lora), (local_rewards, local_lora) = runs
+    torch.testing.assert_close(remote_rewards, local_rewards, atol=1e-6, rtol=0)
+    assert max((remote_lora[k] - local_lora[k]).abs().max().item() for k in local_lora) < 1e-3

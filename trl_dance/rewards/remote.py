@@ -1,0 +1,206 @@
+"""Rewards served over HTTP: the client a trainer calls, and the wire format it shares with ``trl-dance serve-reward``.
+
+Protocol (JSON over HTTP):
+
+* ``GET {url}/health`` → 200 ``{"status": "ok", "reward": NAME}``.
+* ``POST {url}/score`` with ``{"prompts": [B strings], "images": [B encoded images], "image_format": "png" | "jpeg" |
+  "npy", "columns": {name: [B JSON values]}, "global_step": int}`` → ``{"rewards": [B numbers or null]}`` (null:
+  the reward abstains on that row). An image is base64 of a PNG/JPEG file (8-bit) or of a ``numpy.save`` float32
+  (3, H, W) array in [0, 1] (``npy``, lossless); a video is a list of such frames (``npy``: one (F, 3, H, W) array).
+  PIL images in ``columns`` (image-to-video conditioning) travel as ``{"image": base64 PNG}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGE_FORMATS = ("png", "jpeg", "npy")
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward server failed: unreachable, timing out, an error status, or an answer of the wrong shape."""
+
+
+def encode_image(image: torch.Tensor, image_format: str, quality: int = 95) -> str | list[str]:
+    """(3, H, W) (or a video (F, 3, H, W)) float in [0, 1] → base64 text (a list of frames for PNG/JPEG videos)."""
+    if image_format == "npy":
+        buffer = io.BytesIO()
+        np.save(buffer, image.detach().float().cpu().numpy(), allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+    if image.ndim == 4:
+        return [encode_image(frame, image_format, quality) for frame in image]
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    options = {"quality": quality} if image_format == "jpeg" else {}
+    Image.fromarray(pixels).save(buffer, format=image_format.upper(), **options)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_image(data: str | list[str], image_format: str) -> torch.Tensor:
+    """The inverse of :func:`encode_image`: (3, H, W) or (F, 3, H, W) float32 in [0, 1]."""
+    if isinstance(data, list):
+        return torch.stack([decode_image(frame, image_format) for frame in data])
+    raw = base64.b64decode(data)
+    if image_format == "npy":
+        return torch.from_numpy(np.load(io.BytesIO(raw), allow_pickle=False)).float()
+    array = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def _json_value(value: Any) -> Any:
+    """A column value as JSON: PIL images as ``{"image": base64 PNG}``; anything else must be JSON already."""
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.convert("RGB").save(buffer, format="PNG")
+        return {"image": base64.b64encode(buffer.getvalue()).decode("ascii")}
+    return value
+
+
+class RemoteReward:
+    """A reward computed by a server speaking the protocol above (``trl-dance serve-reward``, or your own).
+
+    Args:
+        url: the server's base URL, e.g. ``http://10.0.0.5:8000``.
+        name: the name it is logged under (default: ``remote_<host>_<port>``).
+        batch_size: samples per request; a call's batches are sent ``max_concurrency`` at a time.
+        timeout: seconds for one request (connect, send, wait, read).
+        max_retries: further attempts of a request after a timeout, a connection error, 429 or a 5xx status, waiting
+            ``backoff · 2^k`` seconds before attempt k + 1. Other 4xx statuses and malformed answers fail at once.
+        image_format: ``png`` (8-bit, lossless), ``jpeg`` (8-bit, ``jpeg_quality``) or ``npy`` (float32, exact).
+        videos: send videos whole (the server's reward scores videos); otherwise a trainer sends frames.
+        headers: extra HTTP headers (e.g. an authorization token).
+
+    Every failure raises :class:`RemoteRewardError` naming the server, the batch and what went wrong: a reward is never
+    silently replaced by a constant.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        name: str | None = None,
+        batch_size: int = 16,
+        max_concurrency: int = 4,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        backoff: float = 1.0,
+        image_format: str = "png",
+        jpeg_quality: int = 95,
+        videos: bool = False,
+        headers: dict[str, str] | None = None,
+    ):
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"a remote reward needs an http(s) URL, got {url!r}")
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+        if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or timeout <= 0 or backoff < 0:
+            raise ValueError("batch_size and max_concurrency must be >= 1, max_retries and backoff >= 0, timeout > 0")
+        self.url = url.rstrip("/")
+        self.__name__ = name or f"remote_{parsed.hostname}_{parsed.port or parsed.scheme}"
+        self.batch_size, self.max_concurrency = batch_size, max_concurrency
+        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        self.image_format, self.jpeg_quality = image_format, jpeg_quality
+        self.accepts_video = videos
+        self.headers = dict(headers or {})
+        self._client = None
+
+    @property
+    def client(self):
+        import httpx
+
+        if self._client is None:  # one connection pool, shared by the concurrent requests
+            limits = httpx.Limits(max_connections=self.max_concurrency)
+            self._client = httpx.Client(timeout=self.timeout, headers=self.headers, limits=limits)
+        return self._client
+
+    def health(self) -> dict[str, Any]:
+        """The server's ``/health`` answer; RemoteRewardError if it does not answer 200."""
+        import httpx
+
+        try:
+            response = self.client.get(f"{self.url}/health")
+        except httpx.HTTPError as err:
+            raise RemoteRewardError(f"reward server {self.url}: /health failed ({type(err).__name__}: {err})") from err
+        if response.status_code != 200:
+            raise RemoteRewardError(f"reward server {self.url}: /health answered {response.status_code}")
+        return response.json()
+
+    def __call__(self, prompts: list[str], images: torch.Tensor, **columns: Any) -> list[float | None]:
+        state = columns.pop("trainer_state", None)
+        columns.pop("log_metric", None)
+        count = len(prompts)
+        if images.shape[0] != count:
+            raise ValueError(f"{count} prompts for {images.shape[0]} images")
+        starts = list(range(0, count, self.batch_size))
+        payloads = [
+            {
+                "prompts": list(prompts[a : a + self.batch_size]),
+                "images": [
+                    encode_image(image, self.image_format, self.jpeg_quality)
+                    for image in images[a : a + self.batch_size]
+                ],
+                "image_format": self.image_format,
+                "columns": {
+                    key: [_json_value(v) for v in values[a : a + self.batch_size]] for key, values in columns.items()
+                },
+                "global_step": getattr(state, "global_step", None),
+            }
+            for a in starts
+        ]
+        with ThreadPoolExecutor(min(self.max_concurrency, len(payloads))) as pool:
+            results = list(pool.map(self._post, range(len(payloads)), starts, payloads))
+        return [value for batch in results for value in batch]
+
+    def _post(self, index: int, start: int, payload: dict[str, Any]) -> list[float | None]:
+        import httpx
+
+        size = len(payload["prompts"])
+        where = f"reward server {self.url}, batch {index} (samples {start}–{start + size - 1})"
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = self.client.post(f"{self.url}/score", json=payload)
+            except httpx.TimeoutException:
+                last = f"no answer within {self.timeout:g} s"
+                continue
+            except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is down or dying
+                last = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code == 429 or response.status_code >= 500:
+                last = f"status {response.status_code}: {response.text[:300]}"
+                continue
+            if response.status_code != 200:
+                raise RemoteRewardError(f"{where}: status {response.status_code}: {response.text[:300]}")
+            return self._parse(response, size, where)
+        raise RemoteRewardError(f"{where}: failed after {self.max_retries + 1} attempts; last: {last}")
+
+    @staticmethod
+    def _parse(response, size: int, where: str) -> list[float | None]:
+        try:
+            rewards = response.json()["rewards"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise RemoteRewardError(f"{where}: the answer has no 'rewards' list: {response.text[:300]!r}") from err
+        if not isinstance(rewards, list) or len(rewards) != size:
+            got = len(rewards) if isinstance(rewards, list) else type(rewards).__name__
+            raise RemoteRewardError(f"{where}: {got} rewards for {size} samples")
+        try:
+            return [None if value is None or math.isnan(float(value)) else float(value) for value in rewards]
+        except (TypeError, ValueError) as err:
+            raise RemoteRewardError(f"{where}: rewards must be numbers or null, got {rewards[:5]!r}") from err
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
