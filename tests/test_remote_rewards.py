@@ -16,7 +16,7 @@ from conftest import tiny_grpo_config
 from datasets import Dataset
 
 from trl_dance import DanceGRPOTrainer
-from trl_dance.rewards import RemoteReward, RemoteRewardError, brightness, get_reward_function
+from trl_dance.rewards import RemoteReward, RemoteRewardError, brightness, get_reward_function, score_images
 from trl_dance.rewards.remote import decode_image, encode_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +196,50 @@ def test_grpo_scored_by_the_served_reward_trains_like_in_process(tiny_model_dir,
     (remote_rewards, remote_lora), (local_rewards, local_lora) = runs
     torch.testing.assert_close(remote_rewards, local_rewards, atol=1e-6, rtol=0)
     assert max((remote_lora[k] - local_lora[k]).abs().max().item() for k in local_lora) < 1e-3
+
+
+def _chat_stub(answer):
+    """An OpenAI-compatible chat-completions stub: ``answer(brightnesses of the message's images)`` is its reply."""
+
+    def behave(number, body):
+        content = body["messages"][0]["content"]
+        urls = [part["image_url"]["url"] for part in content if part["type"] == "image_url"]
+        values = [decode_image(url.split(",", 1)[1], "png").mean().item() for url in urls]
+        return 200, {"choices": [{"message": {"role": "assistant", "content": answer(values)}}]}
+
+    return _Stub(behave)
+
+
+def test_pointwise_judge_parses_the_final_score():
+    from trl_dance.rewards import PointwiseJudge
+
+    stub = _chat_stub(lambda v: f"Bright enough. Final Score: {1 + 4 * v[0]:.4f}" if v[0] > 0.3 else "I cannot tell.")
+    judge = get_reward_function("vlm_judge", base_url=f"{stub.url}/v1", model="stub", backoff=0.01)
+    assert isinstance(judge, PointwiseJudge)
+    images = torch.stack([torch.full((3, 8, 8), value) for value in (0.2, 0.4, 0.8)])  # 8-bit exact
+    logged = {}
+    scores = judge(["a"] * 3, images, log_metric=logged.__setitem__)
+    assert scores[0] is None and scores[1:] == pytest.approx([1 + 4 * 0.4, 1 + 4 * 0.8], abs=1e-4)
+    assert logged == {"vlm_judge/unparsed": pytest.approx(1 / 3)}
+    stub.shutdown()
+
+
+def test_pairwise_judge_win_rates_and_position_bias():
+    """A judge preferring the brighter image: win rate = the number of darker samples / (G − 1), as by hand. A judge
+    that always prefers the first image: every pair asked in both orders, so every win rate is ½."""
+    values = [0.6, 0.1, 0.9, 0.4]
+    images = torch.stack([torch.full((3, 8, 8), value) for value in values])
+    brighter = _chat_stub(lambda v: f"Final Answer: Image {1 if v[0] > v[1] else 2}")
+    judge = get_reward_function("pairwise_judge", base_url=f"{brighter.url}/v1", model="stub", backoff=0.01)
+    expected = [sum(other < value for other in values) / 3 for value in values]  # [2/3, 0, 1, 1/3]
+    assert judge(["a"] * 4, images) == pytest.approx(expected)
+    assert brighter.requests == 4 * 3  # every ordered pair
+    biased = _chat_stub(lambda v: "Final Answer: Image 1")
+    judge = get_reward_function("pairwise_judge", base_url=f"{biased.url}/v1", model="stub", backoff=0.01)
+    assert judge(["a"] * 4, images) == [0.5] * 4
+    scores = score_images([judge], ["a"] * 2 + ["b"] * 2, images, {}, groups=[0, 0, 1, 1])  # one call per group
+    assert scores[:, 0].tolist() == [0.5] * 4 and biased.requests == 12 + 2 + 2
+    with pytest.raises(ValueError, match="compares the samples of one prompt"):
+        judge(["a", "b"], images[:2])
+    brighter.shutdown()
+    biased.shutdown()

@@ -13,6 +13,7 @@ from .base import (
 from .clip import CLIPScore, PickScore
 from .hps import HPSv2Reward
 from .image_reward import ImageReward
+from .judges import PairwiseJudge, PointwiseJudge
 from .model_reward import RewardModel
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
 from .remote import RemoteReward, RemoteRewardError
@@ -22,7 +23,9 @@ __all__ = [
     "CLIPScore",
     "HPSv2Reward",
     "ImageReward",
+    "PairwiseJudge",
     "PickScore",
+    "PointwiseJudge",
     "RemoteReward",
     "RemoteRewardError",
     "RewardFunc",

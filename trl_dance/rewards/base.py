@@ -25,7 +25,7 @@ group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
 
 def _registry() -> dict[str, Callable[..., Any]]:
     """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
-    from . import aesthetic, clip, hps, image_reward, pixel
+    from . import aesthetic, clip, hps, image_reward, judges, pixel
 
     return {
         "brightness": pixel.brightness,
@@ -37,6 +37,8 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "pickscore": clip.PickScore,
         "clip_score": clip.CLIPScore,
         "aesthetic": aesthetic.AestheticReward,
+        "vlm_judge": judges.PointwiseJudge,
+        "pairwise_judge": judges.PairwiseJudge,
     }
 
 

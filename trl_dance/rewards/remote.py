@@ -66,6 +66,32 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def post_json(client, url: str, payload: dict[str, Any], max_retries: int, backoff: float, where: str):
+    """POST ``payload`` as JSON and return the 200 response, retrying after a timeout, a connection error, 429 or a
+    5xx status (waiting ``backoff · 2^k`` s before attempt k + 1); RemoteRewardError naming ``where`` otherwise."""
+    import httpx
+
+    last = ""
+    for attempt in range(max_retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        try:
+            response = client.post(url, json=payload)
+        except httpx.TimeoutException:
+            last = f"no answer within {client.timeout.read:g} s"
+            continue
+        except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is down or dying
+            last = f"{type(err).__name__}: {err}"
+            continue
+        if response.status_code == 429 or response.status_code >= 500:
+            last = f"status {response.status_code}: {response.text[:300]}"
+            continue
+        if response.status_code != 200:
+            raise RemoteRewardError(f"{where}: status {response.status_code}: {response.text[:300]}")
+        return response
+    raise RemoteRewardError(f"{where}: failed after {max_retries + 1} attempts; last: {last}")
+
+
 class RemoteReward:
     """A reward computed by a server speaking the protocol above (``trl-dance serve-reward``, or your own).
 
@@ -162,29 +188,10 @@ class RemoteReward:
         return [value for batch in results for value in batch]
 
     def _post(self, index: int, start: int, payload: dict[str, Any]) -> list[float | None]:
-        import httpx
-
         size = len(payload["prompts"])
         where = f"reward server {self.url}, batch {index} (samples {start}–{start + size - 1})"
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                response = self.client.post(f"{self.url}/score", json=payload)
-            except httpx.TimeoutException:
-                last = f"no answer within {self.timeout:g} s"
-                continue
-            except httpx.TransportError as err:  # refused, reset, closed mid-answer: the server is down or dying
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if response.status_code == 429 or response.status_code >= 500:
-                last = f"status {response.status_code}: {response.text[:300]}"
-                continue
-            if response.status_code != 200:
-                raise RemoteRewardError(f"{where}: status {response.status_code}: {response.text[:300]}")
-            return self._parse(response, size, where)
-        raise RemoteRewardError(f"{where}: failed after {self.max_retries + 1} attempts; last: {last}")
+        response = post_json(self.client, f"{self.url}/score", payload, self.max_retries, self.backoff, where)
+        return self._parse(response, size, where)
 
     @staticmethod
     def _parse(response, size: int, where: str) -> list[float | None]:
