@@ -37,4 +37,4 @@ class AestheticReward(CLIPReward):
         self.head = self.head.to(device, self.dtype).eval().requires_grad_(False)
 
     def _score(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:
-        return self.head(self.image_embeddings(images, exact).to(self.dtype)).float()
+        return self.head(self.image_embeddings(images, exact).to(self.dtype)).to(self.compute_dtype)

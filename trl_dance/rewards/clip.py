@@ -56,20 +56,21 @@ class CLIPReward(RewardModel):
             )
 
     def image_embeddings(self, images: torch.Tensor, exact: bool) -> torch.Tensor:
-        """(B, D) unit-norm float32 image embeddings of images (B, 3, H, W) in [0, 1]."""
+        """(B, D) unit-norm image embeddings (:attr:`compute_dtype`) of images (B, 3, H, W) in [0, 1]."""
         size = self.model.config.vision_config.image_size
         pixels = (reference_pixels if exact else tensor_pixels)(images.to(self.device), size, self.geometry)
-        features = _pooled(self.model.get_image_features(pixel_values=pixels.to(self.dtype))).float()
+        features = _pooled(self.model.get_image_features(pixel_values=pixels.to(self.dtype))).to(self.compute_dtype)
         return features / features.norm(dim=-1, keepdim=True)
 
     def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
-        """(B, D) unit-norm float32 text embeddings; prompts truncated to the model's context (77 tokens)."""
+        """(B, D) unit-norm text embeddings (:attr:`compute_dtype`); prompts truncated to the model's context (77
+        tokens)."""
         max_length = self.model.config.text_config.max_position_embeddings
         tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         features = self.model.get_text_features(
             input_ids=tokens["input_ids"].to(self.device), attention_mask=tokens["attention_mask"].to(self.device)
         )
-        features = _pooled(features).float()
+        features = _pooled(features).to(self.compute_dtype)
         return features / features.norm(dim=-1, keepdim=True)
 
     def cosine(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:
@@ -99,4 +100,4 @@ class PickScore(CLIPReward):
         super().__init__(model, tokenizer or "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", **kwargs)
 
     def _score(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:
-        return self.model.logit_scale.exp().float() * self.cosine(prompts, images, exact)
+        return self.model.logit_scale.exp().to(self.compute_dtype) * self.cosine(prompts, images, exact)

@@ -162,5 +162,5 @@ class ImageReward(RewardModel):
             encoder_hidden_states=image_tokens,
             encoder_attention_mask=torch.ones(image_tokens.shape[:2], dtype=torch.long, device=self.device),
         ).last_hidden_state
-        raw = self.head(text[:, 0].float().to(self.dtype)).float()
+        raw = self.head(text[:, 0].to(self.dtype)).to(self.compute_dtype)
         return (raw - IMAGE_REWARD_MEAN) / IMAGE_REWARD_STD

@@ -95,13 +95,13 @@ def tensor_pixels(
     """Differentiable counterpart of :func:`reference_pixels` (antialiased bicubic, no 8-bit rounding)."""
     height, width = images.shape[-2:]
     new_size = _resized_size(height, width, size, mode)
-    pixels = images.float()
+    pixels = images.to(torch.promote_types(images.dtype, torch.float32))  # float64 stays float64
     if new_size != (height, width):
         pixels = F.interpolate(pixels, size=new_size, mode="bicubic", align_corners=False, antialias=True)
     return _normalize(_place(pixels, size, mode), mean, std)
 
 
 def _normalize(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    mean_t = torch.tensor(mean, device=pixels.device).view(1, 3, 1, 1)
-    std_t = torch.tensor(std, device=pixels.device).view(1, 3, 1, 1)
+    mean_t = torch.tensor(mean, device=pixels.device, dtype=pixels.dtype).view(1, 3, 1, 1)
+    std_t = torch.tensor(std, device=pixels.device, dtype=pixels.dtype).view(1, 3, 1, 1)
     return (pixels - mean_t) / std_t

@@ -76,6 +76,11 @@ class RewardModel(ABC):
         self._lock = threading.Lock()  # rewards may be scored from the trainer's worker thread
         self.__name__ = self.name  # the trainer logs rewards under their function name
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Where scores are computed and returned: float32, or float64 for a float64 model (gradient checks)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
     def load(self, device: torch.device | str) -> RewardModel:
         """Load the model onto ``device`` unless it is already there."""
         device = torch.device(device)
@@ -91,11 +96,12 @@ class RewardModel(ABC):
 
     @abstractmethod
     def _score(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:
-        """(B,) float32 scores of (B, 3, H, W) images in [0, 1] on ``self.device``; ``exact``: convert as the
-        reference does (8-bit, PIL resampling), otherwise differentiably on tensors."""
+        """(B,) scores (:attr:`compute_dtype`) of (B, 3, H, W) images in [0, 1] on ``self.device``; ``exact``:
+        convert as the reference does (8-bit, PIL resampling), otherwise differentiably on tensors."""
 
     def score(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
-        """Differentiable scores (B,) of images (B, 3, H, W) in [0, 1]; gradients flow to ``images``."""
+        """Differentiable scores (B,) of images (B, 3, H, W) in [0, 1]; gradients flow to ``images`` (torch
+        preprocessing: antialiased bicubic resize, no 8-bit rounding)."""
         check_images(prompts, images, self.name)
         self.load(images.device)
         return self._score(list(prompts), images, exact=False)
