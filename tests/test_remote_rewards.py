@@ -159,7 +159,7 @@ def test_served_reward_equals_in_process(served_brightness):
     malformed = served_brightness.client.post(f"{served_brightness.url}/score", json={"prompts": ["a"]})
     assert malformed.status_code == 400 and "bad request: KeyError" in malformed.json()["error"]
     with pytest.raises(RemoteRewardError, match="status 400: .*1 prompts, 0 images"):
-        served_brightness._post(0, 0, {"prompts": ["a"], "images": [], "image_format": "npy"})
+        served_brightness._score_batch(0, 0, {"prompts": ["a"], "images": [], "image_format": "npy"})
 
 
 def test_grpo_scored_by_the_served_reward_trains_like_in_process(tiny_model_dir, tmp_path, served_brightness):

@@ -3,19 +3,18 @@ UnifiedReward, Qwen2.5-VL): a pointwise score parsed from the answer, or pairwis
 
 Each request is ``POST {base_url}/chat/completions`` with the images as ``data:image/png;base64`` URLs; requests run
 ``max_concurrency`` at a time (in the trainer's reward thread, so they overlap the next chunk's denoising), with the
-timeouts, retries and errors of :func:`~trl_dance.rewards.remote.post_json`.
+timeouts, retries and errors of :func:`~trl_dance.rewards.remote.post_with_retries`.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from .remote import RemoteRewardError, encode_image, post_json
+from .remote import HTTPReward, RemoteRewardError, encode_image
 
 POINTWISE_TEMPLATE = (
     "You are given a text caption and an image generated from it. Judge how well the image matches the caption and "
@@ -27,12 +26,13 @@ PAIRWISE_TEMPLATE = (
 )
 
 
-class ChatJudge:
+class ChatJudge(HTTPReward):
     """The chat-completions client the judges share.
 
     Args:
         base_url: the server's OpenAI-compatible root, e.g. ``http://10.0.0.5:8000/v1``.
         model: the served model's name.
+        template: the question, with ``{prompt}``; pattern: a regular expression whose first group is the answer.
         api_key: sent as a bearer token when given.
         temperature, max_tokens: sampling of the answer (0: greedy, reproducible).
         max_concurrency, timeout, max_retries, backoff: as :class:`~trl_dance.rewards.remote.RemoteReward`'s.
@@ -57,27 +57,12 @@ class ChatJudge:
     ):
         if "{prompt}" not in template:
             raise ValueError("the judge's template must contain '{prompt}'")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._init_http(max_concurrency, timeout, max_retries, backoff, headers)
         self.base_url, self.model = base_url.rstrip("/"), model
         self.template, self.pattern = template, re.compile(pattern, re.IGNORECASE)
         self.temperature, self.max_tokens = temperature, max_tokens
-        self.max_concurrency, self.timeout, self.max_retries, self.backoff = (
-            max_concurrency,
-            timeout,
-            max_retries,
-            backoff,
-        )
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.__name__ = name or self.name
-        self._client = None
-
-    @property
-    def client(self):
-        import httpx
-
-        if self._client is None:
-            limits = httpx.Limits(max_connections=self.max_concurrency)
-            self._client = httpx.Client(timeout=self.timeout, headers=self.headers, limits=limits)
-        return self._client
 
     def ask(self, prompt: str, images: list[torch.Tensor]) -> str:
         """The judge's answer to ``template`` about ``prompt`` with ``images`` (3, H, W) in [0, 1]."""
@@ -93,9 +78,7 @@ class ChatJudge:
             "max_tokens": self.max_tokens,
         }
         where = f"judge {self.base_url} ({self.model}), prompt {prompt!r:.60}"
-        response = post_json(
-            self.client, f"{self.base_url}/chat/completions", payload, self.max_retries, self.backoff, where
-        )
+        response = self._post(f"{self.base_url}/chat/completions", payload, where)
         try:
             return response.json()["choices"][0]["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError) as err:
@@ -105,10 +88,6 @@ class ChatJudge:
         """The last match of ``pattern``'s first group in ``answer``, or None."""
         matches = self.pattern.findall(answer)
         return matches[-1] if matches else None
-
-    def _map(self, fn, items: list) -> list:
-        with ThreadPoolExecutor(max(1, min(self.max_concurrency, len(items)))) as pool:
-            return list(pool.map(fn, items))
 
 
 class PointwiseJudge(ChatJudge):

@@ -66,17 +66,19 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def post_json(client, url: str, payload: dict[str, Any], max_retries: int, backoff: float, where: str):
-    """POST ``payload`` as JSON and return the 200 response, retrying after a timeout, a connection error, 429 or a
-    5xx status (waiting ``backoff · 2^k`` s before attempt k + 1); RemoteRewardError naming ``where`` otherwise."""
+def post_with_retries(client, url: str, payload: dict[str, Any] | bytes, max_retries: int, backoff: float, where: str):
+    """POST ``payload`` (JSON, or raw bytes) and return the 200 response, retrying after a timeout, a connection
+    error, 429 or a 5xx status (waiting ``backoff · 2^k`` s before attempt k + 1); RemoteRewardError naming ``where``
+    otherwise."""
     import httpx
 
+    body = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
     last = ""
     for attempt in range(max_retries + 1):
         if attempt:
             time.sleep(backoff * 2 ** (attempt - 1))
         try:
-            response = client.post(url, json=payload)
+            response = client.post(url, **body)
         except httpx.TimeoutException:
             last = f"no answer within {client.timeout.read:g} s"
             continue
@@ -92,7 +94,48 @@ def post_json(client, url: str, payload: dict[str, Any], max_retries: int, backo
     raise RemoteRewardError(f"{where}: failed after {max_retries + 1} attempts; last: {last}")
 
 
-class RemoteReward:
+class HTTPReward:
+    """What the HTTP rewards share: retry settings and one lazily opened connection pool, used by the concurrent
+    requests of a call (``httpx.Client`` is thread-safe)."""
+
+    def _init_http(
+        self, max_concurrency: int, timeout: float, max_retries: int, backoff: float, headers: dict[str, str] | None
+    ) -> None:
+        if max_concurrency < 1 or max_retries < 0 or timeout <= 0 or backoff < 0:
+            raise ValueError("max_concurrency must be >= 1, max_retries and backoff >= 0, timeout > 0")
+        self.max_concurrency, self.timeout, self.max_retries, self.backoff = (
+            max_concurrency,
+            timeout,
+            max_retries,
+            backoff,
+        )
+        self.headers = dict(headers or {})
+        self._client = None
+
+    @property
+    def client(self):
+        import httpx
+
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.max_concurrency)
+            self._client = httpx.Client(timeout=self.timeout, headers=self.headers, limits=limits)
+        return self._client
+
+    def _post(self, url: str, payload: dict[str, Any] | bytes, where: str):
+        return post_with_retries(self.client, url, payload, self.max_retries, self.backoff, where)
+
+    def _map(self, fn, *items: list) -> list:
+        """``fn`` over ``items``, ``max_concurrency`` calls at a time, results in order."""
+        with ThreadPoolExecutor(max(1, min(self.max_concurrency, len(items[0])))) as pool:
+            return list(pool.map(fn, *items))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class RemoteReward(HTTPReward):
     """A reward computed by a server speaking the protocol above (``trl-dance serve-reward``, or your own).
 
     Args:
@@ -129,25 +172,14 @@ class RemoteReward:
             raise ValueError(f"a remote reward needs an http(s) URL, got {url!r}")
         if image_format not in IMAGE_FORMATS:
             raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
-        if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or timeout <= 0 or backoff < 0:
-            raise ValueError("batch_size and max_concurrency must be >= 1, max_retries and backoff >= 0, timeout > 0")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._init_http(max_concurrency, timeout, max_retries, backoff, headers)
         self.url = url.rstrip("/")
         self.__name__ = name or f"remote_{parsed.hostname}_{parsed.port or parsed.scheme}"
-        self.batch_size, self.max_concurrency = batch_size, max_concurrency
-        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        self.batch_size = batch_size
         self.image_format, self.jpeg_quality = image_format, jpeg_quality
         self.accepts_video = videos
-        self.headers = dict(headers or {})
-        self._client = None
-
-    @property
-    def client(self):
-        import httpx
-
-        if self._client is None:  # one connection pool, shared by the concurrent requests
-            limits = httpx.Limits(max_connections=self.max_concurrency)
-            self._client = httpx.Client(timeout=self.timeout, headers=self.headers, limits=limits)
-        return self._client
 
     def health(self) -> dict[str, Any]:
         """The server's ``/health`` answer; RemoteRewardError if it does not answer 200."""
@@ -183,15 +215,13 @@ class RemoteReward:
             }
             for a in starts
         ]
-        with ThreadPoolExecutor(min(self.max_concurrency, len(payloads))) as pool:
-            results = list(pool.map(self._post, range(len(payloads)), starts, payloads))
+        results = self._map(self._score_batch, list(range(len(payloads))), starts, payloads)
         return [value for batch in results for value in batch]
 
-    def _post(self, index: int, start: int, payload: dict[str, Any]) -> list[float | None]:
+    def _score_batch(self, index: int, start: int, payload: dict[str, Any]) -> list[float | None]:
         size = len(payload["prompts"])
         where = f"reward server {self.url}, batch {index} (samples {start}–{start + size - 1})"
-        response = post_json(self.client, f"{self.url}/score", payload, self.max_retries, self.backoff, where)
-        return self._parse(response, size, where)
+        return self._parse(self._post(f"{self.url}/score", payload, where), size, where)
 
     @staticmethod
     def _parse(response, size: int, where: str) -> list[float | None]:
@@ -206,8 +236,3 @@ class RemoteReward:
             return [None if value is None or math.isnan(float(value)) else float(value) for value in rewards]
         except (TypeError, ValueError) as err:
             raise RemoteRewardError(f"{where}: rewards must be numbers or null, got {rewards[:5]!r}") from err
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
