@@ -2,8 +2,10 @@
 ``trl-dance serve-reward`` process, and a GRPO run scored remotely that equals the in-process run."""
 
 import http.server
+import io
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -29,22 +31,25 @@ def _free_port() -> int:
 
 
 class _Stub(http.server.ThreadingHTTPServer):
-    """A reward server whose ``behave(request_number, body)`` decides each answer: (status, payload) or "sleep"."""
+    """A reward server whose ``behave(request_number, body)`` decides each answer: (status, payload), in JSON or,
+    with ``codec=pickle``, pickled as the ddpo-pytorch / Flow-GRPO servers do."""
 
     daemon_threads = True
 
-    def __init__(self, behave):
-        self.behave, self.requests = behave, 0
+    def __init__(self, behave, codec=json):
+        self.behave, self.requests, self.bodies = behave, 0, []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
             def do_POST(handler):  # noqa: N805
-                body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+                body = codec.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
                 self.requests += 1
+                self.bodies.append(body)
                 status, payload = self.behave(self.requests, body)
-                data = json.dumps(payload).encode()
+                data = codec.dumps(payload)
+                data = data.encode() if isinstance(data, str) else data
                 handler.send_response(status)
                 handler.send_header("Content-Type", "application/json")
                 handler.send_header("Content-Length", str(len(data)))
@@ -243,3 +248,60 @@ def test_pairwise_judge_win_rates_and_position_bias():
         judge(["a", "b"], images[:2])
     brighter.shutdown()
     biased.shutdown()
+
+
+def test_pickle_server_adapters_speak_the_reference_formats():
+    """ddpo-pytorch's LLaVA-BERTScore and Flow-GRPO's DeQA / GenEval servers: the request dicts they pickle (JPEG
+    images, queries, answers, metadata) and the fields their rewards come from."""
+    from PIL import Image
+
+    def jpeg_brightness(body):
+        return [
+            torch.tensor(list(Image.open(io.BytesIO(b)).getdata())).float().mean().item() / 255 for b in body["images"]
+        ]
+
+    llava = _Stub(
+        lambda n, body: (
+            200,
+            {
+                "recall": [[v] for v in jpeg_brightness(body)],
+                "precision": [[0.5]] * len(body["images"]),
+                "f1": [[0.25]] * len(body["images"]),
+                "outputs": ["..."] * len(body["images"]),
+            },
+        ),
+        codec=pickle,
+    )
+    images = torch.stack([torch.full((3, 16, 16), value) for value in (0.2, 0.6, 0.8)])
+    logged = {}
+    reward = get_reward_function("llava_bertscore", url=llava.url, batch_size=2, backoff=0.01)
+    values = reward(["a cat", "a dog", "a house"], images, log_metric=logged.__setitem__)
+    assert values == pytest.approx([0.2, 0.6, 0.8], abs=2 / 255) and llava.requests == 2
+    first = llava.bodies[0]
+    assert first["queries"] == [["Answer concisely: what is going on in this image?"]] * 2
+    assert first["answers"] == [["The image contains a cat"], ["The image contains a dog"]]
+    assert logged == {"llava_bertscore/precision": 0.5, "llava_bertscore/f1": 0.25}
+
+    deqa = _Stub(lambda n, body: (200, {"outputs": jpeg_brightness(body)}), codec=pickle)
+    assert get_reward_function("deqa", url=deqa.url)(["x"] * 3, images) == pytest.approx([0.2, 0.6, 0.8], abs=2 / 255)
+    assert set(deqa.bodies[0]) == {"images"}
+
+    answer = {
+        "scores": [1.0, 0.5, 0.0],
+        "rewards": [1, 1, 0],
+        "strict_rewards": [1, 0, 0],
+        "group_rewards": {},
+        "group_strict_rewards": {},
+    }
+    geneval = _Stub(lambda n, body: (200, answer), codec=pickle)
+    metadata = [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}] * 3
+    reward = get_reward_function("geneval", url=geneval.url)
+    assert reward(["two cats"] * 3, images, metadata=metadata) == [1.0, 0.5, 0.0]
+    assert geneval.bodies[0]["meta_datas"] == metadata and geneval.bodies[0]["only_strict"] is True
+    with pytest.raises(ValueError, match="GenEval metadata in the dataset column 'metadata'"):
+        reward(["two cats"] * 3, images)
+    wrong = _Stub(lambda n, body: (200, {"outputs": [0.1]}), codec=pickle)
+    with pytest.raises(RemoteRewardError, match="deqa server .*: 1 rewards for 3 samples"):
+        get_reward_function("deqa", url=wrong.url)(["x"] * 3, images)
+    for stub in (llava, deqa, geneval, wrong):
+        stub.shutdown()

@@ -25,7 +25,7 @@ group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
 
 def _registry() -> dict[str, Callable[..., Any]]:
     """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
-    from . import aesthetic, clip, hps, image_reward, judges, pixel
+    from . import aesthetic, clip, hps, image_reward, judges, pickle_servers, pixel
 
     return {
         "brightness": pixel.brightness,
@@ -39,6 +39,9 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "aesthetic": aesthetic.AestheticReward,
         "vlm_judge": judges.PointwiseJudge,
         "pairwise_judge": judges.PairwiseJudge,
+        "llava_bertscore": pickle_servers.LLaVABertScore,
+        "deqa": pickle_servers.DeQAReward,
+        "geneval": pickle_servers.GenEvalReward,
     }
 
 
