@@ -22,6 +22,8 @@ _LAZY = {
     "DiffusionDPOTrainer": "trl_dance.trainer.diffusion_dpo_trainer",
     "DiffusionNFTConfig": "trl_dance.trainer.diffusion_nft_config",
     "DiffusionNFTTrainer": "trl_dance.trainer.diffusion_nft_trainer",
+    "DirectRewardConfig": "trl_dance.trainer.direct_reward_config",
+    "DirectRewardTrainer": "trl_dance.trainer.direct_reward_trainer",
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -37,6 +39,8 @@ __all__ = [
     "DiffusionDPOTrainer",
     "DiffusionNFTConfig",
     "DiffusionNFTTrainer",
+    "DirectRewardConfig",
+    "DirectRewardTrainer",
     "SDEStepOutput",
     "dance_sigmas",
     "ddim_sde_step",
@@ -55,6 +59,8 @@ if TYPE_CHECKING:
     from .trainer.diffusion_dpo_trainer import DiffusionDPOTrainer
     from .trainer.diffusion_nft_config import DiffusionNFTConfig
     from .trainer.diffusion_nft_trainer import DiffusionNFTTrainer
+    from .trainer.direct_reward_config import DirectRewardConfig
+    from .trainer.direct_reward_trainer import DirectRewardTrainer
 
 
 def __getattr__(name: str):

@@ -21,6 +21,15 @@ def brightness(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     return images.float().mean(dim=(1, 2, 3)).tolist()
 
 
+def _brightness_score(prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+    """Differentiable brightness (B,), the graph kept (reward backpropagation)."""
+    _check(images)
+    return images.mean(dim=(1, 2, 3))
+
+
+brightness.score = _brightness_score
+
+
 def _jpeg_kb(images: torch.Tensor) -> list[float]:
     _check(images)
     pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()

@@ -4,6 +4,8 @@ from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_dpo_trainer import DiffusionDPOTrainer
 from .diffusion_nft_config import DiffusionNFTConfig
 from .diffusion_nft_trainer import DiffusionNFTTrainer
+from .direct_reward_config import DirectRewardConfig
+from .direct_reward_trainer import DirectRewardTrainer
 
 __all__ = [
     "DanceGRPOConfig",
@@ -12,4 +14,6 @@ __all__ = [
     "DiffusionDPOTrainer",
     "DiffusionNFTConfig",
     "DiffusionNFTTrainer",
+    "DirectRewardConfig",
+    "DirectRewardTrainer",
 ]

@@ -108,6 +108,8 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
         use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
     """
 
+    min_generations = 2  # group statistics need two samples; a method without advantages lowers it
+
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
 
     # Overridden TrainingArguments defaults.
@@ -225,7 +227,7 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
         _choice("scale_rewards", self.scale_rewards, (*DEFAULT_EPSILON, "per_prompt"))
         _choice("train_expert", self.train_expert, ("high_noise", "low_noise"))
         _choice("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
-        if self.num_generations < (1 if self.scale_rewards == "per_prompt" else 2):
+        if self.num_generations < (1 if self.scale_rewards == "per_prompt" else self.min_generations):
             raise ValueError(
                 f"num_generations must be >= 2 for group statistics (or scale_rewards='per_prompt'), got {self.num_generations}"
             )

@@ -1,0 +1,217 @@
+"""Direct reward backpropagation: SRPO's Direct-Align and DRaFT-K / AlignProp on the online engine.
+
+A round samples images from known noise ε with the deterministic sampler (no gradients; their rewards are logged);
+each training item then backpropagates a differentiable reward through the VAE decoder into one model step
+(Direct-Align) or the sampler's last K steps (DRaFT). Rewards must expose ``score(prompts, images) -> Tensor`` with
+the graph kept (every model reward here, and ``brightness``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..direct_align import (
+    direct_align_levels,
+    euler_step,
+    recover_x0,
+    renoise,
+    semantic_relative_reward,
+    shifted_sigmas,
+)
+from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..rewards import reward_name
+from ..sampling import RolloutPlan
+from .direct_reward_config import DirectRewardConfig
+from .online_trainer import OnlineDiffusionTrainer
+
+TABLE = 1000  # entries of SRPO's σ table (its `timestep_length`)
+
+
+class DirectRewardTrainer(OnlineDiffusionTrainer):
+    """Reward-gradient fine-tuning of flow-matching pipelines (FLUX, SD3, Wan): SRPO's Direct-Align (arXiv
+    2509.06942) and DRaFT-K (arXiv 2309.17400) / AlignProp (arXiv 2310.03739). Constructor as
+    :class:`~trl_dance.DanceGRPOTrainer`'s; ``reward_funcs`` must be differentiable rewards."""
+
+    _tag_names = ["trl", "trl-dance", "srpo", "direct-align", "diffusers"]
+    _name = "DirectReward"
+    _paper = {
+        "title": "Directly Aligning the Full Diffusion Trajectory with Fine-Grained Human Preference",
+        "id": "2509.06942",
+        "citation": "@article{shen2025srpo,\n  title={Directly Aligning the Full Diffusion Trajectory with Fine-Grained "
+        "Human Preference},\n  author={Shen, Xiangwei and others},\n  journal={arXiv preprint arXiv:2509.06942},\n"
+        "  year={2025}\n}",
+    }
+    config_class = DirectRewardConfig
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        plain = [reward_name(f) for f in self.reward_funcs if not callable(getattr(f, "score", None))]
+        if plain:
+            raise ValueError(
+                f"DirectRewardTrainer backpropagates through the reward; {plain} only return floats. Use a reward "
+                "with a differentiable score(prompts, images) -> Tensor (the model rewards here, brightness)"
+            )
+        args = self.args
+        grid = shifted_sigmas(args.direct_align_grid_steps, args.shift)
+        low, high = args.direct_align_window
+        self._window = torch.linspace(float(grid[low]), float(grid[high]), TABLE)
+        self._discount = {
+            False: torch.linspace(*args.discount_pos, TABLE),  # denoise branch
+            True: torch.linspace(*args.discount_inv, TABLE),  # inversion branch
+        }
+        self._noise_parts: list[torch.Tensor] = []
+
+    def _check_policy(self, policy: DiffusionPolicy, args: DirectRewardConfig) -> None:
+        if not isinstance(policy, FlowMatchingPolicy):
+            raise ValueError(
+                f"DirectRewardTrainer's Direct-Align and DRaFT steps are written for flow-matching models; "
+                f"{type(policy.pipeline).__name__} is not one (SD1.x/SDXL: not supported yet)"
+            )
+
+    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.zeros_like(total)  # the loss takes reward gradients, not advantages
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rounds: deterministic samples from known noise
+
+    def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
+        return RolloutPlan.deterministic(self.policy.num_steps)
+
+    def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
+        noise = super()._initial_noise(generators, first_index)
+        self._noise_parts.append(noise)  # ε, which Direct-Align re-noises with
+        return noise
+
+    def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
+        """Items (sample, branch, table position): per sample a denoise item and, with ``inversion``, an inversion item
+        at the same position (Direct-Align), or one item (DRaFT); micro-batches in a fresh order each iteration."""
+        args = self.args
+        self._rollout |= {"x0": rollout["final_latents"], "noise": torch.cat(self._noise_parts)}
+        self._noise_parts = []
+        samples = len(advantages)
+        branches = 2 if args.method == "direct_align" and args.inversion else 1
+        items = []
+        for _ in range(args.num_iterations):
+            order = torch.randperm(samples, generator=self._cpu_generator)
+            mid = torch.randint(5, TABLE - 5, (samples,), generator=self._cpu_generator)  # SRPO's draw
+            sample = order.repeat_interleave(branches)
+            inversion = torch.tensor([bool(b) for b in range(branches)] * samples)
+            position = mid[order].repeat_interleave(branches)
+            size = args.per_device_train_batch_size
+            items.extend(zip(sample.split(size), inversion.split(size), position.split(size)))
+        return items
+
+    def _microbatch(self, item) -> dict[str, Any]:
+        rollout, device = self._rollout, self.accelerator.device
+        samples, inversion, position = item
+        index = samples.to(device)
+        cond_rows = rollout["prompt_index"][index]
+        k = self.args.draft_k
+        if self.args.draft_random_truncation:
+            k = int(torch.randint(1, k + 1, (1,), generator=self._cpu_generator))
+        return {
+            "x0": rollout["x0"][index],
+            "noise": rollout["noise"][index],
+            "prompts": [rollout["prompts"][i] for i in samples.tolist()],
+            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "inversion": inversion,
+            "position": position,
+            "draft_k": k,
+        }
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Loss
+
+    def clean_latents(self, model, latents: torch.Tensor, noise: torch.Tensor, sigma_from, sigma_to, cond):
+        """Direct-Align's x̂0 (B, ...) from ``latents`` at ``sigma_from`` (B,): one model step to ``sigma_to`` (B,),
+        then ``(x − σ_to·ε)/(1 − σ_to)``; differentiable in the model (and ``latents``)."""
+        velocity = self.policy.predict_at(model, latents, self.policy.timestep_from_sigma(sigma_from), cond)
+        return recover_x0(euler_step(latents, velocity.float(), sigma_from, sigma_to), noise, sigma_to)
+
+    def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
+        """DRaFT-K: the sampler's first N − K steps without gradients from ε, its last K with (each step
+        checkpointed); the clean latents (B, ...)."""
+        sigmas, steps = tuple(self.policy.sigmas.tolist()), self.policy.num_steps
+        with torch.no_grad():
+            latents = self.policy.solve(model, noise, cond, sigmas[: steps - k + 1])
+        for i in range(steps - k, steps):
+            sigma = torch.full((len(latents),), sigmas[i], device=latents.device)
+            sigma_next = torch.full_like(sigma, sigmas[i + 1])
+
+            def step(x, sigma=sigma, sigma_next=sigma_next):
+                velocity = self.policy.predict_at(model, x, self.policy.timestep_from_sigma(sigma), cond)
+                return euler_step(x, velocity.float(), sigma, sigma_next)
+
+            latents = (
+                checkpoint(step, latents, use_reentrant=False) if self.args.decoder_checkpointing else step(latents)
+            )
+        return latents
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] with the graph kept, the decoder recomputed in backward if asked."""
+        if self.args.decoder_checkpointing:
+            return checkpoint(self.policy.decode, latents, use_reentrant=False)
+        return self.policy.decode(latents)
+
+    def item_rewards(
+        self, images: torch.Tensor, prompts: list[str], inversion: torch.Tensor, position
+    ) -> torch.Tensor:
+        """(B,) the weighted differentiable reward of each item: SRPO's semantic-relative preference (control words
+        swapped on the inversion branch), or the reward itself (negated on the inversion branch)."""
+        args, step = self.args, self.state.global_step
+        sign = 1 - 2 * inversion.to(images.device, torch.float32)  # +1 denoise, −1 inversion
+        total = torch.zeros(len(prompts), device=images.device)
+        for func, weight in zip(self.reward_funcs, self.reward_weights.tolist()):
+            if args.srp:
+                positive = args.positive_words[step % len(args.positive_words)]
+                negative = args.negative_words[step % len(args.negative_words)]
+                discount = torch.where(inversion, self._discount[True][position], self._discount[False][position]).to(
+                    images.device
+                )
+                forward = semantic_relative_reward(func.score, prompts, images, positive, negative, discount)
+                backward = semantic_relative_reward(func.score, prompts, images, negative, positive, discount)
+                value = torch.where(inversion.to(images.device), backward, forward)
+            else:
+                value = sign * func.score(prompts, images).float()
+            total = total + weight * value.float()
+        return total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args, device = self.args, self.accelerator.device
+        x0, noise, cond = inputs["x0"], inputs["noise"], inputs["cond"]
+        if args.method == "draft":
+            latents = self.draft_latents(model, noise, cond, inputs["draft_k"])
+            reward = self.item_rewards(self.decode(latents), inputs["prompts"], inputs["inversion"], None)
+            loss = -reward.mean()
+            self._record("draft/k", torch.tensor([float(inputs["draft_k"])], device=device))
+        else:
+            sigma_from, sigma_to, m = direct_align_levels(
+                inputs["position"], inputs["inversion"], self._window, int((1 - args.groundtruth_ratio) * TABLE) + 1
+            )
+            sigma_from, sigma_to = sigma_from.to(device), sigma_to.to(device)
+            latents = renoise(x0, noise, sigma_from)
+            clean = self.clean_latents(model, latents, noise, sigma_from, sigma_to, cond)
+            reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
+            loss = torch.relu(args.reward_margin - reward).mean()
+            self._record("direct_align/sigma", sigma_from)
+        self._record("direct_reward/reward", reward.detach())
+        return (loss, reward) if return_outputs else loss
+
+    def _model_card_details(self) -> dict[str, str]:
+        args = self.args
+        if args.method == "draft":
+            k = f"K ≤ {args.draft_k} (random truncation)" if args.draft_random_truncation else f"K = {args.draft_k}"
+            method = f"DRaFT through the last {k} of {args.num_inference_steps} steps"
+        else:
+            low, high = args.direct_align_window
+            method = (
+                f"Direct-Align, σ from entries {low}–{high} of a {args.direct_align_grid_steps}-step schedule (shift "
+                f"{args.shift}), inversion branch {'on' if args.inversion else 'off'}, SRP {'on' if args.srp else 'off'}"
+            )
+        return super()._model_card_details() | {"method": method}
+
+
+__all__ = ["DirectRewardTrainer"]
