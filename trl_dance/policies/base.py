@@ -395,7 +395,7 @@ class DiffusionPolicy(ABC):
         offset, scale = self._latent_affine(latents)
         latents = latents / scale + offset
         decoded = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return self._postprocess(decoded).float()
+        return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))  # float64 stays
 
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
         """The VAE's output in [-1, 1] to the pipeline's "pt" output in [0, 1]."""

@@ -129,7 +129,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         """Direct-Align's x̂0 (B, ...) from ``latents`` at ``sigma_from`` (B,): one model step to ``sigma_to`` (B,),
         then ``(x − σ_to·ε)/(1 − σ_to)``; differentiable in the model (and ``latents``)."""
         velocity = self.policy.predict_at(model, latents, self.policy.timestep_from_sigma(sigma_from), cond)
-        return recover_x0(euler_step(latents, velocity.float(), sigma_from, sigma_to), noise, sigma_to)
+        return recover_x0(euler_step(latents, velocity.to(latents.dtype), sigma_from, sigma_to), noise, sigma_to)
 
     def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
         """DRaFT-K: the sampler's first N − K steps without gradients from ε, its last K with (each step
@@ -143,7 +143,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
 
             def step(x, sigma=sigma, sigma_next=sigma_next):
                 velocity = self.policy.predict_at(model, x, self.policy.timestep_from_sigma(sigma), cond)
-                return euler_step(x, velocity.float(), sigma, sigma_next)
+                return euler_step(x, velocity.to(x.dtype), sigma, sigma_next)
 
             latents = (
                 checkpoint(step, latents, use_reentrant=False) if self.args.decoder_checkpointing else step(latents)
@@ -163,7 +163,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         swapped on the inversion branch), or the reward itself (negated on the inversion branch)."""
         args, step = self.args, self.state.global_step
         sign = 1 - 2 * inversion.to(images.device, torch.float32)  # +1 denoise, −1 inversion
-        total = torch.zeros(len(prompts), device=images.device)
+        total = torch.zeros(len(prompts), device=images.device, dtype=images.dtype)
         for func, weight in zip(self.reward_funcs, self.reward_weights.tolist()):
             if args.srp:
                 positive = args.positive_words[step % len(args.positive_words)]
@@ -175,8 +175,8 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
                 backward = semantic_relative_reward(func.score, prompts, images, negative, positive, discount)
                 value = torch.where(inversion.to(images.device), backward, forward)
             else:
-                value = sign * func.score(prompts, images).float()
-            total = total + weight * value.float()
+                value = sign * func.score(prompts, images)
+            total = total + weight * value.to(total.dtype)
         return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
