@@ -7,7 +7,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from trl_dance import DanceGRPOConfig, DiffusionDPOConfig, DiffusionNFTConfig
+from trl_dance import DanceGRPOConfig, DiffusionDPOConfig, DiffusionNFTConfig, DirectRewardConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +42,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo_sd3", "grpo_sd3_fast_tiny", "sd3"),
         ("grpo_flux", "grpo_flux_mix_tiny", "flux"),
         ("nft", "nft_flux_tiny", "flux"),
+        ("direct", "srpo_flux_tiny", "flux"),
         ("nft", "nft_wan_tiny", "wan"),
         ("grpo_sd", "grpo_sd_tiny", "sd"),
         ("ddpo_sd", "ddpo_sd_tiny", "sd"),
@@ -83,7 +84,8 @@ def test_shipped_configs_are_valid(name, tmp_path):
         "sample_prompts",
         "sample_steps",
     }
-    config_class = {"dpo": DiffusionDPOConfig, "nft": DiffusionNFTConfig}.get(name.split("_")[0], DanceGRPOConfig)
+    classes = {"dpo": DiffusionDPOConfig, "nft": DiffusionNFTConfig, "srpo": DirectRewardConfig}
+    config_class = classes.get(name.split("_")[0], DanceGRPOConfig)
     training = {k: v for k, v in values.items() if k not in script_and_model_keys}
     # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.
     if not values.get("use_cpu") and "generation_batch_size" in training:

@@ -3,6 +3,7 @@
     trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|PATH] [accelerate launch options]
     trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
     trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
+    trl-dance direct --config FILE.yaml [...]        SRPO's Direct-Align, DRaFT-K, AlignProp
     trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
@@ -23,6 +24,7 @@ TRAINING_SCRIPTS = {
     "grpo": ("trl_dance.scripts.grpo", "DanceGRPO / Flow-GRPO / MixGRPO / DDPO"),
     "nft": ("trl_dance.scripts.nft", "DiffusionNFT / AWM / DGPO (flow-matching models)"),
     "dpo": ("trl_dance.scripts.dpo", "Diffusion-DPO on image preference pairs"),
+    "direct": ("trl_dance.scripts.direct", "SRPO's Direct-Align / DRaFT-K / AlignProp (differentiable rewards)"),
 }
 OTHER_COMMANDS = {
     "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
