@@ -156,3 +156,18 @@ def test_brightness_rises(tiny_model_dir, tmp_path, method):
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     noise = max(entry["reward_std"] for entry in trainer.state.log_history if "reward_std" in entry)
     assert_learned("brightness", sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2, noise, margin=0.03)
+
+
+def test_decoder_checkpointing_keeps_less_for_backward(tiny_model_dir):
+    """benchmarks/direct_reward_memory.py's count on the tiny FLUX VAE (the README quotes its FLUX.1 figure)."""
+    import os
+    import sys
+
+    from diffusers import DiffusionPipeline
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from direct_reward_memory import measure
+
+    vae = DiffusionPipeline.from_pretrained(tiny_model_dir("flux")).vae
+    saved = measure(vae, torch.randn(1, vae.config.latent_channels, 4, 4, requires_grad=True))
+    assert 0 < saved["with"] * 4 < saved["without"]  # measured 11×

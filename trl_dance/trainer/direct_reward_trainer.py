@@ -63,6 +63,8 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             True: torch.linspace(*args.discount_inv, TABLE),  # inversion branch
         }
         self._noise_parts: list[torch.Tensor] = []
+        if args.decoder_checkpointing:  # diffusers' own, per decoder block: the peak is one block's activations
+            self.policy.pipeline.vae.enable_gradient_checkpointing()
 
     def _check_policy(self, policy: DiffusionPolicy, args: DirectRewardConfig) -> None:
         if not isinstance(policy, FlowMatchingPolicy):
@@ -151,9 +153,8 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         return latents
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) in [0, 1] with the graph kept, the decoder recomputed in backward if asked."""
-        if self.args.decoder_checkpointing:
-            return checkpoint(self.policy.decode, latents, use_reentrant=False)
+        """Images (B, 3, H, W) in [0, 1] with the graph kept (with ``decoder_checkpointing`` each decoder block is
+        recomputed in the backward pass)."""
         return self.policy.decode(latents)
 
     def item_rewards(
