@@ -2,7 +2,7 @@
 trl_dance/accelerate_configs/{zero2,zero3,fsdp2}.yaml`: a short GRPO, DiffusionNFT or Diffusion-DPO run on a tiny
 pipeline, LoRA or full fine-tune, then `save_model`.
 
-argv: trainer (grpo | nft | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
+argv: trainer (grpo | nft | direct | dpo), mode (lora | full), model_dir, output_dir, result_path, and optionally a JSON object of
 further config values. The main process writes what it saw (process count, distributed type, ZeRO stage, whether the
 parameters were partitioned, the losses) to result_path as JSON.
 """
@@ -21,6 +21,8 @@ from trl_dance import (
     DiffusionDPOTrainer,
     DiffusionNFTConfig,
     DiffusionNFTTrainer,
+    DirectRewardConfig,
+    DirectRewardTrainer,
 )
 from trl_dance.testing import tiny_preference_dataset
 
@@ -78,6 +80,15 @@ elif trainer_name == "nft":
     args = DiffusionNFTConfig(**common, **(nft | overrides))
     dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
     trainer = DiffusionNFTTrainer(
+        model_dir, "brightness", args=partition_everything(args), train_dataset=dataset, peft_config=peft
+    )
+elif trainer_name == "direct":
+    # 4 images per process, denoise + inversion items, 4 per micro-batch: 2 micro-batches, one update per round.
+    direct = {"num_generations": 1, "generation_batch_size": 8, "num_inference_steps": 4, "height": 32, "width": 32}
+    direct |= {"max_sequence_length": 16, "per_device_train_batch_size": 4, "srp": False}
+    args = DirectRewardConfig(**common, **(direct | overrides))
+    dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"] * 2})
+    trainer = DirectRewardTrainer(
         model_dir, "brightness", args=partition_everything(args), train_dataset=dataset, peft_config=peft
     )
 else:

@@ -52,6 +52,7 @@ LOW_NOISE_EXPERT = {
         (2, "dpo", "full", "sd", {}),
         (2, "nft", "lora", "flux", {}),
         (2, "nft", "full", "flux", {"loss_type": "awm"}),
+        (2, "direct", "lora", "flux", {}),
         (3, "grpo", "full", "flux", {}),
         (3, "dpo", "lora", "sd", {}),
         (3, "grpo", "lora", "wan22", LOW_NOISE_EXPERT),
