@@ -72,11 +72,12 @@ def test_semantic_relative_reward_is_linear_in_the_text_side():
     torch.testing.assert_close(value, images.sum(dim=(1, 2, 3)) * ((1 + k) * 1.0 + 0.5))
 
 
-def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(tiny_model_dir, tmp_path):
-    """d/dθ of r(decode(x̂0(θ))) along a random direction of the denoiser's parameters, against central finite
-    differences with the models in float64. Parts of FLUX's forward stay in float32 (rotary embeddings), so the
-    finite differences are taken at step 1e-3 (measured relative error 4.4e-4; 1.4e-3 at 1e-4, worse below)."""
-    trainer = _trainer(tiny_model_dir, tmp_path, lora=False, srp=True)
+@pytest.mark.parametrize("kind", ["flux", "sd"])
+def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(tiny_model_dir, tmp_path, kind):
+    """d/dθ of r(decode(x̂0(θ))) along a random direction of the denoiser's output layer, against central finite
+    differences with the models in float64. Measured relative error: FLUX 4e-9 (step 1e-4); SD1.5 2e-4 (step 1e-5:
+    its decoded pixels at the [0, 1] clamp make the finite differences noisier)."""
+    trainer = _trainer(tiny_model_dir, tmp_path, kind=kind, lora=False, srp=True)
     model = trainer.model.double()
     trainer.policy.pipeline.vae.double()
     cond = {k: v.double() for k, v in trainer.policy.encode_prompts(PROMPTS[:2]).items()}
@@ -84,18 +85,18 @@ def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(t
     x0 = torch.randn(noise.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     sigma_from, sigma_to = torch.tensor([0.8, 0.6], dtype=torch.float64), torch.tensor([0.7, 0.4], dtype=torch.float64)
     inversion, position = torch.tensor([False, True]), torch.tensor([300, 600])
-    weight = next(p for n, p in model.named_parameters() if n.endswith("to_q.weight"))
+    layer, eps, tolerance = {"flux": ("proj_out.weight", 1e-4, 1e-6), "sd": ("conv_out.weight", 1e-5, 1e-3)}[kind]
+    weight = next(p for n, p in model.named_parameters() if n.endswith(layer))
     direction = torch.randn(weight.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
     def loss():
-        clean = trainer.clean_latents(model, renoise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond)
+        clean = trainer.clean_latents(model, trainer.renoise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond)
         reward = trainer.item_rewards(trainer.decode(clean), PROMPTS[:2], inversion, position)
         return torch.relu(2.0 - reward).sum()
 
     model.zero_grad()
     loss().backward()
     analytic = (weight.grad * direction).sum().item()
-    eps = 1e-3
     with torch.no_grad():
         weight.add_(eps * direction)
         plus = loss().item()
@@ -103,12 +104,24 @@ def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(t
         minus = loss().item()
         weight.add_(eps * direction)
     numeric = (plus - minus) / (2 * eps)
-    assert abs(analytic) > 1e-6 and abs(analytic - numeric) <= 2e-3 * abs(numeric)
+    assert abs(analytic) > 1e-4 and abs(analytic - numeric) <= tolerance * abs(numeric)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd"])
+def test_draft_without_gradients_is_the_sampler(tiny_model_dir, tmp_path, kind):
+    """DRaFT's steps are the deterministic sampler's: without gradients they end where the round's rollout ends."""
+    trainer = _trainer(tiny_model_dir, tmp_path, kind=kind, method="draft")
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    noise = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    rollout = trainer.sample(PROMPTS[:2], generators, initial_noise=noise)
+    with torch.no_grad():
+        draft = trainer.draft_latents(trainer.model, noise, trainer.policy.encode_prompts(PROMPTS[:2]), 3)
+    torch.testing.assert_close(draft, rollout["final_latents"])
 
 
 def test_draft_with_one_step_is_direct_align_without_renoising(tiny_model_dir, tmp_path):
     """DRaFT K = 1 from the sampler's state at σ_{N−1} and Direct-Align's step from that same state to σ = 0 give the
-    same clean latents and the same gradient; DRaFT without gradients is the sampler's own ODE."""
+    same clean latents and the same gradient."""
     trainer = _trainer(tiny_model_dir, tmp_path, method="draft")
     policy, model = trainer.policy, trainer.model
     cond = policy.encode_prompts(PROMPTS[:2])
@@ -116,9 +129,6 @@ def test_draft_with_one_step_is_direct_align_without_renoising(tiny_model_dir, t
     sigmas = tuple(policy.sigmas.tolist())
     with torch.no_grad():
         state = policy.solve(model, noise, cond, sigmas[:-1])  # σ_0 … σ_{N−1}
-        torch.testing.assert_close(
-            trainer.draft_latents(model, noise, cond, 3), policy.solve(model, noise, cond, sigmas)
-        )
     gradients = []
     for clean in (
         lambda: trainer.draft_latents(model, noise, cond, 1),
@@ -139,23 +149,31 @@ def test_bad_input_is_refused(tiny_model_dir, tmp_path):
 
     with pytest.raises(ValueError, match=r"backpropagates through the reward; \['plain'\] only return floats"):
         _trainer(tiny_model_dir, tmp_path, reward=plain)
-    with pytest.raises(ValueError, match="written for flow-matching models; StableDiffusionPipeline"):
-        _trainer(tiny_model_dir, tmp_path, kind="sd")
     with pytest.raises(ValueError, match="direct_align_window must be two schedule entries"):
         _config(tmp_path, direct_align_window=[25, 5])
     with pytest.raises(ValueError, match="even per_device_train_batch_size"):
         _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=1)
 
 
+@pytest.mark.parametrize("kind", ["flux", "sd"])
 @pytest.mark.parametrize("method", ["direct_align", "draft"])
-def test_brightness_rises(tiny_model_dir, tmp_path, method):
-    """40 optimizer steps on the tiny FLUX, LoRA, the rollout brightness of the first vs last 10 steps. Measured
-    (seed 0): mean 0.408 → 0.499 (Direct-Align), 0.407 → 0.501 (DRaFT-1); sample std of a round ~0.005."""
-    trainer = _trainer(tiny_model_dir, tmp_path, method=method, srp=False, max_steps=40, seed=LEARNING_SEED)
+def test_brightness_rises(tiny_model_dir, tmp_path, method, kind):
+    """40 optimizer steps, LoRA: the rollout brightness of the first vs the last 10 steps (two logs each). Measured
+    gains over seeds 0, 1, 42 and 1–2 threads: tiny FLUX (lr 1e-2) 0.09–0.10, round std ≤ 0.015; tiny SD1.5 (lr
+    3e-2) 0.024–0.025 (0.019–0.020 at lr 1e-2), round std ≤ 0.0067."""
+    learning_rate, margin = {"flux": (1e-2, 0.03), "sd": (3e-2, 0.01)}[kind]
+    overrides = {
+        "method": method,
+        "srp": False,
+        "max_steps": 40,
+        "seed": LEARNING_SEED,
+        "learning_rate": learning_rate,
+    }
+    trainer = _trainer(tiny_model_dir, tmp_path, kind=kind, **overrides)
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     noise = max(entry["reward_std"] for entry in trainer.state.log_history if "reward_std" in entry)
-    assert_learned("brightness", sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2, noise, margin=0.03)
+    assert_learned("brightness", sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2, noise, margin=margin)
 
 
 def test_decoder_checkpointing_keeps_less_for_backward(tiny_model_dir):

@@ -1,8 +1,8 @@
-"""Direct reward backpropagation on rectified flows (pure tensor math): SRPO's Direct-Align (arXiv 2509.06942) and
-its semantic-relative preference, and the step DRaFT-K / AlignProp backpropagate through.
+"""Direct reward backpropagation (pure tensor math): SRPO's Direct-Align (arXiv 2509.06942) and its semantic-relative
+preference.
 
 Flow convention (diffusers'): ``x_σ = σ·ε + (1 − σ)·x0`` and the model predicts the velocity ``v ≈ ε − x0``, so an Euler
-step is ``x_σ' = x_σ + (σ' − σ)·v``.
+step is ``x_σ' = x_σ + (σ' − σ)·v``. Diffusion (VP) models: ``x_t = √ᾱ_t·x0 + √(1 − ᾱ_t)·ε``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ def recover_x0(latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) 
     At σ = 0 it is ``x_σ`` itself."""
     sigma = _expand(sigma, latents)
     return (latents - sigma * noise) / (1 - sigma)
+
+
+def renoise_vp(x0: torch.Tensor, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
+    """``√ᾱ·x0 + √(1 − ᾱ)·ε`` per sample, ᾱ (B,): the VP counterpart of :func:`renoise`."""
+    alpha_bar = _expand(alpha_bar, x0)
+    return alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * noise
+
+
+def recover_x0_vp(latents: torch.Tensor, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
+    """``(x_t − √(1 − ᾱ)·ε)/√ᾱ``: the VP counterpart of :func:`recover_x0`."""
+    alpha_bar = _expand(alpha_bar, latents)
+    return (latents - (1 - alpha_bar).sqrt() * noise) / alpha_bar.sqrt()
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> torch.Tensor:

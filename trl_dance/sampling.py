@@ -186,7 +186,7 @@ def rollout(
         shared = {key: value[reps_device] for key, value in cond.items()}
         prefix = latents[reps_device]
         for i in range(plan.sde_start):
-            prefix = _deterministic_step(policy, model, prefix, i, shared)
+            prefix = deterministic_step(policy, model, prefix, i, shared)
         calls += len(reps) * plan.sde_start
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
@@ -227,9 +227,10 @@ def rollout(
     return out
 
 
-def _deterministic_step(
+def deterministic_step(
     policy: DiffusionPolicy, model: torch.nn.Module, latents: torch.Tensor, i: int, cond: Conditioning
 ) -> torch.Tensor:
+    """Step ``i`` of the policy's sampler without noise (flow: Euler; DDIM η = 0), differentiable in the model."""
     step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
     output = policy.predict_step(model, latents, i, step_index, cond)
     zeros = torch.zeros_like(latents, dtype=torch.float32)
@@ -240,6 +241,8 @@ __all__ = [
     "RolloutPlan",
     "SDEWindow",
     "compressed_steps",
+    "deterministic_step",
+    "generate",
     "group_generators",
     "mix_seed",
     "rollout",

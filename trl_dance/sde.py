@@ -238,7 +238,7 @@ def ddim_sde_step(
         prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
     """
     _check_noise_level(eta, compute_log_prob)
-    x = sample.to(torch.float32)
+    x = sample.to(torch.promote_types(sample.dtype, torch.float32))  # float32 (float64 stays, for gradient checks)
     a_t = _per_sample(alpha_prod_t, x)
     a_prev = _per_sample(alpha_prod_t_prev, x)
     eps, x0_hat = epsilon_and_x0(model_output, x, a_t, prediction_type)

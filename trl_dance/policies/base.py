@@ -44,6 +44,11 @@ class SamplerSettings:
     train_expert: Literal["high_noise", "low_noise"] = "high_noise"
 
 
+def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Float32, or float64 for a float64 model (gradient checks): predictions are combined and stepped in it."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class DiffusionPolicy(ABC):
     """A diffusers pipeline seen as a stochastic policy over denoising steps.
 
@@ -271,12 +276,14 @@ class DiffusionPolicy(ABC):
         """:meth:`predict` at explicit model timesteps (B,), in the units of :meth:`model_timestep`, with the trained
         denoiser's CFG scale unless ``guidance_scale`` is given."""
         if not self.use_cfg:
-            return self._forward(model, latents, timestep, cond).float()
+            return _at_least_float32(self._forward(model, latents, timestep, cond))
         scale = self.guidance_scale if guidance_scale is None else guidance_scale
         negative = self._negative_cond(latents.shape[0])
         # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches.
         both = {key: torch.cat([negative.get(key, cond[key]), cond[key]]) for key in cond}
-        output = self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both).float()
+        output = _at_least_float32(
+            self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
+        )
         uncond, text = output.chunk(2)
         return uncond + scale * (text - uncond)
 

@@ -17,13 +17,16 @@ from ..direct_align import (
     direct_align_levels,
     euler_step,
     recover_x0,
+    recover_x0_vp,
     renoise,
+    renoise_vp,
     semantic_relative_reward,
     shifted_sigmas,
 )
-from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..policies import FlowMatchingPolicy
 from ..rewards import reward_name
-from ..sampling import RolloutPlan
+from ..sampling import RolloutPlan, deterministic_step
+from ..sde import ddim_sde_step
 from .direct_reward_config import DirectRewardConfig
 from .online_trainer import OnlineDiffusionTrainer
 
@@ -31,8 +34,9 @@ TABLE = 1000  # entries of SRPO's σ table (its `timestep_length`)
 
 
 class DirectRewardTrainer(OnlineDiffusionTrainer):
-    """Reward-gradient fine-tuning of flow-matching pipelines (FLUX, SD3, Wan): SRPO's Direct-Align (arXiv
-    2509.06942) and DRaFT-K (arXiv 2309.17400) / AlignProp (arXiv 2310.03739). Constructor as
+    """Reward-gradient fine-tuning: SRPO's Direct-Align (arXiv 2509.06942) and DRaFT-K (arXiv 2309.17400) / AlignProp
+    (arXiv 2310.03739), for flow-matching (FLUX, SD3, Wan) and ε/v-prediction (SD1.x/2.x, SDXL) pipelines; for the
+    latter a noise level s ∈ [0, 1] of Direct-Align's table is the timestep s·(T_train − 1). Constructor as
     :class:`~trl_dance.DanceGRPOTrainer`'s; ``reward_funcs`` must be differentiable rewards."""
 
     _tag_names = ["trl", "trl-dance", "srpo", "direct-align", "diffusers"]
@@ -65,13 +69,6 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         self._noise_parts: list[torch.Tensor] = []
         if args.decoder_checkpointing:  # diffusers' own, per decoder block: the peak is one block's activations
             self.policy.pipeline.vae.enable_gradient_checkpointing()
-
-    def _check_policy(self, policy: DiffusionPolicy, args: DirectRewardConfig) -> None:
-        if not isinstance(policy, FlowMatchingPolicy):
-            raise ValueError(
-                f"DirectRewardTrainer's Direct-Align and DRaFT steps are written for flow-matching models; "
-                f"{type(policy.pipeline).__name__} is not one (SD1.x/SDXL: not supported yet)"
-            )
 
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return torch.zeros_like(total)  # the loss takes reward gradients, not advantages
@@ -127,26 +124,44 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Loss
 
-    def clean_latents(self, model, latents: torch.Tensor, noise: torch.Tensor, sigma_from, sigma_to, cond):
-        """Direct-Align's x̂0 (B, ...) from ``latents`` at ``sigma_from`` (B,): one model step to ``sigma_to`` (B,),
-        then ``(x − σ_to·ε)/(1 − σ_to)``; differentiable in the model (and ``latents``)."""
-        velocity = self.policy.predict_at(model, latents, self.policy.timestep_from_sigma(sigma_from), cond)
-        return recover_x0(euler_step(latents, velocity.to(latents.dtype), sigma_from, sigma_to), noise, sigma_to)
+    def _timestep(self, level: torch.Tensor) -> torch.Tensor:
+        """A VP model's integer timestep for the noise level s ∈ [0, 1]: round(s·(T_train − 1))."""
+        steps = self.policy.scheduler.config.num_train_timesteps
+        return (level * (steps - 1)).round().long()
+
+    def renoise(self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+        """The clean latents at noise level ``level`` (B,) with their own ε."""
+        if isinstance(self.policy, FlowMatchingPolicy):
+            return renoise(x0, noise, level)
+        alphas = self.policy.scheduler.alphas_cumprod.to(x0.device)
+        return renoise_vp(x0, noise, alphas[self._timestep(level)])
+
+    def clean_latents(self, model, latents: torch.Tensor, noise: torch.Tensor, level_from, level_to, cond):
+        """Direct-Align's x̂0 (B, ...) from ``latents`` at noise level ``level_from`` (B,): one deterministic model step
+        to ``level_to`` (B,) (flow: Euler; VP: DDIM η = 0), then the clean latents recovered with the known ε;
+        differentiable in the model (and ``latents``)."""
+        policy = self.policy
+        if isinstance(policy, FlowMatchingPolicy):
+            velocity = policy.predict_at(model, latents, policy.timestep_from_sigma(level_from), cond)
+            return recover_x0(euler_step(latents, velocity.to(latents.dtype), level_from, level_to), noise, level_to)
+        alphas = policy.scheduler.alphas_cumprod.to(latents.device)
+        t_from, t_to = self._timestep(level_from), self._timestep(level_to)
+        output = policy.predict_at(model, latents, t_from, cond)
+        step = ddim_sde_step(
+            output, latents, alphas[t_from], alphas[t_to], eta=0.0, prediction_type=policy.prediction_type,
+            clip_sample_range=policy.clip_sample_range, compute_log_prob=False, noise=torch.zeros_like(latents),
+        )  # fmt: skip
+        return recover_x0_vp(step.prev_sample, noise, alphas[t_to])
 
     def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
-        """DRaFT-K: the sampler's first N − K steps without gradients from ε, its last K with (each step
-        checkpointed); the clean latents (B, ...)."""
-        sigmas, steps = tuple(self.policy.sigmas.tolist()), self.policy.num_steps
+        """DRaFT-K: the sampler's first N − K deterministic steps without gradients from ε, its last K with (each
+        step checkpointed with ``decoder_checkpointing``); the clean latents (B, ...)."""
+        steps, latents = self.policy.num_steps, noise
         with torch.no_grad():
-            latents = self.policy.solve(model, noise, cond, sigmas[: steps - k + 1])
+            for i in range(steps - k):
+                latents = deterministic_step(self.policy, model, latents, i, cond)
         for i in range(steps - k, steps):
-            sigma = torch.full((len(latents),), sigmas[i], device=latents.device)
-            sigma_next = torch.full_like(sigma, sigmas[i + 1])
-
-            def step(x, sigma=sigma, sigma_next=sigma_next):
-                velocity = self.policy.predict_at(model, x, self.policy.timestep_from_sigma(sigma), cond)
-                return euler_step(x, velocity.to(x.dtype), sigma, sigma_next)
-
+            step = lambda x, i=i: deterministic_step(self.policy, model, x, i, cond)  # noqa: E731
             latents = (
                 checkpoint(step, latents, use_reentrant=False) if self.args.decoder_checkpointing else step(latents)
             )
@@ -193,7 +208,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
                 inputs["position"], inputs["inversion"], self._window, int((1 - args.groundtruth_ratio) * TABLE) + 1
             )
             sigma_from, sigma_to = sigma_from.to(device), sigma_to.to(device)
-            latents = renoise(x0, noise, sigma_from)
+            latents = self.renoise(x0, noise, sigma_from)
             clean = self.clean_latents(model, latents, noise, sigma_from, sigma_to, cond)
             reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
             loss = torch.relu(args.reward_margin - reward).mean()
