@@ -23,9 +23,9 @@ class DirectRewardConfig(OnlineDiffusionConfig):
 
     Parameters:
         method (`str`, defaults to `"direct_align"`): `"direct_align"` (SRPO): the sample re-noised with its own ε to
-            σ_from, one model step with gradients to σ_to, x̂0 = (x_σto − σ_to·ε)/(1 − σ_to), loss ReLU(margin − r);
-            `"draft"` (DRaFT-K / AlignProp): the sampler's last K steps rerun with gradients from the rollout's state,
-            loss −r.
+            σ_from, one model step with gradients to σ_to, x̂0 = (x_σto − σ_to·ε)/(1 − σ_to), loss ReLU(margin − r)
+            (ε/v-prediction models: a DDIM step between the timesteps σ·(T_train − 1), x̂0 = (x_t − √(1 − ᾱ)·ε)/√ᾱ);
+            `"draft"` (DRaFT-K / AlignProp): the sampler's steps rerun from ε, the last K with gradients, loss −r.
         direct_align_grid_steps (`int`, defaults to `50`) and direct_align_window (`list[int]`, defaults to
             `[5, 25]`): σ is drawn from a 1000-entry table between the shifted `direct_align_grid_steps`-step
             schedule's entries `direct_align_window` (SRPO's `train_timestep`: σ > 0.99 distorts structure, late σ
