@@ -200,3 +200,14 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-1"))
     for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(value, other), name
+
+
+def test_full_fine_tune_trains_and_saves_the_denoiser(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, lora=False, max_steps=2)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    trainer.save_model()
+    assert (tmp_path / "out" / "diffusion_pytorch_model.safetensors").is_file()
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Direct-Align, σ from entries 5–25 of a 50-step schedule" in card and "srpo" in card
