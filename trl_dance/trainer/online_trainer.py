@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,6 +31,7 @@ from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
 from .online_config import OnlineDiffusionConfig
+from .reward_metrics import RewardMetricLog
 
 
 def _identity(rows: list[dict]) -> list[dict]:
@@ -174,7 +174,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
-        self._pending_reward_metrics: defaultdict[str, list[float]] = defaultdict(list)
+        self.reward_metrics = RewardMetricLog()  # the rewards' log_metric
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
@@ -425,7 +425,8 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
-        self._flush_reward_metrics()
+        for name, value in self.reward_metrics.flush(self.accelerator).items():
+            self._metrics[name].append(torch.tensor(value))
         if all_rewards.isnan().all(dim=1).any():  # every process sees it: name the prompt (a collective, so here)
             weighted_reward_sum(all_rewards, self.reward_weights, gather_object(prompts))
         total = weighted_reward_sum(all_rewards, self.reward_weights)
@@ -501,7 +502,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         for column, name in enumerate(self.reward_names):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].nanmean().item()
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = nan_std(all_scores[:, column]).item()
-        metrics |= self._flush_reward_metrics(f"{metric_key_prefix}_")
+        metrics |= {f"{metric_key_prefix}_{k}": v for k, v in self.reward_metrics.flush(self.accelerator).items()}
         self.log(metrics)  # first: a tracker's writer may open at its first log
         if first is not None:
             self._log_eval_images(*first, total, metric_key_prefix)
@@ -513,26 +514,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
 
     def _reward_extra(self) -> dict[str, Any]:
         """TRL's extra reward arguments: ``trainer_state`` and ``log_metric(name, value)``."""
-        return {"trainer_state": self.state, "log_metric": self._log_reward_metric}
-
-    def _log_reward_metric(self, name: str, value: float) -> None:
-        # Called by a reward, possibly from the scoring thread; averaged over processes at the next flush.
-        self._pending_reward_metrics[name].append(float(value))
-
-    def _flush_reward_metrics(self, prefix: str = "") -> dict[str, float]:
-        """The rewards' ``log_metric`` values since the last flush, averaged over calls and processes: added to the
-        training metrics (no prefix) or returned (``prefix``, evaluation). Collective: call on every process."""
-        pending, self._pending_reward_metrics = self._pending_reward_metrics, defaultdict(list)
-        flushed = {}
-        for name in sorted(set(sum(gather_object([list(pending)]), []))):  # the same order on every process
-            local = torch.tensor(
-                [sum(pending.get(name, [])), len(pending.get(name, []))], device=self.accelerator.device
-            )
-            total, count = self.accelerator.gather(local[None]).sum(dim=0).tolist()
-            flushed[name] = total / max(count, 1)
-            if not prefix:
-                self._metrics[name].append(torch.tensor(flushed[name]))
-        return {f"{prefix}{name}": value for name, value in flushed.items()} if prefix else {}
+        return {"trainer_state": self.state, "log_metric": self.reward_metrics}
 
     def _log_rollout_media(self, images, prompts, rewards, all_rewards) -> None:
         every, step = self.args.log_completions_steps, self.state.global_step
