@@ -211,3 +211,16 @@ def test_full_fine_tune_trains_and_saves_the_denoiser(tiny_model_dir, tmp_path):
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     card = (tmp_path / "out" / "README.md").read_text()
     assert "Direct-Align, σ from entries 5–25 of a 50-step schedule" in card and "srpo" in card
+
+
+def test_sde_rollouts_as_srpo_samples(tiny_model_dir, tmp_path):
+    """eta > 0: the rounds sample with DanceGRPO's SDE (SRPO's η 0.3) from the same ε, so their images differ from the
+    deterministic sampler's; Direct-Align still re-noises each sample with its own ε and trains."""
+    results = []
+    for eta in (0.0, 0.3):
+        trainer = _trainer(tiny_model_dir, tmp_path / str(eta), eta=eta, max_steps=1)
+        trainer.train()
+        results.append((trainer.rollout_plan(), trainer._rollout["x0"], trainer._rollout["noise"]))
+    (ode_plan, ode_x0, ode_noise), (sde_plan, sde_x0, sde_noise) = results
+    assert ode_plan.stored_steps == range(0) and len(sde_plan.stored_steps) == 5  # 6 steps, the last deterministic
+    assert torch.equal(ode_noise, sde_noise) and not torch.allclose(ode_x0, sde_x0)

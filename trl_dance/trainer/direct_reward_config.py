@@ -14,14 +14,18 @@ class DirectRewardConfig(OnlineDiffusionConfig):
     r"""
     Configuration for [`DirectRewardTrainer`]: training on the gradient of a differentiable reward.
 
-    Each round the policy samples `generation_batch_size` images with the deterministic sampler from known noise ε
-    (their rewards are logged as `reward`, `rewards/<name>/mean`); then each sample gives training items whose loss
+    Each round the policy samples `generation_batch_size` images from known noise ε (the deterministic sampler, or
+    with `eta` > 0 DanceGRPO's SDE as SRPO samples; their rewards are logged as `reward`, `rewards/<name>/mean`); then
+    each sample gives training items whose loss
     backpropagates a reward through the VAE decoder into the denoiser. Generation, reward and model fields:
     [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`] (`num_generations` may be 1: no groups are formed).
     Defaults follow SRPO's FLUX.1-dev recipe (lr 5e-6, grad-norm clip 0.1, weight decay 1e-4, 25 rollout steps with
     shift 3, guidance 1).
 
     Parameters:
+        eta (`float`, defaults to `0.0`): Noise level of the rollouts' SDE (DanceGRPO's; DDIM η for ε models) on all
+            but the last step; 0: the deterministic sampler. SRPO samples with 0.3. Direct-Align re-noises the sample
+            with its initial ε either way; DRaFT reruns the deterministic sampler.
         method (`str`, defaults to `"direct_align"`): `"direct_align"` (SRPO): the sample re-noised with its own ε to
             σ_from, one model step with gradients to σ_to, x̂0 = (x_σto − σ_to·ε)/(1 − σ_to), loss ReLU(margin − r)
             (ε/v-prediction models: a DDIM step between the timesteps σ·(T_train − 1), x̂0 = (x_t − √(1 − ᾱ)·ε)/√ᾱ);
@@ -61,6 +65,7 @@ class DirectRewardConfig(OnlineDiffusionConfig):
     per_device_train_batch_size: int = field(default=2, metadata={"help": "Training items per micro-batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer update."})
 
+    eta: float = field(default=0.0, metadata={"help": "Rollout SDE noise level (SRPO: 0.3; 0: deterministic)."})
     method: str = field(default="direct_align", metadata={"help": "direct_align | draft.", "choices": list(METHODS)})
     direct_align_grid_steps: int = field(default=50, metadata={"help": "Steps of the schedule σ is drawn from."})
     direct_align_window: list[int] = field(
@@ -99,6 +104,8 @@ class DirectRewardConfig(OnlineDiffusionConfig):
             raise ValueError("srp needs positive_words and negative_words")
         if not 1 <= self.draft_k <= self.num_inference_steps:
             raise ValueError(f"draft_k must be in [1, num_inference_steps], got {self.draft_k}")
+        if not (self.eta >= 0 and math.isfinite(self.eta)):
+            raise ValueError(f"eta must be >= 0, got {self.eta}")
         if not math.isfinite(self.reward_margin):
             raise ValueError(f"reward_margin must be finite, got {self.reward_margin}")
         if self.method == "direct_align" and self.inversion and self.per_device_train_batch_size % 2:

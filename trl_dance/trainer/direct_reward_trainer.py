@@ -1,8 +1,8 @@
 """Direct reward backpropagation: SRPO's Direct-Align and DRaFT-K / AlignProp on the online engine.
 
-A round samples images from known noise ε with the deterministic sampler (no gradients; their rewards are logged);
-each training item then backpropagates a differentiable reward through the VAE decoder into one model step
-(Direct-Align) or the sampler's last K steps (DRaFT). Rewards must expose ``score(prompts, images) -> Tensor`` with
+A round samples images from known noise ε (the deterministic sampler, or SRPO's SDE with ``eta``; no gradients; their
+rewards are logged); each training item then backpropagates a differentiable reward through the VAE decoder into one
+model step (Direct-Align) or the sampler's last K steps (DRaFT). Rewards must expose ``score(prompts, images) -> Tensor`` with
 the graph kept (every model reward here, and ``brightness``).
 """
 
@@ -77,7 +77,8 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
     # Rounds: deterministic samples from known noise
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
-        return RolloutPlan.deterministic(self.policy.num_steps)
+        steps = self.policy.num_steps
+        return RolloutPlan(steps) if self.args.eta > 0 else RolloutPlan.deterministic(steps)
 
     def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
         noise = super()._initial_noise(generators, first_index)
