@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, num_frames, resolution  # noqa: E402
 
-from trl_dance import DanceGRPOTrainer, DiffusionNFTTrainer  # noqa: E402
+from trl_dance import DanceGRPOTrainer, DiffusionNFTTrainer, DirectRewardTrainer  # noqa: E402
 from trl_dance.sampling import RolloutPlan  # noqa: E402
 from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer  # noqa: E402
 
@@ -49,9 +49,10 @@ PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car",
 
 def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrainer], dict]]:
     """Each method's trainer and settings for an N-step schedule. Windows keep their published sizes; ranges scale with N
-    (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
-    paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (ODE rollouts, ⌊0.99·N⌋ noise
-    levels per sample, KL β 1e-4, the linear old-policy decay)."""
+        (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
+        paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (ODE rollouts, ⌊0.99·N⌋ noise
+        levels per sample, KL β 1e-4, the linear old-policy decay). Direct reward methods: deterministic rollouts, their
+    config's SRPO defaults except as noted."""
     half = max(3, (steps - 1) // 2)
     fast = {"sde_type": "cps", "eta": 0.8, "sde_window_size": 2, "sde_window_range": [0, half]}
     fast |= {"timestep_fraction": 1.0}
@@ -71,6 +72,10 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrai
         "diffusion_nft": (DiffusionNFTTrainer, {}),
         # Ablation: 3 noise levels per sample instead of ⌊0.99·N⌋, to show what dominates NFT's work.
         "diffusion_nft_3_levels": (DiffusionNFTTrainer, {"timestep_fraction": 3 / steps}),
+        # Reward gradients (brightness is differentiable): SRPO's Direct-Align (denoise + inversion items per
+        # sample) and DRaFT-1; the semantic-relative preference off (brightness ignores the prompt), grad clip 1.
+        "direct_align": (DirectRewardTrainer, {"srp": False, "max_grad_norm": 1.0, "weight_decay": 0.0}),
+        "draft_1": (DirectRewardTrainer, {"method": "draft", "srp": False, "max_grad_norm": 1.0, "weight_decay": 0.0}),
     }
 
 

@@ -36,7 +36,8 @@ class DirectRewardConfig(OnlineDiffusionConfig):
             hacks colour).
         groundtruth_ratio (`float`, defaults to `0.9`): the step length is (1 − ratio)·1000 + 1 table entries.
         inversion (`bool`, defaults to `True`): Each sample also trains SRPO's inversion branch (a step toward more
-            noise, control words swapped): two items per sample, in the same micro-batch order.
+            noise, control words swapped): two items per sample, adjacent in the round's order (SRPO accumulates
+            both into one update).
         srp (`bool`, defaults to `True`): The semantic-relative preference (1 + k)·r(c⁺. p) − r(c⁻. p) with control
             words cycled by optimizer step; off: the reward itself (negated on the inversion branch).
         positive_words, negative_words (`list[str]`): the control words c⁺, c⁻ (SRPO's).
@@ -108,9 +109,6 @@ class DirectRewardConfig(OnlineDiffusionConfig):
             raise ValueError(f"eta must be >= 0, got {self.eta}")
         if not math.isfinite(self.reward_margin):
             raise ValueError(f"reward_margin must be finite, got {self.reward_margin}")
-        if self.method == "direct_align" and self.inversion and self.per_device_train_batch_size % 2:
-            raise ValueError("with inversion, each sample gives a denoise and an inversion item: use an even "
-                             f"per_device_train_batch_size, got {self.per_device_train_batch_size}")  # fmt: skip
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size
