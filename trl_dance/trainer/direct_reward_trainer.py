@@ -74,7 +74,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         return torch.zeros_like(total)  # the loss takes reward gradients, not advantages
 
     # ----------------------------------------------------------------------------------------------------------
-    # Rounds: deterministic samples from known noise
+    # Rounds: samples from known noise
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         steps = self.policy.num_steps
