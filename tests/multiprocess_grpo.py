@@ -1,5 +1,6 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch`: one GRPO round on a tiny pipeline, then write the
-gathered rewards and advantages of that round (main process) to argv[3] as JSON and save the LoRA to argv[2]."""
+"""Run by tests/test_multiprocess.py under `accelerate launch`: GRPO rounds on a tiny pipeline, then write the
+gathered rewards and advantages of each round and the logged metrics (main process) to argv[3] as JSON and save the
+LoRA to argv[2]. Beside brightness, a group-wise reward that abstains on prompts without "a " and logs a metric."""
 
 import json
 import sys
@@ -35,9 +36,17 @@ args = DanceGRPOConfig(
     seed=7,
 )
 dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+
+
+def cats(prompts, images, log_metric, **kwargs):
+    log_metric("cats/scored", float("a " in prompts[0]))  # one call per group: all or none of it scored
+    return [float(image[0].mean()) if "a " in prompt else None for prompt, image in zip(prompts, images)]
+
+
+cats.groupwise = True
 trainer = DanceGRPOTrainer(
     model_dir,
-    "brightness",
+    ["brightness", cats],
     args=args,
     train_dataset=dataset,
     peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
@@ -63,4 +72,8 @@ trainer.train()
 trainer.save_model(output_dir)  # every process calls it; only the main process writes
 if trainer.accelerator.is_main_process:
     with open(result_path, "w") as handle:
-        json.dump({"num_processes": trainer.accelerator.num_processes, "rounds": rollouts}, handle)
+        logged = [
+            {k: v for k, v in entry.items() if k.startswith(("cats", "rewards/cats"))}
+            for entry in trainer.state.log_history
+        ]
+        json.dump({"num_processes": trainer.accelerator.num_processes, "rounds": rollouts, "logged": logged}, handle)

@@ -52,6 +52,10 @@ def test_two_processes_compute_the_same_advantages_as_one(tiny_model_dir, tmp_pa
         assert a["prompts"] == b["prompts"]  # the same global batch, groups intact across the two processes
         assert b["rewards"] == pytest.approx(a["rewards"], abs=1e-5)
         assert b["advantages"] == pytest.approx(a["advantages"], abs=1e-3)
+    # A group-wise reward that abstains on some prompts: its log_metric values are averaged over calls and processes
+    # alike, and its statistics are over the rows it scored.
+    logged = [entry for entry in one["logged"] if entry]
+    assert logged and logged == [pytest.approx(entry, abs=1e-5, nan_ok=True) for entry in two["logged"] if entry]
 
 
 @pytest.mark.parametrize(("trainer", "kind"), [("grpo", "flux"), ("nft", "flux"), ("dpo", "sd")])

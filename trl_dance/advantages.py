@@ -106,7 +106,7 @@ def nan_std(values: torch.Tensor, dim: int | None = None, keepdim: bool = False)
     squares = (
         ((values - mean) ** 2).nansum(dim=dim, keepdim=True) if dim is not None else ((values - mean) ** 2).nansum()
     )
-    std = (squares / (count - 1)).sqrt()
+    std = (squares / (count - 1).clamp(min=1)).sqrt().masked_fill(count < 2, float("nan"))
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
