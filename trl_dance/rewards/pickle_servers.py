@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from PIL import Image
 
+from .image_transforms import to_uint8
 from .remote import HTTPReward, RemoteRewardError
 
 
 def jpeg_bytes(images: torch.Tensor, quality: int | None) -> list[bytes]:
     """(B, 3, H, W) in [0, 1] → 8-bit JPEG files (``quality`` None: PIL's default, 75)."""
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     files = []
-    for array in pixels:
+    for array in to_uint8(images):
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", **({"quality": quality} if quality is not None else {}))
         files.append(buffer.getvalue())

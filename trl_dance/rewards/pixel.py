@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .image_transforms import to_uint8
+
 
 def _check(images: torch.Tensor) -> None:
     if images.ndim != 4 or images.shape[1] != 3:
@@ -32,9 +34,8 @@ brightness.score = _brightness_score
 
 def _jpeg_kb(images: torch.Tensor) -> list[float]:
     _check(images)
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
-    for array in pixels:
+    for array in to_uint8(images):
         buffer = io.BytesIO()
         Image.fromarray(np.ascontiguousarray(array)).save(buffer, format="JPEG", quality=95)
         sizes.append(buffer.tell() / 1000)

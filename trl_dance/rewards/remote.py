@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .image_transforms import to_uint8
+
 IMAGE_FORMATS = ("png", "jpeg", "npy")
 
 
@@ -39,10 +41,9 @@ def encode_image(image: torch.Tensor, image_format: str, quality: int = 95) -> s
         return base64.b64encode(buffer.getvalue()).decode("ascii")
     if image.ndim == 4:
         return [encode_image(frame, image_format, quality) for frame in image]
-    pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     buffer = io.BytesIO()
     options = {"quality": quality} if image_format == "jpeg" else {}
-    Image.fromarray(pixels).save(buffer, format=image_format.upper(), **options)
+    Image.fromarray(to_uint8(image[None])[0]).save(buffer, format=image_format.upper(), **options)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
