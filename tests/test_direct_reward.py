@@ -70,6 +70,12 @@ def test_semantic_relative_reward_is_linear_in_the_text_side():
     k = torch.tensor([0.1, 0.25])
     value = semantic_relative_reward(score, ["a cat", "a dog"], images, "Real", "Anime", k)
     torch.testing.assert_close(value, images.sum(dim=(1, 2, 3)) * ((1 + k) * 1.0 + 0.5))
+    # The inversion branch swaps the words' roles, from the same two scorings.
+    swapped = semantic_relative_reward(
+        score, ["a cat", "a dog"], images, "Real", "Anime", k, torch.tensor([False, True])
+    )
+    expected = images.sum(dim=(1, 2, 3)) * torch.stack([(1 + k[0]) * 1.0 + 0.5, (1 + k[1]) * -0.5 - 1.0])
+    torch.testing.assert_close(swapped, expected)
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd"])

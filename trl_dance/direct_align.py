@@ -90,10 +90,18 @@ def semantic_relative_reward(
     positive: str,
     negative: str,
     discount: torch.Tensor,
+    swapped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SRPO's semantic-relative preference ``(1 + k)·r(c⁺. p) − r(c⁻. p)`` per image (B,), with the discount ``k``
     (B,): for rewards linear in a unit text embedding (HPS, CLIP, PickScore) this is SRPO's
-    ``⟨f_img, (1 + k)·f_txt(c⁺·p) − f_txt(c⁻·p)⟩``."""
+    ``⟨f_img, (1 + k)·f_txt(c⁺·p) − f_txt(c⁻·p)⟩``. Rows where ``swapped`` (B,) is True (SRPO's inversion branch)
+    take the words' roles swapped, ``(1 + k)·r(c⁻. p) − r(c⁺. p)``, from the same two scorings."""
     with_positive = score([f"{positive}. {p}" for p in prompts], images)
     with_negative = score([f"{negative}. {p}" for p in prompts], images)
+    if swapped is not None:
+        swapped = swapped.to(with_positive.device)
+        with_positive, with_negative = (
+            torch.where(swapped, with_negative, with_positive),
+            torch.where(swapped, with_positive, with_negative),
+        )
     return (1 + discount.to(with_positive)) * with_positive - with_negative

@@ -188,9 +188,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
                 discount = torch.where(inversion, self._discount[True][position], self._discount[False][position]).to(
                     images.device
                 )
-                forward = semantic_relative_reward(func.score, prompts, images, positive, negative, discount)
-                backward = semantic_relative_reward(func.score, prompts, images, negative, positive, discount)
-                value = torch.where(inversion.to(images.device), backward, forward)
+                value = semantic_relative_reward(func.score, prompts, images, positive, negative, discount, inversion)
             else:
                 value = sign * func.score(prompts, images)
             total = total + weight * value.to(total.dtype)
