@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import string
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -316,3 +317,97 @@ def aesthetic_head_state_dict(input_size: int, seed: int = 0) -> dict[str, torch
     ):
         _linear(sd, g, f"layers.{index}", fan_out, fan_in)
     return sd
+
+
+# Qwen2-VL-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2-VL-*-Instruct).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_qwen2_vl(directory: str) -> str:
+    """A Qwen2-VL-Instruct base in the published layout: config.json, a byte-level Qwen2 tokenizer with Qwen2-VL's
+    special tokens and chat template, and preprocessor_config.json (the Qwen2-VL image processor's defaults)."""
+    from transformers import Qwen2TokenizerFast, Qwen2VLConfig
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Qwen2TokenizerFast(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    Qwen2VLImageProcessorPil().save_pretrained(directory)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 16,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+    )
+    config.save_pretrained(directory)
+    return directory
+
+
+def qwen2_vl_reward_model(base: str, special_tokens: list[str], head: Callable[[], torch.nn.Module], seed: int):
+    """(model, tokenizer): a random ``Qwen2VLForConditionalGeneration`` from ``base`` with the reward tokens added and
+    the embeddings resized as the references do, and its ``rm_head`` (built by ``head()``), all from ``seed``."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(base, padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(base), attn_implementation="sdpa")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():  # random init leaves small weights; larger ones make scores differ visibly between inputs
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3) if parameter.ndim > 1 else None
+    model.rm_head = head()
+    return model.eval(), tokenizer
+
+
+def legacy_qwen2_vl_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's state dict with transformers 4.45 keys (``visual.*``, ``model.*``, ``lm_head``, ``rm_head``), as the
+    HPSv3 and VideoAlign checkpoints store it."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("model.visual."):
+            key = key[len("model.") :]
+        elif key.startswith("model.language_model."):
+            key = "model." + key[len("model.language_model.") :]
+        out[key] = value.detach().clone()
+    return out

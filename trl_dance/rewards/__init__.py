@@ -12,16 +12,19 @@ from .base import (
 )
 from .clip import CLIPScore, PickScore
 from .hps import HPSv2Reward
+from .hpsv3 import HPSv3Reward
 from .image_reward import ImageReward
 from .judges import PairwiseJudge, PointwiseJudge
 from .model_reward import RewardModel
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
 from .remote import RemoteReward, RemoteRewardError
+from .video_align import VideoAlignReward
 
 __all__ = [
     "AestheticReward",
     "CLIPScore",
     "HPSv2Reward",
+    "HPSv3Reward",
     "ImageReward",
     "PairwiseJudge",
     "PickScore",
@@ -30,6 +33,7 @@ __all__ = [
     "RemoteRewardError",
     "RewardFunc",
     "RewardModel",
+    "VideoAlignReward",
     "brightness",
     "get_reward_function",
     "jpeg_compressibility",

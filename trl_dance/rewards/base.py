@@ -25,7 +25,7 @@ group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
 
 def _registry() -> dict[str, Callable[..., Any]]:
     """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
-    from . import aesthetic, clip, hps, image_reward, judges, pickle_servers, pixel
+    from . import aesthetic, clip, hps, hpsv3, image_reward, judges, pickle_servers, pixel, video_align
 
     return {
         "brightness": pixel.brightness,
@@ -33,6 +33,8 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "jpeg_incompressibility": pixel.jpeg_incompressibility,
         "temporal_consistency": pixel.temporal_consistency,
         "hpsv2": hps.HPSv2Reward,
+        "hpsv3": hpsv3.HPSv3Reward,
+        "videoalign": video_align.VideoAlignReward,
         "image_reward": image_reward.ImageReward,
         "pickscore": clip.PickScore,
         "clip_score": clip.CLIPScore,

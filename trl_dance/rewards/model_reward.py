@@ -35,6 +35,24 @@ def resolve_file(location: str, filename: str, what: str, reward: str) -> str:
         raise FileNotFoundError(_download_advice(what, location, reward, filename, err)) from err
 
 
+def resolve_directory(location: str, what: str, reward: str) -> str:
+    """A local checkpoint directory: ``location`` itself, or a snapshot of the Hub repo ``location``.
+
+    Raises:
+        FileNotFoundError with the same download advice as :func:`resolve_file`.
+    """
+    if os.path.isdir(location):
+        return location
+    if os.path.exists(location):
+        raise FileNotFoundError(f"{what}: {location!r} is a file; pass the directory that holds it")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(location)
+    except Exception as err:  # offline, unknown repo, no permission
+        raise FileNotFoundError(_download_advice(what, location, reward, None, err)) from err
+
+
 def from_pretrained(loader: Callable[..., Any], location: str, what: str, reward: str, **kwargs) -> Any:
     """``loader(location, **kwargs)`` (a transformers ``from_pretrained``) with the same advice on failure."""
     try:
@@ -66,6 +84,7 @@ class RewardModel(ABC):
     """
 
     name: str = "reward_model"
+    accepts_video: bool = False  # True: scores whole videos (B, F, 3, H, W) instead of images (B, 3, H, W)
 
     def __init__(self, dtype: torch.dtype | str = torch.float32, batch_size: int = 32):
         if batch_size < 1:
@@ -102,13 +121,25 @@ class RewardModel(ABC):
     def score(self, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
         """Differentiable scores (B,) of images (B, 3, H, W) in [0, 1]; gradients flow to ``images`` (torch
         preprocessing: antialiased bicubic resize, no 8-bit rounding)."""
-        check_images(prompts, images, self.name)
+        self._check(prompts, images)
         self.load(images.device)
         return self._score(list(prompts), images, exact=False)
 
+    def _check(self, prompts: list[str], images: torch.Tensor) -> None:
+        if not self.accepts_video:
+            check_images(prompts, images, self.name)
+            return
+        if not isinstance(images, torch.Tensor) or images.ndim != 5:
+            shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise ValueError(f"{self.name}: videos must be a tensor of shape (B, F, 3, H, W), got {shape}")
+        if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+            count = "a string" if isinstance(prompts, str) else len(prompts)
+            raise ValueError(f"{self.name}: got {count} prompts for {images.shape[0]} videos; pass one per video")
+        check_images([p for p in prompts for _ in range(images.shape[1])], images.flatten(0, 1), self.name)
+
     @torch.no_grad()
     def __call__(self, prompts: list[str], images: torch.Tensor, **_) -> list[float]:
-        check_images(prompts, images, self.name)
+        self._check(prompts, images)
         self.load(images.device)
         prompts = list(prompts)
         scores = [
