@@ -411,3 +411,90 @@ def legacy_qwen2_vl_state_dict(model) -> dict[str, torch.Tensor]:
             key = "model." + key[len("model.language_model.") :]
         out[key] = value.detach().clone()
     return out
+
+
+def _byte_vocab() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: index for index, char in enumerate(bytes_to_unicode().values())}
+
+
+def save_tiny_llava(directory: str, seed: int = 0) -> str:
+    """A llava-hf ``LlavaForConditionalGeneration`` (CLIP vision tower, Qwen2 language model, byte-level tokenizer
+    with ``<image>``) and its ``LlavaProcessor``, saved with ``save_pretrained``."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2TokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    vocab = _byte_vocab()
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Qwen2TokenizerFast(
+        vocab=vocab, merges=[], eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # the CLS token of the vision tower (llava-1.5-hf)
+    )
+    processor.save_pretrained(directory)
+    config = LlavaConfig(
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "projection_dim": 16,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_deberta(directory: str, seed: int = 0) -> str:
+    """A DeBERTa encoder (``microsoft/deberta-xlarge-mnli``'s classes: ``DebertaModel``, the byte-level
+    ``DebertaTokenizerFast`` with [CLS]/[SEP]) of 3 layers."""
+    from transformers import DebertaConfig, DebertaModel, DebertaTokenizerFast
+
+    vocab = _byte_vocab()
+    for token in ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"):
+        vocab[token] = len(vocab)
+    tokenizer = DebertaTokenizerFast(
+        vocab=vocab,
+        merges=[],
+        bos_token="[CLS]",
+        eos_token="[SEP]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+    )
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(seed)
+    config = DebertaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4
+    )
+    DebertaModel(config).save_pretrained(directory)
+    return directory

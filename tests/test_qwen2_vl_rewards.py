@@ -11,7 +11,7 @@ from PIL import Image
 from reward_checkpoints import legacy_qwen2_vl_state_dict, qwen2_vl_reward_model, save_tiny_qwen2_vl
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from trl_dance.rewards import HPSv3Reward, VideoAlignReward, get_reward_function
+from trl_dance.rewards import HPSv3Reward, VideoAlignReward, get_reward_function, score_images
 from trl_dance.rewards.hpsv3 import ranknet_head
 from trl_dance.rewards.image_transforms import to_uint8
 from trl_dance.rewards.qwen2_vl import patchify, prompt_template, qwen_size
@@ -46,7 +46,9 @@ def checkpoints(tmp_path_factory):
 
     save_file(legacy_qwen2_vl_state_dict(hps), str(root / "hpsv3" / "HPSv3.safetensors"))
 
-    video, video_tokenizer = qwen2_vl_reward_model(base, VIDEO_TOKENS, lambda: torch.nn.Linear(32, 1, bias=False), seed=2)
+    video, video_tokenizer = qwen2_vl_reward_model(
+        base, VIDEO_TOKENS, lambda: torch.nn.Linear(32, 1, bias=False), seed=2
+    )
     targets = [
         name
         for name, module in video.named_modules()
@@ -203,6 +205,9 @@ def test_videoalign_matches_reference_forward(checkpoints):
     torch.testing.assert_close(torch.tensor(motion(PROMPTS[:2], videos)), expected[:, 1], atol=1e-4, rtol=1e-4)
     with checkpoints["video"][0].disable_adapter():  # the LoRA matters: a loader that dropped it would fail above
         assert (_video_reference(checkpoints, videos, PROMPTS[:2]) - expected).abs().max() > 1e-2
+    # As the trainers call it: whole videos, not frames.
+    scored = score_images([reward], PROMPTS[:2], videos, {}, video_frames=2)
+    torch.testing.assert_close(scored[:, 0], overall.float(), atol=1e-6, rtol=0)
     assert get_reward_function("videoalign", checkpoint=checkpoints["video"][2]).accepts_video
 
 

@@ -15,6 +15,7 @@ from .hps import HPSv2Reward
 from .hpsv3 import HPSv3Reward
 from .image_reward import ImageReward
 from .judges import PairwiseJudge, PointwiseJudge
+from .llava_bertscore import LLaVABertScoreLocal
 from .model_reward import RewardModel
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
 from .remote import RemoteReward, RemoteRewardError
@@ -26,6 +27,7 @@ __all__ = [
     "HPSv2Reward",
     "HPSv3Reward",
     "ImageReward",
+    "LLaVABertScoreLocal",
     "PairwiseJudge",
     "PickScore",
     "PointwiseJudge",

@@ -25,7 +25,18 @@ group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
 
 def _registry() -> dict[str, Callable[..., Any]]:
     """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
-    from . import aesthetic, clip, hps, hpsv3, image_reward, judges, pickle_servers, pixel, video_align
+    from . import (
+        aesthetic,
+        clip,
+        hps,
+        hpsv3,
+        image_reward,
+        judges,
+        llava_bertscore,
+        pickle_servers,
+        pixel,
+        video_align,
+    )
 
     return {
         "brightness": pixel.brightness,
@@ -42,6 +53,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "vlm_judge": judges.PointwiseJudge,
         "pairwise_judge": judges.PairwiseJudge,
         "llava_bertscore": pickle_servers.LLaVABertScore,
+        "llava_bertscore_local": llava_bertscore.LLaVABertScoreLocal,
         "deqa": pickle_servers.DeQAReward,
         "geneval": pickle_servers.GenEvalReward,
     }
