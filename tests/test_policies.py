@@ -26,6 +26,9 @@ STEPS = 6
         ("sd2", 5.0, None),
         ("sdxl", 5.0, None),  # the pipeline's zeros for the empty negative prompt
         ("sdxl", 5.0, "blurry, dark"),
+        ("qwen-image", 1.0, None),
+        ("qwen-image", 4.0, None),  # the empty negative prompt, spelled out for the pipeline
+        ("qwen-image", 4.0, "blurry, dark"),
         ("wan", 5.0, None),
         ("wan", 5.0, "blurry, dark"),
         ("wan-i2v", 5.0, None),
@@ -93,6 +96,10 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
         ours = policy.decode(policy.final_latents(latents, cond))
 
         kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3") or kind.startswith("wan") else {}
+        if kind == "qwen-image":  # true_cfg_scale, and CFG only with a negative prompt given
+            kwargs = {"max_sequence_length": 16, "true_cfg_scale": guidance}
+            negative_prompt = "" if negative_prompt is None and guidance > 1 else negative_prompt
+            guidance = None
         result = pipeline(
             prompt=PROMPTS,
             height=32,

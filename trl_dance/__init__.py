@@ -30,6 +30,7 @@ _LAZY = {
     "dance_sigmas": "trl_dance.sde",
     "patch_scheduler": "trl_dance.schedulers",
     "get_reward_function": "trl_dance.rewards",
+    "register_policy": "trl_dance.policies",
 }
 
 __all__ = [
@@ -47,9 +48,11 @@ __all__ = [
     "flow_sde_step",
     "get_reward_function",
     "patch_scheduler",
+    "register_policy",
 ]
 
 if TYPE_CHECKING:
+    from .policies import register_policy
     from .rewards import get_reward_function
     from .schedulers import patch_scheduler
     from .sde import SDEStepOutput, dance_sigmas, ddim_sde_step, flow_sde_step

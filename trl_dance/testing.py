@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DDIMScheduler,
     DiffusionPipeline,
@@ -30,6 +31,8 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     PNDMScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -48,6 +51,9 @@ from transformers import (
     CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModel,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2TokenizerFast,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -452,6 +458,120 @@ def tiny_wan22_5b_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True, expand_timesteps=True)), seed)
 
 
+# Qwen-Image's prompt template: its encoder drops the first 34 tokens, the system prefix as the real tokenizer splits it.
+_QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _qwen_tokenizer() -> Qwen2TokenizerFast:
+    """A byte-level BPE Qwen2 tokenizer with Qwen2-VL's special tokens, trained on Qwen-Image's prompt template so that
+    its words are single tokens and the template's system prefix is 34 tokens, as with the real tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+    specials += ["<|image_pad|>", "<|video_pad|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    backend.train_from_iterator([_QWEN_IMAGE_TEMPLATE.format("a")] * 50, trainer)
+    tokenizer = Qwen2TokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    return tokenizer
+
+
+def _qwen25_vl(tokenizer: Qwen2TokenizerFast) -> Qwen2_5_VLForConditionalGeneration:
+    """A Qwen2.5-VL (Qwen-Image's text encoder; its vision tower reads Qwen-Image-Edit's source images)."""
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "fullatt_block_indexes": [0],
+            "window_size": 56,
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's published scheduler configuration (exponential resolution-dependent shift, terminal σ 0.02)."""
+    return FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+        use_dynamic_shifting=True,
+    )
+
+
+def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
+    """A QwenImagePipeline (MMDiT, Qwen2.5-VL text encoder, Wan-style VAE with per-channel latent statistics)."""
+
+    def factory():
+        tokenizer = _qwen_tokenizer()
+        return QwenImagePipeline(
+            scheduler=qwen_image_scheduler(),
+            vae=AutoencoderKLQwenImage(
+                base_dim=8,
+                z_dim=4,
+                dim_mult=[1, 2],
+                num_res_blocks=1,
+                temperal_downsample=[False],
+                # The first 4 channels' statistics of Qwen-Image's published VAE config.
+                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+                latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+            ),
+            text_encoder=_qwen25_vl(tokenizer),
+            tokenizer=tokenizer,
+            transformer=QwenImageTransformer2DModel(
+                patch_size=2,
+                in_channels=16,
+                out_channels=4,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=32,
+                axes_dims_rope=(4, 6, 6),
+            ),
+        )
+
+    return _build(factory, seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -462,13 +582,14 @@ def tiny_condition_images(count: int, seed: int = 0) -> list:
     return to_pil(images)
 
 
-_IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl")
+_IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl", "qwen-image")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
     "sd2": tiny_sd2_pipeline,
     "sdxl": tiny_sdxl_pipeline,
+    "qwen-image": tiny_qwen_image_pipeline,
     "wan": tiny_wan_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,

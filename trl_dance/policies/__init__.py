@@ -1,10 +1,11 @@
-"""Model-family adapters behind one interface, :class:`DiffusionPolicy`."""
+"""Model-family adapters behind one interface, :class:`DiffusionPolicy`, found by pipeline class."""
 
 from __future__ import annotations
 
 from diffusers import (
     DiffusionPipeline,
     FluxPipeline,
+    QwenImagePipeline,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
@@ -15,27 +16,65 @@ from diffusers import (
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import FluxPolicy
+from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
 
-_POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {
-    FluxPipeline: FluxPolicy,
-    StableDiffusion3Pipeline: SD3Policy,
-    StableDiffusionXLPipeline: StableDiffusionXLPolicy,
-    StableDiffusionPipeline: StableDiffusionPolicy,
-    WanPipeline: WanPolicy,
-    WanImageToVideoPipeline: WanImageToVideoPolicy,
-}
+_POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {}
+
+
+def register_policy(pipeline_class: type[DiffusionPipeline], policy_class: type[DiffusionPolicy]) -> None:
+    """Train pipelines of ``pipeline_class`` (and of its subclasses without a registration of their own) with
+    ``policy_class``, a :class:`DiffusionPolicy` subclass. Registering a class again replaces its policy.
+
+    Example::
+
+        from diffusers import FluxPipeline
+        from trl_dance import register_policy
+        from trl_dance.policies import FluxPolicy
+
+        class MyFluxPipeline(FluxPipeline): ...
+
+        class MyFluxPolicy(FluxPolicy):
+            def _encode(self, prompts, negative=False):
+                ...  # the pipeline's own text conditioning
+
+        register_policy(MyFluxPipeline, MyFluxPolicy)
+
+    Raises:
+        TypeError if either argument is not such a class.
+    """
+    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
+        raise TypeError(f"pipeline_class must be a diffusers DiffusionPipeline subclass, got {pipeline_class!r}")
+    if not (isinstance(policy_class, type) and issubclass(policy_class, DiffusionPolicy)):
+        raise TypeError(f"policy_class must be a trl_dance.policies.DiffusionPolicy subclass, got {policy_class!r}")
+    _POLICIES[pipeline_class] = policy_class
+
+
+for _pipeline, _policy in (
+    (FluxPipeline, FluxPolicy),
+    (QwenImagePipeline, QwenImagePolicy),
+    (StableDiffusion3Pipeline, SD3Policy),
+    (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
+    (StableDiffusionPipeline, StableDiffusionPolicy),
+    (WanPipeline, WanPolicy),
+    (WanImageToVideoPipeline, WanImageToVideoPolicy),
+):
+    register_policy(_pipeline, _policy)
 
 
 def policy_class(pipeline: DiffusionPipeline) -> type[DiffusionPolicy]:
-    """The policy adapter class for a pipeline instance (subclasses of a supported pipeline class included)."""
-    for pipeline_class, policy in _POLICIES.items():
-        if isinstance(pipeline, pipeline_class):
-            return policy
-    supported = ", ".join(cls.__name__ for cls in _POLICIES)
-    raise TypeError(f"no policy for {type(pipeline).__name__}; supported pipelines: {supported}")
+    """The policy class registered for the pipeline's class, or for its nearest registered base class."""
+    for cls in type(pipeline).__mro__:
+        if cls in _POLICIES:
+            return _POLICIES[cls]
+    supported = ", ".join(sorted(cls.__name__ for cls in _POLICIES))
+    raise TypeError(
+        f"no policy for {type(pipeline).__name__}; supported pipelines: {supported}. Add one with "
+        f"trl_dance.register_policy({type(pipeline).__name__}, YourPolicy) (a trl_dance.policies.DiffusionPolicy "
+        "subclass; see the README's 'Add a model family')"
+    )
 
 
 def make_policy(pipeline: DiffusionPipeline, settings: SamplerSettings) -> DiffusionPolicy:
@@ -48,6 +87,7 @@ __all__ = [
     "DiffusionPolicy",
     "FlowMatchingPolicy",
     "FluxPolicy",
+    "QwenImagePolicy",
     "SD3Policy",
     "SamplerSettings",
     "StableDiffusionPolicy",
@@ -56,4 +96,5 @@ __all__ = [
     "WanPolicy",
     "make_policy",
     "policy_class",
+    "register_policy",
 ]

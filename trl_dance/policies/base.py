@@ -285,7 +285,12 @@ class DiffusionPolicy(ABC):
             self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         )
         uncond, text = output.chunk(2)
-        return uncond + scale * (text - uncond)
+        return self.combine_guidance(uncond, text, scale)
+
+    def combine_guidance(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """CFG's combination of the two branches' outputs (B, ...): ``u + w (c − u)``; a family whose pipeline
+        rescales it (Qwen-Image) overrides this."""
+        return uncond + scale * (cond - uncond)
 
     @property
     def guidance_scale(self) -> float:
