@@ -29,7 +29,14 @@ from transformers import (
 
 from trl_dance.testing import _clip_tokenizer, _t5_tokenizer, flux_scheduler, save_tiny_pipeline, wan_scheduler
 
-TINY = {"tiny-flux": "flux", "tiny-sd3": "sd3", "tiny-sd": "sd", "tiny-sdxl": "sdxl", "tiny-wan": "wan"}
+TINY = {
+    "tiny-flux": "flux",
+    "tiny-sd3": "sd3",
+    "tiny-sd": "sd",
+    "tiny-sdxl": "sdxl",
+    "tiny-wan": "wan",
+    "tiny-qwen-image": "qwen-image",
+}
 MODELS = [*TINY, "flux-dev", "sd35-medium", "wan21-1.3b"]
 VIDEO_MODELS = ("tiny-wan", "wan21-1.3b")
 

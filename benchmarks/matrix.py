@@ -34,6 +34,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-sd": ["grpo_iteration.py", "--model", "tiny-sd"],
         "grpo-tiny-sdxl": ["grpo_iteration.py", "--model", "tiny-sdxl"],
         "grpo-tiny-wan": ["grpo_iteration.py", "--model", "tiny-wan"],
+        "grpo-tiny-qwen-image": ["grpo_iteration.py", "--model", "tiny-qwen-image"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

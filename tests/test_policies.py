@@ -152,3 +152,32 @@ def test_unsupported_unet_scheduler_settings_are_refused(option, value, match):
     pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config, **{option: value})
     with pytest.raises(ValueError, match=match):
         make_policy(pipeline, SamplerSettings(height=32, width=32))
+
+
+def test_register_policy_and_unregistered_pipelines():
+    from diffusers import DiffusionPipeline, FluxPipeline
+
+    from trl_dance import register_policy
+    from trl_dance.policies import FluxPolicy, policy_class
+
+    class BarePipeline(DiffusionPipeline):
+        pass
+
+    with pytest.raises(TypeError, match=r"no policy for BarePipeline.*register_policy\(BarePipeline, YourPolicy\)"):
+        policy_class(BarePipeline())
+
+    class MyFlux(FluxPipeline):
+        pass
+
+    class MyFluxPolicy(FluxPolicy):
+        pass
+
+    pipeline = TINY_PIPELINES["flux"](0)
+    pipeline.__class__ = MyFlux  # an unregistered subclass takes its nearest registered base's policy...
+    assert policy_class(pipeline) is FluxPolicy
+    register_policy(MyFlux, MyFluxPolicy)  # ...until it has its own
+    assert policy_class(pipeline) is MyFluxPolicy
+    with pytest.raises(TypeError, match="DiffusionPolicy subclass"):
+        register_policy(MyFlux, object)
+    with pytest.raises(TypeError, match="DiffusionPipeline subclass"):
+        register_policy("FluxPipeline", MyFluxPolicy)

@@ -47,6 +47,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo_sd", "grpo_sd_tiny", "sd"),
         ("ddpo_sd", "ddpo_sd_tiny", "sd"),
         ("grpo_wan", "grpo_wan_tiny", "wan"),
+        ("grpo", "grpo_qwen_image_tiny", "qwen-image"),
     ],
 )
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
