@@ -10,6 +10,7 @@ from trl_dance.policies import SamplerSettings, make_policy
 from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images
 
 PROMPTS = ["a red cat", "a blue dog"]
+EDITING = ("flux-kontext",)
 STEPS = 6
 
 
@@ -17,6 +18,7 @@ STEPS = 6
     ("kind", "guidance", "negative_prompt"),
     [
         ("flux", 3.5, None),
+        ("flux-kontext", 2.5, None),
         ("sd3", 1.0, None),
         ("sd3", 4.0, None),
         ("sd3", 4.0, "blurry, dark"),
@@ -57,10 +59,13 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
 def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, guidance_scale_2=None, **settings):
     pipeline = TINY_PIPELINES[kind](0)
     video, columns, image_input = {}, {}, {}
-    if kind.endswith("i2v"):
+    if kind.endswith("i2v") or kind in EDITING:
         # The pipeline takes one image for all its prompts; the policy one per prompt.
         (image,) = tiny_condition_images(1)
         columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}
+    if kind == "flux-kontext":
+        # The source image at its own (the output) size, and the output at 32×32: not Kontext's 1-megapixel defaults.
+        image_input |= {"_auto_resize": False, "max_area": 32 * 32}
     if kind.startswith("wan"):
         # Wan ships a multistep UniPC solver; the policy's deterministic step is Euler's.
         pipeline.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -95,7 +100,9 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
         ours = policy.decode(policy.final_latents(latents, cond))
 
-        kwargs = {"max_sequence_length": 16} if kind in ("flux", "sd3") or kind.startswith("wan") else {}
+        kwargs = (
+            {"max_sequence_length": 16} if kind in ("flux", "flux-kontext", "sd3") or kind.startswith("wan") else {}
+        )
         if kind == "qwen-image":  # true_cfg_scale, and CFG only with a negative prompt given
             kwargs = {"max_sequence_length": 16, "true_cfg_scale": guidance}
             negative_prompt = "" if negative_prompt is None and guidance > 1 else negative_prompt

@@ -111,20 +111,24 @@ def test_shipped_configs_are_valid(name, tmp_path):
         assert config.timesteps_per_sample <= len(policy.trainable_steps())
 
 
-def test_tiny_image_to_video_recipe_reads_image_paths(tmp_path):
-    """Image-to-video from a prompts.jsonl whose image column holds file paths, as real runs give it."""
+@pytest.mark.parametrize(
+    ("kind", "script", "config", "strip"),
+    [("wan-i2v", "grpo_wan", "grpo_wan_i2v_tiny", 4), ("flux-kontext", "grpo", "grpo_flux_kontext_tiny", 1)],
+)
+def test_tiny_image_conditioned_recipe_reads_image_paths(tmp_path, kind, script, config, strip):
+    """Image-to-video and editing from a prompts.jsonl whose image column holds file paths, as real runs give it."""
     from trl_dance.testing import main as testing_main
 
-    testing_main(["wan-i2v", str(tmp_path / "tiny-wan-i2v"), "--image-prompts", str(tmp_path / "i2v")])
+    testing_main([kind, str(tmp_path / "tiny"), "--image-prompts", str(tmp_path / "prompts")])
     result = _run_recipe(
-        "grpo_wan",
-        "grpo_wan_i2v_tiny",
-        "--model_name_or_path", str(tmp_path / "tiny-wan-i2v"),
-        "--prompts_file", str(tmp_path / "i2v" / "prompts.jsonl"),
+        script,
+        config,
+        "--model_name_or_path", str(tmp_path / "tiny"),
+        "--prompts_file", str(tmp_path / "prompts" / "prompts.jsonl"),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--num_sample_images", "2",
     )  # fmt: skip
     assert "reward: first step" in result.stdout
-    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 4 * 128 + 6, 2 * 128 + 6 + 30)
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * strip * 128 + 6, 2 * 128 + 6 + 30)
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 

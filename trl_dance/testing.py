@@ -28,6 +28,7 @@ from diffusers import (
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     PNDMScheduler,
@@ -230,6 +231,16 @@ def tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
         )
 
     return _build(factory, seed)
+
+
+def tiny_flux_kontext_pipeline(seed: int = 0) -> FluxKontextPipeline:
+    """A FluxKontextPipeline (FLUX.1 Kontext, image editing): the tiny FLUX components; source images in the dataset's
+    ``image`` column."""
+    with torch.random.fork_rng(devices=[]):
+        components = tiny_flux_pipeline(seed).components
+    pipeline = FluxKontextPipeline(**{k: v for k, v in components.items() if v is not None})
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
 
 
 def tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
@@ -585,6 +596,7 @@ def tiny_condition_images(count: int, seed: int = 0) -> list:
 _IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl", "qwen-image")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
+    "flux-kontext": tiny_flux_kontext_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
     "sd2": tiny_sd2_pipeline,

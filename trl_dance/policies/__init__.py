@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from diffusers import (
     DiffusionPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -15,7 +16,7 @@ from diffusers import (
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
-from .flux import FluxPolicy
+from .flux import FluxKontextPolicy, FluxPolicy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
@@ -54,6 +55,7 @@ def register_policy(pipeline_class: type[DiffusionPipeline], policy_class: type[
 
 for _pipeline, _policy in (
     (FluxPipeline, FluxPolicy),
+    (FluxKontextPipeline, FluxKontextPolicy),
     (QwenImagePipeline, QwenImagePolicy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
@@ -86,6 +88,7 @@ __all__ = [
     "Conditioning",
     "DiffusionPolicy",
     "FlowMatchingPolicy",
+    "FluxKontextPolicy",
     "FluxPolicy",
     "QwenImagePolicy",
     "SD3Policy",

@@ -66,7 +66,10 @@ class DiffusionPolicy(ABC):
     """True for video families: :meth:`decode` returns (B, F, 3, H, W) and ``settings.num_frames`` applies."""
 
     condition_columns: tuple[str, ...] = ()
-    """Dataset columns the policy conditions on besides the prompt (image-to-video: ``("image",)``)."""
+    """Dataset columns the policy conditions on besides the prompt (image-to-video, editing: ``("image",)``)."""
+
+    pipeline_tag: str | None = None
+    """The Hub task of the trained model (model cards): ``"text-to-image"``/``"text-to-video"`` unless set."""
 
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         self.pipeline = pipeline

@@ -71,8 +71,7 @@ class FluxPolicy(FlowMatchingPolicy):
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype
-        h, w = self._latent_hw
-        img_ids = self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+        img_ids = self._image_ids(batch, device, dtype)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
         guidance = None
         if self.denoiser.config.guidance_embeds:
@@ -88,6 +87,11 @@ class FluxPolicy(FlowMatchingPolicy):
             return_dict=False,
         )[0]
 
+    def _image_ids(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Position ids (tokens, 3) of the image tokens the transformer reads."""
+        h, w = self._latent_hw
+        return self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+
     def encode_images(
         self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
     ) -> torch.Tensor:
@@ -100,3 +104,48 @@ class FluxPolicy(FlowMatchingPolicy):
             latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
         )
         return super().decode(unpacked)
+
+
+class FluxKontextPolicy(FluxPolicy):
+    """Policy over a :class:`~diffusers.FluxKontextPipeline` (FLUX.1 Kontext, image editing): each sample is conditioned
+    on a source image (dataset column ``image``), whose packed latents follow the noisy latents in the transformer's
+    sequence, at position ids with first coordinate 1; the velocity is read on the noisy tokens only.
+
+    The source image is resized to the output size (``height`` × ``width``) and encoded with the VAE's posterior mode,
+    as the pipeline does for an image of that size (the pipeline's default ``_auto_resize`` instead picks Kontext's
+    preferred resolution nearest the image's aspect ratio: train at that size to match it). Guidance is FLUX's
+    embedded guidance (2.5 recommended for Kontext).
+    """
+
+    condition_columns = ("image",)
+    pipeline_tag = "image-to-image"
+
+    def _encode_columns(self, image: list) -> Conditioning:
+        pipeline, settings = self.pipeline, self.settings
+        pixels = pipeline.image_processor.preprocess(
+            pipeline.image_processor.resize(list(image), settings.height, settings.width),
+            settings.height,
+            settings.width,
+        )
+        latents = pipeline._encode_vae_image(pixels.to(self.device, pipeline.vae.dtype), generator=None).float()
+        batch, channels, height, width = latents.shape
+        return {"image_latents": pipeline._pack_latents(latents, batch, channels, height, width)}
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        settings = self.settings
+        return self.pipeline.prepare_latents(
+            None, len(generators), self.latent_channels, settings.height, settings.width, torch.float32, self.device,
+            generators,
+        )[0]  # fmt: skip
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        tokens = latents.shape[1]
+        both = torch.cat([latents, cond["image_latents"].to(latents.dtype)], dim=1)
+        return super()._forward(model, both, timestep, cond)[:, :tokens]
+
+    def _image_ids(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        h, w = self._latent_hw
+        ids = self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+        source = ids.clone()
+        source[..., 0] = 1  # the source image's tokens: first coordinate 1
+        return torch.cat([ids, source])

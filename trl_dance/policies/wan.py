@@ -206,6 +206,7 @@ class WanImageToVideoPolicy(WanPolicy):
     """
 
     condition_columns = ("image",)
+    pipeline_tag = "image-to-video"
 
     def __init__(self, pipeline: WanImageToVideoPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)

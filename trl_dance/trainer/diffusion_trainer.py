@@ -279,9 +279,7 @@ class DiffusionTrainer(_BaseTrainer):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         denoiser = self.accelerator.unwrap_model(self.model)
         lora, denoiser_class = has_lora(denoiser), type(denoiser).__name__
-        task = "text-to-video" if self.policy.is_video else "text-to-image"
-        if "image" in self.policy.condition_columns:
-            task = "image-to-video"
+        task = self.policy.pipeline_tag or ("text-to-video" if self.policy.is_video else "text-to-image")
         card_tags = sorted({*self._tag_names, task, *tags, "lora" if lora else "full-finetune"})
         data = ModelCardData(
             base_model=hub_base,

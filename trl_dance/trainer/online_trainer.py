@@ -148,8 +148,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
                 raise ValueError(
-                    f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (e.g. "
-                    f"PIL images for image-to-video); {name} has {_columns(dataset)}"
+                    f"{type(policy.pipeline).__name__} conditions every sample on the dataset columns {missing} (PIL "
+                    f"images or paths: the first frame for image-to-video, the source image for editing); {name} has "
+                    f"{_columns(dataset)}"
                 )
         super().__init__(
             policy,
