@@ -36,9 +36,10 @@ TINY = {
     "tiny-sdxl": "sdxl",
     "tiny-wan": "wan",
     "tiny-qwen-image": "qwen-image",
+    "tiny-hunyuan-video": "hunyuan-video",
 }
 MODELS = [*TINY, "flux-dev", "sd35-medium", "wan21-1.3b"]
-VIDEO_MODELS = ("tiny-wan", "wan21-1.3b")
+VIDEO_MODELS = ("tiny-wan", "tiny-hunyuan-video", "wan21-1.3b")
 
 
 def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:

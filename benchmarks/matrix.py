@@ -35,6 +35,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-sdxl": ["grpo_iteration.py", "--model", "tiny-sdxl"],
         "grpo-tiny-wan": ["grpo_iteration.py", "--model", "tiny-wan"],
         "grpo-tiny-qwen-image": ["grpo_iteration.py", "--model", "tiny-qwen-image"],
+        "grpo-tiny-hunyuan-video": ["grpo_iteration.py", "--model", "tiny-hunyuan-video"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

@@ -31,6 +31,8 @@ STEPS = 6
         ("qwen-image", 1.0, None),
         ("qwen-image", 4.0, None),  # the empty negative prompt, spelled out for the pipeline
         ("qwen-image", 4.0, "blurry, dark"),
+        ("hunyuan-video", 6.0, None),
+        ("hunyuan-image", 6.0, None),  # one frame: HunyuanVideo as a text-to-image model
         ("wan", 5.0, None),
         ("wan", 5.0, "blurry, dark"),
         ("wan-i2v", 5.0, None),
@@ -57,7 +59,7 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
 
 
 def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, guidance_scale_2=None, **settings):
-    pipeline = TINY_PIPELINES[kind](0)
+    pipeline = TINY_PIPELINES["hunyuan-video" if kind == "hunyuan-image" else kind](0)
     video, columns, image_input = {}, {}, {}
     if kind.endswith("i2v") or kind in EDITING:
         # The pipeline takes one image for all its prompts; the policy one per prompt.
@@ -70,6 +72,8 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
         # Wan ships a multistep UniPC solver; the policy's deterministic step is Euler's.
         pipeline.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         video = {"num_frames": TINY_VIDEO_FRAMES}
+    if kind.startswith("hunyuan"):
+        video = {"num_frames": TINY_VIDEO_FRAMES if kind == "hunyuan-video" else 1}
     if kind.startswith("sd") and kind != "sd3":
         # SD1.5 ships PNDM, SDXL Euler, neither clipping x̂0: the policy samples with DDIM from the same config (η = 0
         # here), which must not take DDIM's default clip_sample=True either.
@@ -101,7 +105,9 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
         ours = policy.decode(policy.final_latents(latents, cond))
 
         kwargs = (
-            {"max_sequence_length": 16} if kind in ("flux", "flux-kontext", "sd3") or kind.startswith("wan") else {}
+            {"max_sequence_length": 16}
+            if kind in ("flux", "flux-kontext", "sd3") or kind.startswith(("wan", "hunyuan"))
+            else {}
         )
         if kind == "qwen-image":  # true_cfg_scale, and CFG only with a negative prompt given
             kwargs = {"max_sequence_length": 16, "true_cfg_scale": guidance}
@@ -120,7 +126,7 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
             **image_input,
             **kwargs,
         )
-    expected = result.frames if kind.startswith("wan") else result.images
+    expected = result.frames if kind.startswith(("wan", "hunyuan")) else result.images
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
     return policy

@@ -48,6 +48,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("ddpo_sd", "ddpo_sd_tiny", "sd"),
         ("grpo_wan", "grpo_wan_tiny", "wan"),
         ("grpo", "grpo_qwen_image_tiny", "qwen-image"),
+        ("grpo", "grpo_hunyuan_video_tiny", "hunyuan-video"),
     ],
 )
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
@@ -62,7 +63,7 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
     assert "reward: first step" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
-    strip = 4 if kind == "wan" else 1  # videos are shown as strips of 4 frames
+    strip = 4 if kind in ("wan", "hunyuan-video") else 1  # videos are shown as strips of 4 frames
     # Two columns of 128-pixel pictures with a gap, a label column (before / after), a caption row (the prompts).
     assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 30)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DDIMScheduler,
@@ -31,6 +32,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideoPipeline,
+    HunyuanVideoTransformer3DModel,
     PNDMScheduler,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
@@ -52,6 +55,9 @@ from transformers import (
     CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModel,
+    LlamaConfig,
+    LlamaModel,
+    LlamaTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2TokenizerFast,
@@ -583,6 +589,105 @@ def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
     return _build(factory, seed)
 
 
+# Llama 3's pre-tokenizer pattern: with it, a BPE trained on HunyuanVideo's prompt template splits the template's
+# system prefix into the 95 tokens the pipeline crops (its DEFAULT_PROMPT_TEMPLATE's crop_start), as Llama 3 does.
+_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _llama_tokenizer() -> LlamaTokenizerFast:
+    """A byte-level BPE Llama 3 tokenizer (its pre-tokenizer, special tokens and BOS) trained on HunyuanVideo's prompt
+    template."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    backend.train_from_iterator([DEFAULT_PROMPT_TEMPLATE["template"].format("a")] * 50, trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    return LlamaTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+    )
+
+
+def hunyuan_video_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """HunyuanVideo's published scheduler configuration (shift 7)."""
+    return FlowMatchEulerDiscreteScheduler(shift=7.0)
+
+
+def tiny_hunyuan_video_pipeline(seed: int = 0) -> HunyuanVideoPipeline:
+    """A HunyuanVideoPipeline (dual/single-stream transformer with embedded guidance, Llama + CLIP text encoders,
+    causal 3D VAE compressing frames by 4 and pixels by 2): videos of ``TINY_VIDEO_FRAMES`` frames of 32×32, or one
+    frame (text-to-image)."""
+
+    def factory():
+        tokenizer, tokenizer_2 = _llama_tokenizer(), _clip_tokenizer()
+        llama = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,  # the pipeline reads the third hidden state from the end
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        blocks = 3  # frames by 4 (two temporal downsamplings), pixels by 2
+        return HunyuanVideoPipeline(
+            scheduler=hunyuan_video_scheduler(),
+            vae=AutoencoderKLHunyuanVideo(
+                latent_channels=4,
+                down_block_types=("HunyuanVideoDownBlock3D",) * blocks,
+                up_block_types=("HunyuanVideoUpBlock3D",) * blocks,
+                block_out_channels=(8,) * blocks,
+                layers_per_block=1,
+                norm_num_groups=4,
+                spatial_compression_ratio=2,
+                temporal_compression_ratio=4,
+            ),
+            text_encoder=LlamaModel(llama),
+            tokenizer=tokenizer,
+            text_encoder_2=_clip_text_encoder(tokenizer_2),
+            tokenizer_2=tokenizer_2,
+            transformer=HunyuanVideoTransformer3DModel(
+                in_channels=4,
+                out_channels=4,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=1,
+                num_single_layers=1,
+                num_refiner_layers=1,
+                patch_size=2,
+                patch_size_t=1,
+                guidance_embeds=True,
+                text_embed_dim=32,
+                pooled_projection_dim=_CLIP_DIM,
+                rope_axes_dim=(4, 6, 6),
+            ),
+        )
+
+    return _build(factory, seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -603,6 +708,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sdxl": tiny_sdxl_pipeline,
     "qwen-image": tiny_qwen_image_pipeline,
     "wan": tiny_wan_pipeline,
+    "hunyuan-video": tiny_hunyuan_video_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,
     "wan22-i2v": tiny_wan22_i2v_pipeline,

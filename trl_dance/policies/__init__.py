@@ -6,6 +6,7 @@ from diffusers import (
     DiffusionPipeline,
     FluxKontextPipeline,
     FluxPipeline,
+    HunyuanVideoPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -17,6 +18,7 @@ from diffusers import (
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import FluxKontextPolicy, FluxPolicy
+from .hunyuan_video import HunyuanVideoPolicy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
@@ -57,6 +59,7 @@ for _pipeline, _policy in (
     (FluxPipeline, FluxPolicy),
     (FluxKontextPipeline, FluxKontextPolicy),
     (QwenImagePipeline, QwenImagePolicy),
+    (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -90,6 +93,7 @@ __all__ = [
     "FlowMatchingPolicy",
     "FluxKontextPolicy",
     "FluxPolicy",
+    "HunyuanVideoPolicy",
     "QwenImagePolicy",
     "SD3Policy",
     "SamplerSettings",
