@@ -61,11 +61,10 @@ def test_hunyuan_frame_count_must_fit_the_vae(tiny_model_dir, tmp_path):
         _trainer(tiny_model_dir, tmp_path, 4)
 
 
-# Gains (first 3 -> last 3 rounds, lr 3e-2, embedded guidance 6): one-frame images 0.053-0.065 in 30 rounds over seeds
-# 42, 1, 2, 3, 4 (sample std 0.002-0.003); 5-frame videos 0.030-0.082 in 40 rounds over seeds 42, 1, 2, 3, 4 and 1-2
-# threads (in 30 rounds seed 2 gained only 0.007).
+# Gains (first 3 -> last 3 rounds, lr 3e-2, embedded guidance 6) over seeds 42, 1, 2, 3, 4: one-frame images
+# 0.029-0.081 in 30 rounds, 5-frame videos 0.029-0.068 in 40 rounds (sample std 0.002-0.003).
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "rounds", "margin"), [("video", 40, 0.015), ("image", 30, 0.02)])
+@pytest.mark.parametrize(("mode", "rounds", "margin"), [("video", 40, 0.012), ("image", 30, 0.012)])
 def test_hunyuan_brightness_rises(tiny_model_dir, tmp_path, mode, rounds, margin):
     """Learning: GRPO on the tiny HunyuanVideo raises the brightness of its videos and of its one-frame images."""
     trainer = _trainer(

@@ -13,13 +13,15 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    if kind == "flux" or kind.startswith("wan"):
+    if kind in ("flux", "flux-kontext", "qwen-image") or kind.startswith(("wan", "hunyuan")):
         kwargs["max_sequence_length"] = 16
-    if kind.endswith("i2v"):
+    if kind.endswith("i2v") or kind == "flux-kontext":
         kwargs["image"] = tiny_condition_images(1)[0]
-    if kind.startswith("wan"):
+    if kind == "flux-kontext":  # at 32×32, not Kontext's 1-megapixel defaults
+        kwargs |= {"_auto_resize": False, "max_area": 32 * 32}
+    if kind.startswith(("wan", "hunyuan")):
         return pipeline(prompt=["a red cat", "a blue dog"], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames
-    return pipeline(["a red cat", "a blue dog"], **kwargs).images
+    return pipeline(prompt=["a red cat", "a blue dog"], **kwargs).images
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_PIPELINES))
@@ -31,7 +33,8 @@ def test_tiny_pipeline_generates_deterministically_and_round_trips(kind, tmp_pat
             assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in component.parameters())
 
     images = _generate(pipeline, kind)
-    assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if kind.startswith("wan") else (2, 3, 32, 32))
+    video = kind.startswith(("wan", "hunyuan"))
+    assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if video else (2, 3, 32, 32))
     assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.std() > 0.01  # not a constant image
     assert not torch.equal(images[0], images[1])

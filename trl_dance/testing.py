@@ -57,7 +57,7 @@ from transformers import (
     CLIPVisionModel,
     LlamaConfig,
     LlamaModel,
-    LlamaTokenizerFast,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2TokenizerFast,
@@ -594,7 +594,7 @@ def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
 _LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
-def _llama_tokenizer() -> LlamaTokenizerFast:
+def _llama_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE Llama 3 tokenizer (its pre-tokenizer, special tokens and BOS) trained on HunyuanVideo's prompt
     template."""
     from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
@@ -619,7 +619,8 @@ def _llama_tokenizer() -> LlamaTokenizerFast:
     backend.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
     )
-    return LlamaTokenizerFast(
+    # Llama 3 checkpoints ship their tokenizer as a PreTrainedTokenizerFast (tokenizer.json).
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
