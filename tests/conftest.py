@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_path_factory):
 
 def family_overrides(kind: str) -> dict:
     """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan and HunyuanVideo."""
-    return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan")) else {}
+    return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan", "skyreels")) else {}
 
 
 def tiny_online_values(output_dir) -> dict:

@@ -70,6 +70,7 @@ def _lora():
         ("sdxl", 4.0, {}),
         ("qwen-image", 4.0, {}),  # true CFG with the masked negative prompt
         ("hunyuan-video", 6.0, {}),  # embedded guidance, masked Llama embeddings
+        ("skyreels-i2v", 6.0, {}),  # true CFG, image latents as channels
         ("wan", 5.0, {}),
         # a frozen expert's steps; 8 videos x 3 low-noise steps / 8 = 3 micro-batches per round
         ("wan22", 5.0, {"train_expert": "low_noise", "timestep_fraction": 0.6, "gradient_accumulation_steps": 3}),

@@ -5,6 +5,7 @@ deterministic sampler, so everything between them (text conditioning, CFG and it
 import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.hunyuan_video import pipeline_hunyuan_skyreels_image2video as skyreels
 
 from trl_dance.policies import SamplerSettings, make_policy
 from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images
@@ -33,6 +34,8 @@ STEPS = 6
         ("qwen-image", 4.0, "blurry, dark"),
         ("hunyuan-video", 6.0, None),
         ("hunyuan-image", 6.0, None),  # one frame: HunyuanVideo as a text-to-image model
+        ("skyreels-i2v", 6.0, None),  # true CFG against the empty negative prompt, spelled out for the pipeline
+        ("skyreels-i2v", 6.0, "blurry, dark"),
         ("wan", 5.0, None),
         ("wan", 5.0, "blurry, dark"),
         ("wan-i2v", 5.0, None),
@@ -40,8 +43,8 @@ STEPS = 6
         ("wan22-5b-i2v", 5.0, None),
     ],
 )
-def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt):
-    _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=negative_prompt)
+def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt, monkeypatch):
+    _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=negative_prompt, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -58,10 +61,12 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
     )
 
 
-def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, guidance_scale_2=None, **settings):
+def _assert_policy_reproduces_pipeline(
+    kind, guidance, negative_prompt=None, guidance_scale_2=None, monkeypatch=None, **settings
+):
     pipeline = TINY_PIPELINES["hunyuan-video" if kind == "hunyuan-image" else kind](0)
     video, columns, image_input = {}, {}, {}
-    if kind.endswith("i2v") or kind in EDITING:
+    if kind.endswith("i2v") or kind in EDITING:  # (SkyReels I2V included)
         # The pipeline takes one image for all its prompts; the policy one per prompt.
         (image,) = tiny_condition_images(1)
         columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}
@@ -74,6 +79,11 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
         video = {"num_frames": TINY_VIDEO_FRAMES}
     if kind.startswith("hunyuan"):
         video = {"num_frames": TINY_VIDEO_FRAMES if kind == "hunyuan-video" else 1}
+    if kind == "skyreels-i2v":
+        video = {"num_frames": TINY_VIDEO_FRAMES}
+        image_input = {"image": [image_input["image"]] * len(PROMPTS)}  # this pipeline wants one image per prompt
+        # The pipeline samples the image's VAE posterior; the policy conditions on its mean. Compare at the mean.
+        monkeypatch.setattr(skyreels, "retrieve_latents", lambda output, generator: output.latent_dist.mode())
     if kind.startswith("sd") and kind != "sd3":
         # SD1.5 ships PNDM, SDXL Euler, neither clipping x̂0: the policy samples with DDIM from the same config (η = 0
         # here), which must not take DDIM's default clip_sample=True either.
@@ -106,13 +116,13 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
 
         kwargs = (
             {"max_sequence_length": 16}
-            if kind in ("flux", "flux-kontext", "sd3") or kind.startswith(("wan", "hunyuan"))
+            if kind in ("flux", "flux-kontext", "sd3", "skyreels-i2v") or kind.startswith(("wan", "hunyuan"))
             else {}
         )
-        if kind == "qwen-image":  # true_cfg_scale, and CFG only with a negative prompt given
+        if kind in ("qwen-image", "skyreels-i2v"):  # true_cfg_scale, and CFG only with a negative prompt given
             kwargs = {"max_sequence_length": 16, "true_cfg_scale": guidance}
             negative_prompt = "" if negative_prompt is None and guidance > 1 else negative_prompt
-            guidance = None
+            guidance = None if kind == "qwen-image" else 1.0  # SkyReels: the guidance embedding's 1.0
         result = pipeline(
             prompt=PROMPTS,
             height=32,
@@ -126,7 +136,7 @@ def _assert_policy_reproduces_pipeline(kind, guidance, negative_prompt=None, gui
             **image_input,
             **kwargs,
         )
-    expected = result.frames if kind.startswith(("wan", "hunyuan")) else result.images
+    expected = result.frames if kind.startswith(("wan", "hunyuan", "skyreels")) else result.images
     assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
     return policy

@@ -114,7 +114,11 @@ def test_shipped_configs_are_valid(name, tmp_path):
 
 @pytest.mark.parametrize(
     ("kind", "script", "config", "strip"),
-    [("wan-i2v", "grpo_wan", "grpo_wan_i2v_tiny", 4), ("flux-kontext", "grpo", "grpo_flux_kontext_tiny", 1)],
+    [
+        ("wan-i2v", "grpo_wan", "grpo_wan_i2v_tiny", 4),
+        ("flux-kontext", "grpo", "grpo_flux_kontext_tiny", 1),
+        ("skyreels-i2v", "grpo", "grpo_skyreels_i2v_tiny", 4),
+    ],
 )
 def test_tiny_image_conditioned_recipe_reads_image_paths(tmp_path, kind, script, config, strip):
     """Image-to-video and editing from a prompts.jsonl whose image column holds file paths, as real runs give it."""

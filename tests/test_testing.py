@@ -13,13 +13,16 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    if kind in ("flux", "flux-kontext", "qwen-image") or kind.startswith(("wan", "hunyuan")):
+    video = kind.startswith(("wan", "hunyuan", "skyreels"))
+    if kind in ("flux", "flux-kontext", "qwen-image") or video:
         kwargs["max_sequence_length"] = 16
     if kind.endswith("i2v") or kind == "flux-kontext":
         kwargs["image"] = tiny_condition_images(1)[0]
+    if kind == "skyreels-i2v":  # one image per prompt, and a fixed posterior sample
+        kwargs["image"] = [kwargs["image"]] * 2
     if kind == "flux-kontext":  # at 32×32, not Kontext's 1-megapixel defaults
         kwargs |= {"_auto_resize": False, "max_area": 32 * 32}
-    if kind.startswith(("wan", "hunyuan")):
+    if video:
         return pipeline(prompt=["a red cat", "a blue dog"], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames
     return pipeline(prompt=["a red cat", "a blue dog"], **kwargs).images
 
@@ -33,7 +36,7 @@ def test_tiny_pipeline_generates_deterministically_and_round_trips(kind, tmp_pat
             assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in component.parameters())
 
     images = _generate(pipeline, kind)
-    video = kind.startswith(("wan", "hunyuan"))
+    video = kind.startswith(("wan", "hunyuan", "skyreels"))
     assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if video else (2, 3, 32, 32))
     assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.std() > 0.01  # not a constant image

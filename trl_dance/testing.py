@@ -32,6 +32,7 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanSkyreelsImageToVideoPipeline,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     PNDMScheduler,
@@ -633,60 +634,67 @@ def hunyuan_video_scheduler() -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(shift=7.0)
 
 
+def _hunyuan_components(image_to_video: bool = False) -> dict:
+    """Tiny HunyuanVideo components: a dual/single-stream transformer (embedded guidance; SkyReels-V1 I2V: none, and
+    the image latents as extra input channels), Llama + CLIP text encoders, a causal 3D VAE compressing frames by 4 and
+    pixels by 2."""
+    tokenizer, tokenizer_2 = _llama_tokenizer(), _clip_tokenizer()
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,  # the pipeline reads the third hidden state from the end
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    blocks = 3  # frames by 4 (two temporal downsamplings), pixels by 2
+    return {
+        "scheduler": hunyuan_video_scheduler(),
+        "vae": AutoencoderKLHunyuanVideo(
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * blocks,
+            up_block_types=("HunyuanVideoUpBlock3D",) * blocks,
+            block_out_channels=(8,) * blocks,
+            layers_per_block=1,
+            norm_num_groups=4,
+            spatial_compression_ratio=2,
+            temporal_compression_ratio=4,
+        ),
+        "text_encoder": LlamaModel(llama),
+        "tokenizer": tokenizer,
+        "text_encoder_2": _clip_text_encoder(tokenizer_2),
+        "tokenizer_2": tokenizer_2,
+        "transformer": HunyuanVideoTransformer3DModel(
+            in_channels=8 if image_to_video else 4,
+            out_channels=4,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            num_layers=1,
+            num_single_layers=1,
+            num_refiner_layers=1,
+            patch_size=2,
+            patch_size_t=1,
+            guidance_embeds=not image_to_video,
+            text_embed_dim=32,
+            pooled_projection_dim=_CLIP_DIM,
+            rope_axes_dim=(4, 6, 6),
+        ),
+    }
+
+
 def tiny_hunyuan_video_pipeline(seed: int = 0) -> HunyuanVideoPipeline:
-    """A HunyuanVideoPipeline (dual/single-stream transformer with embedded guidance, Llama + CLIP text encoders,
-    causal 3D VAE compressing frames by 4 and pixels by 2): videos of ``TINY_VIDEO_FRAMES`` frames of 32×32, or one
-    frame (text-to-image)."""
+    """A HunyuanVideoPipeline: videos of ``TINY_VIDEO_FRAMES`` frames of 32×32, or one frame (text-to-image)."""
+    return _build(lambda: HunyuanVideoPipeline(**_hunyuan_components()), seed)
 
-    def factory():
-        tokenizer, tokenizer_2 = _llama_tokenizer(), _clip_tokenizer()
-        llama = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,  # the pipeline reads the third hidden state from the end
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        blocks = 3  # frames by 4 (two temporal downsamplings), pixels by 2
-        return HunyuanVideoPipeline(
-            scheduler=hunyuan_video_scheduler(),
-            vae=AutoencoderKLHunyuanVideo(
-                latent_channels=4,
-                down_block_types=("HunyuanVideoDownBlock3D",) * blocks,
-                up_block_types=("HunyuanVideoUpBlock3D",) * blocks,
-                block_out_channels=(8,) * blocks,
-                layers_per_block=1,
-                norm_num_groups=4,
-                spatial_compression_ratio=2,
-                temporal_compression_ratio=4,
-            ),
-            text_encoder=LlamaModel(llama),
-            tokenizer=tokenizer,
-            text_encoder_2=_clip_text_encoder(tokenizer_2),
-            tokenizer_2=tokenizer_2,
-            transformer=HunyuanVideoTransformer3DModel(
-                in_channels=4,
-                out_channels=4,
-                num_attention_heads=2,
-                attention_head_dim=16,
-                num_layers=1,
-                num_single_layers=1,
-                num_refiner_layers=1,
-                patch_size=2,
-                patch_size_t=1,
-                guidance_embeds=True,
-                text_embed_dim=32,
-                pooled_projection_dim=_CLIP_DIM,
-                rope_axes_dim=(4, 6, 6),
-            ),
-        )
 
-    return _build(factory, seed)
+def tiny_skyreels_i2v_pipeline(seed: int = 0) -> HunyuanSkyreelsImageToVideoPipeline:
+    """A HunyuanSkyreelsImageToVideoPipeline (SkyReels-V1 I2V): the HunyuanVideo components with a transformer taking
+    the image latents as input channels and no guidance embedding."""
+    return _build(lambda: HunyuanSkyreelsImageToVideoPipeline(**_hunyuan_components(image_to_video=True)), seed)
 
 
 def tiny_condition_images(count: int, seed: int = 0) -> list:
@@ -710,6 +718,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "qwen-image": tiny_qwen_image_pipeline,
     "wan": tiny_wan_pipeline,
     "hunyuan-video": tiny_hunyuan_video_pipeline,
+    "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,
     "wan22-i2v": tiny_wan22_i2v_pipeline,

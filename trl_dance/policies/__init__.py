@@ -6,6 +6,7 @@ from diffusers import (
     DiffusionPipeline,
     FluxKontextPipeline,
     FluxPipeline,
+    HunyuanSkyreelsImageToVideoPipeline,
     HunyuanVideoPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -18,7 +19,7 @@ from diffusers import (
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import FluxKontextPolicy, FluxPolicy
-from .hunyuan_video import HunyuanVideoPolicy
+from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
@@ -60,6 +61,7 @@ for _pipeline, _policy in (
     (FluxKontextPipeline, FluxKontextPolicy),
     (QwenImagePipeline, QwenImagePolicy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
+    (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -93,6 +95,7 @@ __all__ = [
     "FlowMatchingPolicy",
     "FluxKontextPolicy",
     "FluxPolicy",
+    "HunyuanSkyreelsImageToVideoPolicy",
     "HunyuanVideoPolicy",
     "QwenImagePolicy",
     "SD3Policy",

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import torch
 from diffusers import HunyuanVideoPipeline
+from diffusers.utils.torch_utils import randn_tensor
 
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
@@ -66,11 +67,20 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
             generators,
         )
 
+    @property
+    def embedded_guidance(self) -> float:
+        """The scale fed to the guidance embedding (× 1000 in the call): ``guidance_scale`` for the distilled model."""
+        return self.settings.guidance_scale
+
+    def _model_input(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The transformer's ``hidden_states`` for the policy's latents."""
+        return latents
+
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
-        guidance = torch.full((latents.shape[0],), self.settings.guidance_scale * 1000.0, device=latents.device)
+        guidance = torch.full((latents.shape[0],), self.embedded_guidance * 1000.0, device=latents.device)
         return model(
-            hidden_states=latents.to(dtype),
+            hidden_states=self._model_input(latents, cond).to(dtype),
             timestep=timestep,
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_attention_mask"],
@@ -81,3 +91,48 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
 
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
         return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
+
+
+class HunyuanSkyreelsImageToVideoPolicy(HunyuanVideoPolicy):
+    """Policy over a :class:`~diffusers.HunyuanSkyreelsImageToVideoPipeline` (SkyReels-V1 image-to-video): each sample
+    starts from the image in the dataset column ``image``, whose latents (first latent frame, zeros after it) are
+    concatenated to the noisy latents along channels, and it is trained with CFG through both branches:
+    ``guidance_scale`` is the pipeline's ``true_cfg_scale`` (6 as published) against ``negative_prompt`` (unset: the
+    empty prompt, which the pipeline needs spelled out), the guidance embedding gets the pipeline's 1.0.
+
+    The image is encoded with the VAE's posterior mean; the pipeline samples the posterior with the call's generator
+    (the same image then conditions every sample of a group identically here).
+    """
+
+    supports_cfg = True
+    condition_columns = ("image",)
+    pipeline_tag = "image-to-video"
+
+    @property
+    def embedded_guidance(self) -> float:
+        return 1.0
+
+    def _encode_columns(self, image: list) -> Conditioning:
+        pipeline, settings = self.pipeline, self.settings
+        frames = pipeline.video_processor.preprocess(list(image), height=settings.height, width=settings.width)
+        vae = pipeline.vae
+        first = vae.encode(frames.to(self.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
+        first = first.float() * pipeline.vae_scaling_factor  # (B, C, 1, h, w)
+        latent_frames = (settings.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1
+        padding = first.new_zeros(first.shape[0], first.shape[1], latent_frames - 1, *first.shape[3:])
+        return {"image_latents": torch.cat([first, padding], dim=2)}
+
+    def _model_input(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return torch.cat([latents, cond["image_latents"].to(latents.dtype)], dim=1)
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        # The latents the pipeline draws after encoding its image: (B, C, F', h, w) standard normal.
+        settings, pipeline = self.settings, self.pipeline
+        shape = (
+            len(generators),
+            self.denoiser.config.in_channels // 2,
+            (settings.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1,
+            settings.height // pipeline.vae_scale_factor_spatial,
+            settings.width // pipeline.vae_scale_factor_spatial,
+        )
+        return randn_tensor(shape, generator=generators, device=self.device)
