@@ -137,3 +137,25 @@ def assert_learned(metric: str, first: float, last: float, noise: float, margin:
         with open(os.environ["TRL_DANCE_LEARNING_LOG"], "a") as log:
             log.write(json.dumps(record) + "\n")
     assert gain > margin and gain > 2 * noise, record
+
+
+def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str, cond: dict) -> None:
+    """The LoRA ``trainer`` saved in ``lora_dir``, loaded into a fresh pipeline from ``model_dir`` with diffusers'
+    ``load_lora_weights``, predicts what the trained model predicts (to 1e-5), and training changed the prediction."""
+    from diffusers import DiffusionPipeline
+
+    from trl_dance.policies import make_policy
+    from trl_dance.trainer.online_trainer import sampler_settings
+
+    settings = sampler_settings(trainer.args)
+    batch = next(iter(cond.values())).shape[0]
+    latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(batch)])
+    steps = torch.tensor([0, 3] * (batch // 2) + [1] * (batch % 2))
+    base, reloaded = DiffusionPipeline.from_pretrained(model_dir), DiffusionPipeline.from_pretrained(model_dir)
+    reloaded.load_lora_weights(lora_dir)
+    with torch.no_grad():
+        trained = trainer.policy.predict(trainer.model, latents, steps, cond)
+        loaded = make_policy(reloaded, settings).predict(reloaded.transformer, latents, steps, cond)
+        base_out = make_policy(base, settings).predict(base.transformer, latents, steps, cond)
+    assert (trained - base_out).abs().max() > 1e-3  # training changed the model...
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)  # ...and the saved LoRA reproduces it

@@ -7,6 +7,7 @@ from conftest import (
     LORA_TARGETS,
     PROMPTS,
     assert_learned,
+    assert_saved_lora_reproduces_training,
     family_overrides,
     max_ratio_deviation,
     tiny_grpo_config,
@@ -17,8 +18,6 @@ from peft import LoraConfig
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.advantages import group_advantages
-from trl_dance.policies import make_policy
-from trl_dance.trainer.dance_grpo_trainer import sampler_settings
 
 
 def _dataset(n=8):
@@ -194,20 +193,8 @@ def test_saved_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, gu
     trainer.save_model(str(tmp_path / "lora"))
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").exists()
 
-    base = DiffusionPipeline.from_pretrained(tiny_model_dir(kind))
-    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir(kind))
-    reloaded.load_lora_weights(str(tmp_path / "lora"))
-    settings = sampler_settings(args)
-    latents = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0))
-    steps = torch.tensor([0, 3])
     cond = trainer.policy.encode_prompts(["a cat", "a dog"])
-    with torch.no_grad():
-        trained = trainer.policy.predict(trainer.model, latents, steps, cond)
-        loaded_policy = make_policy(reloaded, settings)
-        loaded = loaded_policy.predict(reloaded.transformer, latents, steps, cond)
-        base_out = make_policy(base, settings).predict(base.transformer, latents, steps, cond)
-    assert (trained - base_out).abs().max() > 1e-3  # training changed the model...
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)  # ...and the saved LoRA reproduces it
+    assert_saved_lora_reproduces_training(trainer, tiny_model_dir(kind), str(tmp_path / "lora"), cond)
 
 
 def test_full_finetune_saves_the_denoiser(tiny_model_dir, tmp_path):

@@ -3,15 +3,20 @@ image-to-video; ratio 1, the saved LoRA in the pipeline, learning (the policy ag
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, max_ratio_deviation, tiny_grpo_config
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    assert_learned,
+    assert_saved_lora_reproduces_training,
+    max_ratio_deviation,
+    tiny_grpo_config,
+)
 from datasets import Dataset
-from diffusers import DiffusionPipeline
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer
-from trl_dance.policies import make_policy
 from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_condition_images
-from trl_dance.trainer.online_trainer import sampler_settings
 
 FRAMES = {"video": TINY_VIDEO_FRAMES, "image": 1}
 
@@ -42,18 +47,8 @@ def test_hunyuan_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path / "run", FRAMES["video"], max_steps=2)
     trainer.train()
     trainer.save_model(str(tmp_path / "lora"))
-    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir("hunyuan-video"))
-    reloaded.load_lora_weights(str(tmp_path / "lora"))
-    base = DiffusionPipeline.from_pretrained(tiny_model_dir("hunyuan-video"))
-    settings = sampler_settings(trainer.args)
-    latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
-    steps, cond = torch.tensor([0, 3]), trainer.policy.encode_prompts(PROMPTS[:2])
-    with torch.no_grad():
-        trained = trainer.policy.predict(trainer.model, latents, steps, cond)
-        loaded = make_policy(reloaded, settings).predict(reloaded.transformer, latents, steps, cond)
-        base_out = make_policy(base, settings).predict(base.transformer, latents, steps, cond)
-    assert (trained - base_out).abs().max() > 1e-3
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+    cond = trainer.policy.encode_prompts(PROMPTS[:2])
+    assert_saved_lora_reproduces_training(trainer, tiny_model_dir("hunyuan-video"), str(tmp_path / "lora"), cond)
 
 
 def test_hunyuan_frame_count_must_fit_the_vae(tiny_model_dir, tmp_path):
@@ -116,14 +111,7 @@ def test_skyreels_ratio_is_one_with_cfg_and_the_image_conditions_every_sample(ti
     trainer.save_model(str(tmp_path / "lora"))
     trainer.create_model_card()
     assert "pipeline_tag: image-to-video" in (tmp_path / "lora" / "README.md").read_text()
-    reloaded = DiffusionPipeline.from_pretrained(tiny_model_dir("skyreels-i2v"))
-    reloaded.load_lora_weights(str(tmp_path / "lora"))
-    steps = torch.tensor([0, 3])
-    with torch.no_grad():
-        trained = trainer.policy.predict(trainer.model, latents, steps, cond)
-        policy = make_policy(reloaded, sampler_settings(trainer.args))
-        loaded = policy.predict(reloaded.transformer, latents, steps, cond)
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+    assert_saved_lora_reproduces_training(trainer, tiny_model_dir("skyreels-i2v"), str(tmp_path / "lora"), cond)
 
 
 # One optimizer update per round, as the DanceGRPO paper recommends for SkyReels-I2V; CFG 6 in sampling and loss. Gains
