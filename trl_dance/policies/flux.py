@@ -144,8 +144,7 @@ class FluxKontextPolicy(FluxPolicy):
         return super()._forward(model, both, timestep, cond)[:, :tokens]
 
     def _image_ids(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        h, w = self._latent_hw
-        ids = self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+        ids = super()._image_ids(batch, device, dtype)
         source = ids.clone()
         source[..., 0] = 1  # the source image's tokens: first coordinate 1
         return torch.cat([ids, source])

@@ -50,7 +50,6 @@ class HPSv3Reward(Qwen2VLRewardModel):
 
     name = "hpsv3"
     special_tokens = ("<|Reward|>",)
-    head_float32 = True
 
     def __init__(
         self,

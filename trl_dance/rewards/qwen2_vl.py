@@ -202,7 +202,6 @@ class Qwen2VLRewardModel(RewardModel):
     """
 
     special_tokens: tuple[str, ...] = ()
-    head_float32: bool = False
     vision_kind: str = "image"  # which pad token stands for the frames: "image" | "video"
 
     def __init__(self, base_model: str, dtype: torch.dtype | str = torch.bfloat16, batch_size: int = 8):
