@@ -67,6 +67,7 @@ def _lora():
     ("kind", "guidance", "extra"),
     [
         ("flux", 3.5, {}),
+        ("flux2", 4.0, {}),  # position ids built once per shape, host-side
         ("sdxl", 4.0, {}),
         ("qwen-image", 4.0, {}),  # true CFG with the masked negative prompt
         ("hunyuan-video", 6.0, {}),  # embedded guidance, masked Llama embeddings

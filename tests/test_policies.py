@@ -20,6 +20,7 @@ STEPS = 6
     [
         ("flux", 3.5, None),
         ("flux-kontext", 2.5, None),
+        ("flux2", 4.0, None),  # (its pipeline takes latents unpacked: (B, 4C, H/4, W/4))
         ("sd3", 1.0, None),
         ("sd3", 4.0, None),
         ("sd3", 4.0, "blurry, dark"),
@@ -116,7 +117,7 @@ def _assert_policy_reproduces_pipeline(
 
         kwargs = (
             {"max_sequence_length": 16}
-            if kind in ("flux", "flux-kontext", "sd3", "skyreels-i2v") or kind.startswith(("wan", "hunyuan"))
+            if kind in ("flux", "flux-kontext", "flux2", "sd3", "skyreels-i2v") or kind.startswith(("wan", "hunyuan"))
             else {}
         )
         if kind in ("qwen-image", "skyreels-i2v"):  # true_cfg_scale, and CFG only with a negative prompt given
@@ -129,8 +130,12 @@ def _assert_policy_reproduces_pipeline(
             width=32,
             num_inference_steps=STEPS,
             guidance_scale=guidance,
-            latents=initial.clone(),
-            negative_prompt=None if negative_prompt is None else [negative_prompt] * len(PROMPTS),
+            latents=initial.transpose(1, 2).reshape(2, -1, 8, 8) if kind == "flux2" else initial.clone(),
+            **(
+                {}
+                if kind == "flux2"
+                else {"negative_prompt": None if negative_prompt is None else [negative_prompt] * 2}
+            ),
             output_type="pt",
             **video,
             **image_input,

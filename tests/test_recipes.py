@@ -49,6 +49,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo_wan", "grpo_wan_tiny", "wan"),
         ("grpo", "grpo_qwen_image_tiny", "qwen-image"),
         ("grpo", "grpo_hunyuan_video_tiny", "hunyuan-video"),
+        ("grpo", "grpo_flux2_tiny", "flux2"),
     ],
 )
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
@@ -29,6 +30,8 @@ from diffusers import (
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -58,6 +61,8 @@ from transformers import (
     CLIPVisionModel,
     LlamaConfig,
     LlamaModel,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -248,6 +253,83 @@ def tiny_flux_kontext_pipeline(seed: int = 0) -> FluxKontextPipeline:
     pipeline = FluxKontextPipeline(**{k: v for k, v in components.items() if v is not None})
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+# Mistral's instruction format around FLUX.2's system message and prompt (text only, as the pipeline encodes prompts).
+_MISTRAL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ m['content'][0]['text'] }}"
+    "[/SYSTEM_PROMPT]{% else %}[INST]{{ m['content'][0]['text'] }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def tiny_flux2_pipeline(seed: int = 0) -> Flux2Pipeline:
+    """A Flux2Pipeline (FLUX.2: Mistral3 text encoder read at hidden layers 10, 20, 30, batch-norm-normalised
+    patchified VAE latents, guidance-embedded transformer with 4-axis RoPE), 32×32 images.
+
+    The pipeline's ``tokenizer`` is a tokenizer with a Mistral-style chat template, not the ``PixtralProcessor`` FLUX.2
+    ships: transformers 5 builds that processor only with torchvision, which these CPU machines lack. The pipeline
+    calls only ``apply_chat_template`` on text, which both provide.
+    """
+
+    def factory():
+        tokenizer = _qwen_tokenizer()
+        tokenizer.chat_template = _MISTRAL_CHAT_TEMPLATE
+        text_encoder = Mistral3ForConditionalGeneration(
+            Mistral3Config(
+                text_config={
+                    "model_type": "mistral",
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 30,  # the pipeline reads hidden states 10, 20 and 30
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 8,
+                    "max_position_embeddings": 1024,
+                },
+                vision_config={
+                    "model_type": "pixtral",
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "head_dim": 8,
+                    "image_size": 28,
+                    "patch_size": 14,
+                },
+                image_token_index=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            )
+        )
+        vae = AutoencoderKLFlux2(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            patch_size=(2, 2),
+        )
+        # Latent statistics as a trained VAE has them (a fresh one's are 0 and 1, which would hide their handling).
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+        return Flux2Pipeline(
+            scheduler=flux_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=Flux2Transformer2DModel(
+                in_channels=16,
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                joint_attention_dim=3 * 32,
+                timestep_guidance_channels=32,
+                axes_dims_rope=(4, 4, 4, 4),
+            ),
+        )
+
+    return _build(factory, seed)
 
 
 def tiny_sd3_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
@@ -711,6 +793,7 @@ _IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl", "qwen-image")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "flux-kontext": tiny_flux_kontext_pipeline,
+    "flux2": tiny_flux2_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
     "sd2": tiny_sd2_pipeline,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from diffusers import (
     DiffusionPipeline,
+    Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
     HunyuanSkyreelsImageToVideoPipeline,
@@ -18,7 +19,7 @@ from diffusers import (
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
-from .flux import FluxKontextPolicy, FluxPolicy
+from .flux import Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
@@ -59,6 +60,7 @@ def register_policy(pipeline_class: type[DiffusionPipeline], policy_class: type[
 for _pipeline, _policy in (
     (FluxPipeline, FluxPolicy),
     (FluxKontextPipeline, FluxKontextPolicy),
+    (Flux2Pipeline, Flux2Policy),
     (QwenImagePipeline, QwenImagePolicy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
@@ -93,6 +95,7 @@ __all__ = [
     "Conditioning",
     "DiffusionPolicy",
     "FlowMatchingPolicy",
+    "Flux2Policy",
     "FluxKontextPolicy",
     "FluxPolicy",
     "HunyuanSkyreelsImageToVideoPolicy",

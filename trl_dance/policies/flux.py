@@ -148,3 +148,103 @@ class FluxKontextPolicy(FluxPolicy):
         source = ids.clone()
         source[..., 0] = 1  # the source image's tokens: first coordinate 1
         return torch.cat([ids, source])
+
+
+class Flux2Policy(FluxPolicy):
+    """Policy over a :class:`~diffusers.Flux2Pipeline` (FLUX.2): packed tokens of 2×2-patchified VAE latents normalised by
+    the VAE's batch-norm statistics, (T, H, W, L) position ids, a Mistral3 text encoder read at three hidden layers,
+    embedded guidance, and the pipeline's empirical schedule shift ``compute_empirical_mu``. No CFG (FLUX.2 [dev] is
+    guidance-distilled); the prompt embeddings are padded to ``max_sequence_length`` as the pipeline pads them.
+    """
+
+    def __init__(self, pipeline, settings):
+        super().__init__(pipeline, settings)
+        self._ids: dict[tuple, torch.Tensor] = {}
+
+    def _scheduler_kwargs(self) -> dict:
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        steps = self.settings.num_inference_steps
+        seq_len = (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2)
+        sigmas = (
+            None
+            if self.pipeline.scheduler.config.get("use_flow_sigmas", False)
+            else np.linspace(1.0, 1 / steps, steps)
+        )
+        return {"sigmas": sigmas, "mu": compute_empirical_mu(image_seq_len=seq_len, num_steps=steps)}
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        embeds, _ = self.pipeline.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=self.settings.max_sequence_length
+        )
+        return {"prompt_embeds": embeds}
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        settings = self.settings
+        return self.pipeline.prepare_latents(
+            len(generators),
+            self.latent_channels,
+            settings.height,
+            settings.width,
+            torch.float32,
+            self.device,
+            generators,
+        )[0]
+
+    def _position_ids(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The pipeline's (B, tokens, 4) text or latent position ids, built once per shape and device (host-side)."""
+        key = (kind, shape, device)
+        if key not in self._ids:
+            if kind == "text":
+                ids = self.pipeline._prepare_text_ids(torch.empty(shape))
+            else:
+                ids = self.pipeline._prepare_latent_ids(torch.empty(shape))
+            self._ids[key] = ids.to(device)
+        return self._ids[key]
+
+    def _latent_ids(self, batch: int, device: torch.device) -> torch.Tensor:
+        h, w = self._latent_hw
+        return self._position_ids("latent", (batch, 1, h // 2, w // 2), device)
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype
+        embeds = cond["prompt_embeds"]
+        guidance = None
+        if self.denoiser.config.guidance_embeds:
+            guidance = torch.full((batch,), self.settings.guidance_scale, device=device, dtype=torch.float32)
+        return model(
+            hidden_states=latents.to(dtype),
+            timestep=timestep.to(dtype),
+            guidance=guidance,
+            encoder_hidden_states=embeds.to(dtype),
+            txt_ids=self._position_ids("text", tuple(embeds.shape), device),
+            img_ids=self._latent_ids(batch, device),
+            return_dict=False,
+        )[0]
+
+    def _batch_norm(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vae = self.pipeline.vae
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like)
+        return mean, std
+
+    def encode_images(
+        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = vae.encode(images.to(self.device, vae.dtype)).latent_dist.sample(generator).float()
+        latents = self.pipeline._patchify_latents(latents)
+        mean, std = self._batch_norm(latents)
+        return self.pipeline._pack_latents((latents - mean) / std)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        pipeline, vae = self.pipeline, self.pipeline.vae
+        # Tokens are in raster order (the latent ids'), so this is the pipeline's _unpack_latents_with_ids without
+        # its id maxima, which would read the device.
+        h, w = self._latent_hw
+        unpacked = latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], h // 2, w // 2)
+        mean, std = self._batch_norm(unpacked)
+        unpacked = pipeline._unpatchify_latents(unpacked * std + mean)
+        decoded = vae.decode(unpacked.to(vae.dtype), return_dict=False)[0]
+        return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))
