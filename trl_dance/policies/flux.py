@@ -54,17 +54,23 @@ class FluxPolicy(FlowMatchingPolicy):
         )
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
+    _leading_latent_args: tuple = ()
+    """Arguments of the pipeline's ``prepare_latents`` before the batch size (Kontext: no source image, ``None``)."""
+
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        latents, _ = self.pipeline.prepare_latents(
+        settings = self.settings
+        out = self.pipeline.prepare_latents(
+            *self._leading_latent_args,
             len(generators),
             self.latent_channels,
-            self.settings.height,
-            self.settings.width,
+            settings.height,
+            settings.width,
             torch.float32,
             self.device,
             generators,
         )
-        return latents
+        # FLUX.1 and FLUX.2 return (latents, ids), Kontext (latents, image latents, ids, image ids), Qwen-Image latents.
+        return out[0] if isinstance(out, tuple) else out
 
     def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
         return sigma  # the FLUX transformer takes σ (= diffusers timestep / 1000)
@@ -119,6 +125,7 @@ class FluxKontextPolicy(FluxPolicy):
 
     condition_columns = ("image",)
     pipeline_tag = "image-to-image"
+    _leading_latent_args = (None,)  # the source image is encoded with the conditions, not with the noise
 
     def _encode_columns(self, image: list) -> Conditioning:
         pipeline, settings = self.pipeline, self.settings
@@ -130,13 +137,6 @@ class FluxKontextPolicy(FluxPolicy):
         latents = pipeline._encode_vae_image(pixels.to(self.device, pipeline.vae.dtype), generator=None).float()
         batch, channels, height, width = latents.shape
         return {"image_latents": pipeline._pack_latents(latents, batch, channels, height, width)}
-
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        settings = self.settings
-        return self.pipeline.prepare_latents(
-            None, len(generators), self.latent_channels, settings.height, settings.width, torch.float32, self.device,
-            generators,
-        )[0]  # fmt: skip
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         tokens = latents.shape[1]
@@ -179,18 +179,6 @@ class Flux2Policy(FluxPolicy):
             prompt=prompts, device=self.device, max_sequence_length=self.settings.max_sequence_length
         )
         return {"prompt_embeds": embeds}
-
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        settings = self.settings
-        return self.pipeline.prepare_latents(
-            len(generators),
-            self.latent_channels,
-            settings.height,
-            settings.width,
-            torch.float32,
-            self.device,
-            generators,
-        )[0]
 
     def _position_ids(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The pipeline's (B, tokens, 4) text or latent position ids, built once per shape and device (host-side)."""

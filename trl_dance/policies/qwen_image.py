@@ -35,18 +35,6 @@ class QwenImagePolicy(FluxPolicy):
             "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
         }
 
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        settings = self.settings
-        return self.pipeline.prepare_latents(
-            len(generators),
-            self.latent_channels,
-            settings.height,
-            settings.width,
-            torch.float32,
-            self.device,
-            generators,
-        )
-
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
         h, w = self._latent_hw
