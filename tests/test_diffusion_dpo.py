@@ -11,8 +11,8 @@ from PIL import Image
 
 from trl_dance import DiffusionDPOTrainer
 from trl_dance.losses import dpo_losses
-from trl_dance.preference_data import PreferenceCollator, load_image
-from trl_dance.testing import tiny_preference_dataset
+from trl_dance.preference_data import INDEX_KEY, PreferenceCollator, load_image
+from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_preference_dataset
 
 _config = tiny_dpo_config
 
@@ -80,14 +80,17 @@ def test_loss_types_are_checked(tmp_path):
     assert _config(tmp_path, loss_type="hinge").loss_type == ["hinge"]  # a string, as TRL accepts
 
 
-@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "flux", "wan"])
 def test_loss_is_ln2_at_lora_initialisation(tiny_model_dir, tmp_path, kind):
-    """With the LoRA at its initialisation the policy is the reference: z = 0, loss ln 2, implicit accuracy ½."""
+    """With the LoRA at its initialisation the policy is the reference: z = 0, loss ln 2, implicit accuracy ½ (Wan:
+    video pairs, (B, 2, F, 3, H, W) pixels)."""
     data = _synthetic_pairs(kind, count=4)
+    video = {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
     trainer = DiffusionDPOTrainer(
-        tiny_model_dir(kind), args=_config(tmp_path), train_dataset=data, peft_config=_lora()
+        tiny_model_dir(kind), args=_config(tmp_path, **video), train_dataset=data, peft_config=_lora()
     )
     batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(4)]))
+    assert batch["pixel_values"].shape[1:3] == ((2, TINY_VIDEO_FRAMES) if video else (2, 3))
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
@@ -116,8 +119,9 @@ def _preferred_projection(trainer, data, kind, denoiser):
     direction = direction / direction.norm()
     pipeline = DiffusionPipeline.from_pretrained(trainer.policy.pipeline.config._name_or_path)
     setattr(pipeline, trainer.policy.denoiser_name, denoiser)
+    video = {"num_frames": TINY_VIDEO_FRAMES, "max_sequence_length": 32} if kind == "wan" else {}
     with torch.no_grad():
-        generated = pipeline(
+        output = pipeline(
             PROMPTS * 2,
             num_inference_steps=6,
             height=32,
@@ -125,7 +129,9 @@ def _preferred_projection(trainer, data, kind, denoiser):
             output_type="latent",
             guidance_scale=1.0,
             generator=torch.Generator().manual_seed(5),
-        ).images
+            **video,
+        )
+    generated = output.frames if kind == "wan" else output.images
     return (generated.reshape(generated.shape[0], -1) @ direction).mean().item()
 
 
@@ -149,17 +155,18 @@ def _denoiser_of_the_pairs(model_dir, data, folder) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "steps", "beta", "min_accuracy", "min_shift"),
-    [("sd", 120, 1000.0, 0.6, 1.5), ("sd3", 60, 500.0, 0.75, 3.0)],
+    [("sd", 120, 1000.0, 0.6, 1.5), ("sd3", 60, 500.0, 0.75, 3.0), ("wan", 60, 500.0, 0.75, 3.0)],
 )
 def test_dpo_learns_the_preference(tiny_model_dir, tmp_path, kind, steps, beta, min_accuracy, min_shift):
     data = tiny_preference_dataset(kind, count=32, color=(1, -1, -1))
+    video = {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
     train, held_out = data.select(range(24)), data.select(range(24, 32))
     model_dir = tiny_model_dir(kind)
     if kind == "sd":
         model_dir = _denoiser_of_the_pairs(model_dir, data, tmp_path / "sft")
     trainer = DiffusionDPOTrainer(
         model_dir,
-        args=_config(tmp_path, max_steps=steps, beta=beta, seed=LEARNING_SEED),
+        args=_config(tmp_path, max_steps=steps, beta=beta, seed=LEARNING_SEED, **video),
         train_dataset=train,
         peft_config=_lora(),
     )
@@ -361,3 +368,53 @@ def test_sft_mode_and_lora_export(tiny_model_dir, tmp_path):
         expected = trainer.policy.predict_at(trainer.model, latents, t, cond)
         got = trainer.policy.predict_at(pipeline.unet, latents, t, cond)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _gif(path, frames):
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return str(path)
+
+
+def test_video_pairs_are_transformed_jointly_and_bad_videos_named(tmp_path):
+    """Every frame of both videos gets one crop and flip; a GIF file reads as its frames; a pair whose videos differ
+    in length, or are shorter than num_frames, is refused naming the row."""
+    gradient = Image.fromarray((torch.arange(48 * 40 * 3) % 256).to(torch.uint8).reshape(48, 40, 3).numpy())
+    frames = [gradient.rotate(10 * i) for i in range(6)]
+    collator = PreferenceCollator(resolution=16, random_crop=True, random_flip=True, seed=3, num_frames=5)
+    batch = collator([{"prompt": "p", "chosen": frames, "rejected": [f.copy() for f in frames]} for _ in range(8)])
+    pixels = batch["pixel_values"]
+    assert pixels.shape == (8, 2, 5, 3, 16, 16)
+    assert torch.equal(pixels[:, 0], pixels[:, 1])  # the same box and flip for both videos
+    assert len({tuple(t[2:4].tolist()) for t in batch["time_ids"]}) > 1  # boxes vary between pairs
+    # Within a video, one box for all frames: frame i is the same crop of rotated frame i as a single-image crop.
+    single = PreferenceCollator(resolution=16, random_crop=True, random_flip=True, seed=3)
+    index_rows = [{"prompt": "p", "chosen": frames, "rejected": frames, INDEX_KEY: 0}]
+    video = collator(index_rows)["pixel_values"][0, 0]
+    for i in range(5):
+        image = single([{"prompt": "p", "chosen": frames[i], "rejected": frames[i], INDEX_KEY: 0}])["pixel_values"]
+        torch.testing.assert_close(video[i], image[0, 0])
+
+    gif = _gif(tmp_path / "clip.gif", frames)
+    from_file = collator([{"prompt": "p", "chosen": gif, "rejected": frames, INDEX_KEY: 0}])["pixel_values"]
+    from_frames = collator(index_rows)["pixel_values"]
+    assert (from_file - from_frames).abs().max() < 2 / 127.5  # GIF's palette quantisation, nothing else
+    with pytest.raises(ValueError, match=r"row 7 .* chosen video has 6 frames and the rejected 4"):
+        collator([{"prompt": "p", "chosen": frames, "rejected": frames[:4], INDEX_KEY: 7}])
+    with pytest.raises(ValueError, match="at least num_frames=5"):
+        collator([{"prompt": "p", "chosen": frames[:3], "rejected": frames[:3]}])
+    missing = collator(
+        [
+            {"prompt": "p", "chosen": frames, "rejected": [None] * 6},
+            {"prompt": "p", "chosen": frames, "rejected": frames},
+        ]
+    )
+    assert missing["num_missing"] == 1 and missing["pixel_values"].shape[0] == 1
+
+
+def test_image_conditioned_models_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"conditions on \['image'\] \(editing, image-to-video\)"):
+        DiffusionDPOTrainer(
+            tiny_model_dir("wan-i2v"),
+            args=_config(tmp_path, num_frames=TINY_VIDEO_FRAMES),
+            train_dataset=_synthetic_pairs("sd", count=2),
+        )

@@ -1,9 +1,11 @@
-"""Image preference pairs for Diffusion-DPO: column formats, ties, and a collator that transforms a pair jointly.
+"""Image and video preference pairs for Diffusion-DPO: column formats, ties, and a collator that transforms a pair
+jointly.
 
 Two row formats are accepted:
 
 * TRL's preference format: ``prompt``, ``chosen``, ``rejected`` (images as PIL images, bytes, file paths, or
-  ``{"bytes": ..., "path": ...}`` dicts as stored by ``datasets.Image(decode=False)``).
+  ``{"bytes": ..., "path": ...}`` dicts as stored by ``datasets.Image(decode=False)``; videos as lists of such frames
+  or paths of video files: GIF, or MP4 and the like with ``imageio`` and ``imageio-ffmpeg`` installed).
 * Pick-a-Pic: ``caption``, ``jpg_0``, ``jpg_1``, ``label_0`` (1: ``jpg_0`` preferred, 0: ``jpg_1`` preferred,
   0.5: tie). Rows are mapped when a batch is collated, so nothing is converted or copied up front.
 """
@@ -85,6 +87,26 @@ def load_image(value: Any) -> Image.Image | None:
         raise ValueError(f"cannot decode the image {source}: {err}") from err
 
 
+def load_video(value: Any) -> list[Image.Image] | None:
+    """A video as its PIL RGB frames, from a list of frames (anything :func:`load_image` reads) or a video file's
+    path (read by ``diffusers.utils.load_video``); None if it, or any of its frames, is missing."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not os.path.isfile(value):
+            return None
+        from diffusers.utils import load_video as read_video
+
+        try:
+            return [frame.convert("RGB") for frame in read_video(value)]
+        except (OSError, ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"cannot read the video {value!r}: {err}") from err
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"a video is a list of frames or a video file's path, got {type(value).__name__}")
+    frames = [load_image(frame) for frame in value]
+    return None if not frames or any(frame is None for frame in frames) else frames
+
+
 INDEX_KEY = "__row_index__"
 
 
@@ -120,7 +142,12 @@ class PreferenceCollator:
     Both images of a pair are resized so the shorter side is ``resolution``, then cropped at the same place
     (random or centred) and flipped together. Rows with a missing image are skipped and counted.
 
-    Returns a dict with ``pixel_values`` (B, 2, 3, R, R) float32 in [-1, 1] (chosen first), ``prompts`` (B strings,
+    With ``num_frames`` the rows hold videos (see :func:`load_video`): both are cut to their first ``num_frames``
+    frames (a video with fewer is an error naming the row), and every frame of the pair gets the same resize, crop
+    and flip.
+
+    Returns a dict with ``pixel_values`` (B, 2, 3, R, R) float32 in [-1, 1] (chosen first; videos (B, 2, F, 3, R, R)),
+    ``prompts`` (B strings,
     "" with probability ``proportion_empty_prompts``), ``weights`` (B,) (0.5 for ties), ``time_ids`` (B, 6) the SDXL
     micro-conditioning (original H, W of the chosen image, crop top, left, R, R), and ``num_missing``.
 
@@ -138,8 +165,10 @@ class PreferenceCollator:
         random_flip: bool = True,
         proportion_empty_prompts: float = 0.0,
         seed: int = 0,
+        num_frames: int | None = None,
     ):
         self.resolution = resolution
+        self.num_frames = num_frames
         self.random_crop = random_crop
         self.random_flip = random_flip
         self.proportion_empty_prompts = proportion_empty_prompts
@@ -154,14 +183,17 @@ class PreferenceCollator:
             self._worker_seed, self.rng = worker_seed, random.Random(f"{self.seed}/{worker_seed}")
         return self.rng
 
-    def _resize(self, image: Image.Image, size: tuple[int, int] | None = None) -> Image.Image:
-        if size is None:
-            scale = self.resolution / min(image.size)
-            size = (
-                max(self.resolution, round(image.width * scale)),
-                max(self.resolution, round(image.height * scale)),
-            )
-        return image.resize(size, Image.BILINEAR)
+    def _size(self, image: Image.Image) -> tuple[int, int]:
+        """(width, height) with the shorter side at ``resolution``."""
+        scale = self.resolution / min(image.size)
+        return max(self.resolution, round(image.width * scale)), max(self.resolution, round(image.height * scale))
+
+    def _load(self, value: Any) -> list[Image.Image] | None:
+        """The frames of a video (with ``num_frames``) or the one image of a row's value; None if missing."""
+        if self.num_frames is not None:
+            return load_video(value)
+        image = load_image(value)
+        return None if image is None else [image]
 
     def _to_tensor(self, image: Image.Image) -> torch.Tensor:
         array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
@@ -176,28 +208,38 @@ class PreferenceCollator:
             rng = random.Random(f"{self.seed}/{[row[INDEX_KEY] for row in rows]}")
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
+            where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
             try:
-                chosen, rejected = load_image(chosen), load_image(rejected)
+                chosen, rejected = self._load(chosen), self._load(rejected)
             except ValueError as err:
-                where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
                 raise ValueError(f"preference data, {where} (prompt {prompt!r:.80}): {err}") from err
             if chosen is None or rejected is None:
                 missing += 1
                 continue
-            original = (chosen.height, chosen.width)
-            chosen = self._resize(chosen)
-            rejected = self._resize(rejected, chosen.size)  # same size, so the same crop box fits both
+            if self.num_frames is not None:
+                if len(chosen) != len(rejected) or len(chosen) < self.num_frames:
+                    raise ValueError(
+                        f"preference data, {where} (prompt {prompt!r:.80}): the chosen video has {len(chosen)} frames "
+                        f"and the rejected {len(rejected)}; a pair's videos must have the same length, at least "
+                        f"num_frames={self.num_frames} (training clips are their first num_frames frames)"
+                    )
+                chosen, rejected = chosen[: self.num_frames], rejected[: self.num_frames]
+            original = (chosen[0].height, chosen[0].width)
+            size = self._size(chosen[0])  # every frame of both to this size, so one crop box fits all
             if self.random_crop:
-                top, left = rng.randint(0, chosen.height - r), rng.randint(0, chosen.width - r)
+                top, left = rng.randint(0, size[1] - r), rng.randint(0, size[0] - r)
             else:
-                top, left = (chosen.height - r) // 2, (chosen.width - r) // 2
+                top, left = (size[1] - r) // 2, (size[0] - r) // 2
             flip = self.random_flip and rng.random() < 0.5
             pair = []
-            for image in (chosen, rejected):
-                image = image.crop((left, top, left + r, top + r))
-                if flip:
-                    image = image.transpose(Image.FLIP_LEFT_RIGHT)
-                pair.append(self._to_tensor(image))
+            for frames in (chosen, rejected):
+                tensors = []
+                for image in frames:
+                    image = image.resize(size, Image.BILINEAR).crop((left, top, left + r, top + r))
+                    if flip:
+                        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                    tensors.append(self._to_tensor(image))
+                pair.append(torch.stack(tensors) if self.num_frames is not None else tensors[0])
             pixels.append(torch.stack(pair))
             prompts.append("" if rng.random() < self.proportion_empty_prompts else prompt)
             weights.append(weight)

@@ -820,21 +820,29 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
 
 
 def tiny_preference_dataset(
-    kind: str, count: int = 32, offset: float = 0.2, seed: int = 0, color: tuple[float, float, float] = (1, 1, 1)
+    kind: str,
+    count: int = 32,
+    offset: float = 0.2,
+    seed: int = 0,
+    color: tuple[float, float, float] = (1, 1, 1),
+    num_frames: int = TINY_VIDEO_FRAMES,
 ):
     """Synthetic preference pairs from the tiny pipeline's own samples: the image shifted by ``+offset · color`` (RGB)
     is chosen over its twin shifted by ``−offset · color``: brighter over darker by default, redder over cyan with
-    ``color=(1, -1, -1)``. A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (PIL)."""
+    ``color=(1, -1, -1)``. A ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected``: PIL images, or for the
+    text-to-video kinds (``"wan"``) lists of ``num_frames`` PIL frames, every frame shifted alike."""
     from datasets import Dataset
 
     from .visualization import to_pil
 
-    if kind not in _IMAGE_KINDS:
-        raise ValueError(f"preference pairs are images: choose kind from {_IMAGE_KINDS}, got {kind!r}")
+    if kind not in (*_IMAGE_KINDS, "wan"):
+        raise ValueError(f"preference pairs: choose kind from {(*_IMAGE_KINDS, 'wan')}, got {kind!r}")
     prompts = [_PREFERENCE_PROMPTS[i % len(_PREFERENCE_PROMPTS)] for i in range(count)]
-    extra = {"max_sequence_length": 32} if kind == "flux" else {}
+    extra = {"max_sequence_length": 32} if kind in ("flux", "wan") else {}
+    if kind == "wan":
+        extra["num_frames"] = num_frames
     with torch.no_grad():
-        images = TINY_PIPELINES[kind](seed)(
+        output = TINY_PIPELINES[kind](seed)(
             prompts,
             num_inference_steps=6,
             height=TINY_RESOLUTION,
@@ -843,13 +851,20 @@ def tiny_preference_dataset(
             guidance_scale=1.0,
             generator=torch.Generator().manual_seed(seed),
             **extra,
-        ).images
-    shift = offset * torch.tensor(color, dtype=images.dtype).view(1, 3, 1, 1)
+        )
+    media = output.frames if kind == "wan" else output.images  # (B, F, 3, H, W) or (B, 3, H, W)
+    shift = offset * torch.tensor(color, dtype=media.dtype).view(3, 1, 1)
+
+    def pil(values: torch.Tensor):
+        if values.ndim == 4:
+            return to_pil(values)
+        return [to_pil(video) for video in values]
+
     return Dataset.from_dict(
         {
             "prompt": prompts,
-            "chosen": to_pil((images + shift).clamp(0, 1)),
-            "rejected": to_pil((images - shift).clamp(0, 1)),
+            "chosen": pil((media + shift).clamp(0, 1)),
+            "rejected": pil((media - shift).clamp(0, 1)),
         }
     )
 

@@ -392,9 +392,11 @@ class DiffusionPolicy(ABC):
     def encode_images(
         self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
     ) -> torch.Tensor:
-        """Images (B, 3, H, W) in [-1, 1] to the policy's latents (B, ...) float32, the inverse of :meth:`decode`; the
-        VAE posterior's sample drawn from ``generator`` (or one per image)."""
+        """Images (B, 3, H, W) in [-1, 1] (videos: (B, F, 3, H, W)) to the policy's latents (B, ...) float32, the
+        inverse of :meth:`decode`; the VAE posterior's sample drawn from ``generator`` (or one per image)."""
         vae = self.pipeline.vae
+        if self.is_video:  # videos (B, F, 3, H, W); video VAEs take (B, 3, F, H, W)
+            images = images.transpose(1, 2)
         latents = vae.encode(images.to(device=self.device, dtype=vae.dtype)).latent_dist.sample(generator).float()
         offset, scale = self._latent_affine(latents)
         return (latents - offset) * scale

@@ -36,6 +36,22 @@ class FlowMatchingPolicy(DiffusionPolicy):
         """The denoiser's timestep input for noise level σ: ``σ · T_train`` (diffusers' flow-matching convention)."""
         return sigma * self.pipeline.scheduler.config.num_train_timesteps
 
+    def training_sigmas(self) -> torch.Tensor:
+        """(T_train,) float32 CPU: the noise levels the model was trained on, from 1 down to 1/T_train, shifted as
+        the pipeline's scheduler shifts them at rest (FlowMatchEuler's static ``shift``, e.g. SD3's 3; UniPC's
+        ``flow_shift`` for Wan; none for dynamically shifted families such as FLUX). Forward-process losses (Diffusion-
+        DPO) draw their σ from this grid."""
+        config = self.pipeline.scheduler.config
+        steps = config.num_train_timesteps
+        u = torch.arange(steps, 0, -1, dtype=torch.float64) / steps
+        if config.get("use_flow_sigmas"):
+            shift = config.get("flow_shift") or 1.0
+        elif config.get("use_dynamic_shifting"):
+            shift = 1.0
+        else:
+            shift = config.get("shift", 1.0)
+        return (shift * u / (1 + (shift - 1) * u)).to(torch.float32)
+
     def sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         """σ at each step index: (B,) float32 on the index's device."""
         return self.sigmas.to(step_index.device)[step_index]

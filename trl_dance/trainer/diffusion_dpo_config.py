@@ -1,20 +1,17 @@
 """Configuration of :class:`~trl_dance.DiffusionDPOTrainer`."""
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import _BaseConfig
-from ..losses import DPO_LOSS_TYPES
 from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
-
-_SCHEMES = ("none", "logit_normal", "mode")
+from .pair_denoising import DPOLossArguments
 
 
 @dataclass
-class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
+class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, DPOLossArguments, _BaseConfig):
     r"""
     Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
 
@@ -42,6 +39,9 @@ class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArgu
         logit_mean (`float`, defaults to `0.0`), logit_std (`float`, defaults to `1.0`), mode_scale (`float`,
             defaults to `1.29`): parameters of those densities.
         resolution (`int`, defaults to `512`): Training images are resized (shorter side) and cropped to this.
+        num_frames (`int` or `None`, defaults to `None`): Video models (Wan): each video of a pair is cut to its first
+            `num_frames` frames (1 + a multiple of the VAE's temporal factor, 4 for Wan; `None`: the family's default,
+            81 for Wan); every frame of both videos gets the same resize, crop and flip. Image models: must be `None`.
         random_crop (`bool`, defaults to `False`): Random instead of centre crop (the same box for both images).
         random_flip (`bool`, defaults to `True`): Flip a pair horizontally with probability ½ (both images).
         proportion_empty_prompts (`float`, defaults to `0.0`): Caption dropout (the paper's recipe: 0.2).
@@ -79,20 +79,8 @@ class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArgu
     )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep the image columns."})
 
-    beta: float = field(default=5000.0, metadata={"help": "DPO β (5000 for SD1.5/SDXL; ~100 for flow models)."})
-    loss_type: list[str] = field(
-        default_factory=lambda: ["sigmoid"], metadata={"help": f"TRL DPO loss types: {', '.join(DPO_LOSS_TYPES)}."}
-    )
-    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
-    label_smoothing: float = field(default=0.0, metadata={"help": "Label flip probability (robust, exo_pair)."})
-    weighting_scheme: str = field(
-        default="none",
-        metadata={"help": "Flow models' timestep density: none | logit_normal | mode.", "choices": list(_SCHEMES)},
-    )
-    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal density."})
-    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal density."})
-    mode_scale: float = field(default=1.29, metadata={"help": "Scale of the 'mode' density."})
     resolution: int = field(default=512, metadata={"help": "Training resolution in pixels."})
+    num_frames: int | None = field(default=None, metadata={"help": "Video models: frames per training clip."})
     random_crop: bool = field(default=False, metadata={"help": "Random crop (same box for both images)."})
     random_flip: bool = field(default=True, metadata={"help": "Random horizontal flip of both images."})
     proportion_empty_prompts: float = field(default=0.0, metadata={"help": "Caption dropout probability."})
@@ -114,31 +102,12 @@ class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArgu
         self._check_frozen_components()
         self._check_ema()
         self._check_evaluation()
-        if isinstance(self.loss_type, str):
-            self.loss_type = [self.loss_type]
-        unknown = [kind for kind in self.loss_type if kind not in DPO_LOSS_TYPES]
-        if unknown or not self.loss_type:
-            raise ValueError(f"loss_type must be a list of {list(DPO_LOSS_TYPES)}, got {self.loss_type!r}")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise ValueError(
-                f"loss_weights must have one weight per loss_type: {len(self.loss_weights)} weights for "
-                f"{self.loss_type}"
-            )
-        if "robust" in self.loss_type and not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"the robust loss needs label_smoothing in [0, 0.5), got {self.label_smoothing}")
-        if "exo_pair" in self.loss_type and not 0 < self.label_smoothing < 1:
-            raise ValueError(
-                f"the exo_pair loss needs label_smoothing in (0, 1), e.g. 1e-3; got {self.label_smoothing}"
-            )
-        if not 0 <= self.label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.weighting_scheme not in _SCHEMES:
-            raise ValueError(f"weighting_scheme must be one of {list(_SCHEMES)}, got {self.weighting_scheme!r}")
+        self._check_dpo_loss()
         if self.ties not in ("drop", "keep"):
             raise ValueError(f"ties must be 'drop' or 'keep', got {self.ties!r}")
-        if not (self.beta > 0 and math.isfinite(self.beta)):
-            raise ValueError(f"beta must be a positive number, got {self.beta}")
         if not 0 <= self.proportion_empty_prompts <= 1:
             raise ValueError(f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1 or None, got {self.num_frames}")
         if self.resolution < 8:
             raise ValueError(f"resolution must be >= 8, got {self.resolution}")

@@ -10,12 +10,10 @@ from typing import Any
 import torch
 from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
-from diffusers.training_utils import compute_density_for_timestep_sampling
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from ..losses import dpo_losses
-from ..policies import FlowMatchingPolicy, SamplerSettings, StableDiffusionXLPolicy, make_policy, policy_class
+from ..policies import SamplerSettings, StableDiffusionXLPolicy, make_policy
 from ..preference_data import (
     INDEX_KEY,
     IndexedRows,
@@ -25,10 +23,10 @@ from ..preference_data import (
     preference_format,
 )
 from ..sampling import mix_seed
-from ..sde import diffusion_target
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
 from .evaluation import evaluation_policy, pipeline_call_defaults
+from .pair_denoising import PairDenoising, reward_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +95,27 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             width=args.resolution,
             guidance_scale=args.guidance_scale,
             max_sequence_length=args.max_sequence_length,
+            num_frames=args.num_frames,
         )
         pipeline = load_pipeline(model, args)
-        if policy_class(pipeline).is_video:
-            raise ValueError(
-                f"DiffusionDPOTrainer learns from image pairs; {type(pipeline).__name__} generates videos"
-            )
         policy = make_policy(pipeline, settings)
+        if policy.condition_columns:
+            raise ValueError(
+                f"DiffusionDPOTrainer learns text-to-image and text-to-video pairs; {type(pipeline).__name__} "
+                f"conditions on {list(policy.condition_columns)} (editing, image-to-video), which it does not handle"
+            )
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # DPO trains the conditional prediction; CFG belongs to sampling
-        self.needs_reference = any(kind != "sft" for kind in args.loss_type)
+        self.needs_reference = args.needs_reference
+        # Video models: clips of the policy's frame count (its family's default when num_frames is None).
+        self._clip_frames = policy.settings.num_frames if policy.is_video else None
         collator = data_collator or PreferenceCollator(
             args.resolution,
             args.random_crop,
             args.random_flip,
             args.proportion_empty_prompts,
             seed=args.seed + 7919 * args.process_index,
+            num_frames=self._clip_frames,
         )
         super().__init__(
             policy,
@@ -130,10 +133,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         self._noise_generator = torch.Generator(device=self.accelerator.device).manual_seed(
             args.seed + 7919 * (self.accelerator.process_index + 1)
         )
-        if isinstance(policy, FlowMatchingPolicy):
-            # A fresh copy's T_train σ values, from 1 down to 1/T_train, with the config's static shift (SD3: 3).
-            scheduler = policy.pipeline.scheduler
-            self._training_sigmas = type(scheduler).from_config(scheduler.config).sigmas.float().cpu()
+        self.pairs = PairDenoising(policy, args)
         self._eval_policy = None  # built at the first evaluation with eval_prompts
 
     @staticmethod
@@ -216,35 +216,6 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "chosen", "rejected", "caption", "jpg_0", "jpg_1", "label_0"]
 
-    def _draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per pair a noise (P, ...) and a time (P,): for flow models a position u in [0, 1) of the training σ grid,
-        drawn from ``weighting_scheme``'s density; for ε models an integer timestep in [0, T_train)."""
-        noise = torch.randn(shape, generator=generator, device=device)
-        args = self.args
-        if isinstance(self.policy, FlowMatchingPolicy):
-            u = compute_density_for_timestep_sampling(
-                args.weighting_scheme, shape[0], args.logit_mean, args.logit_std, args.mode_scale, device, generator
-            )
-            return noise, u
-        steps = self.policy.scheduler.config.num_train_timesteps
-        return noise, torch.randint(0, steps, (shape[0],), generator=generator, device=device)
-
-    def _noised(self, latents: torch.Tensor, noise: torch.Tensor, time: torch.Tensor):
-        """The 2B noisy latents (ordered w0, l0, w1, l1, ...; each pair's noise and time shared by its two images),
-        their target (ε, v or ε − x0) and the denoiser's timesteps."""
-        noise, time = noise.repeat_interleave(2, dim=0), time.repeat_interleave(2)
-        shape = (-1,) + (1,) * (latents.ndim - 1)
-        if isinstance(self.policy, FlowMatchingPolicy):
-            grid = self._training_sigmas.to(
-                latents.device
-            )  # the scheduler's training σ, shifted as the pipeline trains
-            sigma = grid[(time * len(grid)).long().clamp_max(len(grid) - 1)]
-            noisy = (1 - sigma.view(shape)) * latents + sigma.view(shape) * noise
-            return noisy, noise - latents, self.policy.timestep_from_sigma(sigma)
-        alpha = self.policy.scheduler.alphas_cumprod.to(latents.device)[time].view(shape)
-        noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
-        return noisy, diffusion_target(latents, noise, alpha, self.policy.prediction_type), time
-
     def _pair_errors(self, model, inputs: dict[str, Any], generators: list[torch.Generator] | None = None):
         """Per-sample denoising errors (2B,) float32 of the policy and of the reference (None without one), and the
         policy's prediction, for a collated batch. Noise and times come from the training generator, or pair ``b``'s
@@ -256,38 +227,10 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         if isinstance(self.policy, StableDiffusionXLPolicy):
             cond["time_ids"] = inputs["time_ids"].repeat_interleave(2, dim=0)
         if generators is None:
-            draws = self._draw(latents[::2].shape, self._noise_generator, latents.device)
+            draws = self.pairs.draw(latents[::2].shape, self._noise_generator, latents.device)
         else:
-            per_pair = [self._draw((1, *latents.shape[1:]), g, "cpu") for g in generators]
-            draws = tuple(torch.cat(part).to(latents.device) for part in zip(*per_pair))
-        noisy, target, timesteps = self._noised(latents, *draws)
-        dims = tuple(range(1, latents.ndim))
-        prediction = self.policy.predict_at(model, noisy, timesteps, cond)
-        errors = ((prediction - target.float()) ** 2).mean(dim=dims)
-        ref_errors = None
-        if self.needs_reference:
-            reference = self.reference_prediction(model, noisy, timesteps, cond)
-            ref_errors = ((reference - target.float()) ** 2).mean(dim=dims)
-        return errors, ref_errors, prediction
-
-    def _pair_losses(self, errors: torch.Tensor, ref_errors: torch.Tensor | None, weights: torch.Tensor):
-        """Per-pair losses (B,), implicit rewards β·r_w and β·r_l (B,), and the implicit accuracy (B,): 1 if the
-        chosen image's reward is higher, ½ for a tie or z = 0 exactly (policy = reference)."""
-        args = self.args
-        ref = (None, None) if ref_errors is None else (ref_errors[0::2], ref_errors[1::2])
-        losses, chosen, rejected = dpo_losses(
-            errors[0::2],
-            errors[1::2],
-            *ref,
-            args.beta,
-            args.loss_type,
-            args.loss_weights,
-            args.label_smoothing,
-            weights,
-        )
-        z = chosen - rejected
-        correct = torch.where(z == 0, torch.full_like(z, 0.5), (z > 0).float())
-        return losses, chosen, rejected, torch.where(weights < 1, torch.full_like(z, 0.5), correct)
+            draws = self.pairs.draw_per_pair(latents[::2].shape, generators, latents.device)
+        return self.pairs.errors(self, model, latents, cond, draws)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         errors, ref_errors, prediction = self._pair_errors(model, inputs)
@@ -295,29 +238,14 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         self._record("mse/rejected/policy", errors[1::2])
         self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
         self._count_missing_images(inputs["num_missing"])
-        losses, chosen, rejected, correct = self._pair_losses(errors, ref_errors, inputs["weights"])
+        losses, chosen, rejected, correct = self.pairs.losses(errors, ref_errors, inputs["weights"])
         if ref_errors is not None:
             self._record("mse/chosen/ref", ref_errors[0::2])
             self._record("mse/rejected/ref", ref_errors[1::2])
-            for name, values in self._reward_metrics(chosen, rejected, correct).items():
+            for name, values in reward_metrics(chosen, rejected, correct).items():
                 self._record(name, values)
         loss = losses.mean()
         return (loss, prediction) if return_outputs else loss
-
-    @staticmethod
-    def _reward_metrics(
-        chosen: torch.Tensor, rejected: torch.Tensor, correct: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """TRL's DPO metric names, and this package's first names (``implicit_acc``, ``margin``) beside them."""
-        margin = chosen - rejected
-        return {
-            "rewards/chosen": chosen,
-            "rewards/rejected": rejected,
-            "rewards/accuracies": correct,
-            "rewards/margins": margin,
-            "implicit_acc": correct,
-            "margin": margin,
-        }
 
     # ----------------------------------------------------------------------------------------------------------
     # Evaluation
@@ -358,7 +286,9 @@ class DiffusionDPOTrainer(DiffusionTrainer):
     def _evaluate_pairs(self, dataset) -> dict[str, float]:
         """The eval loss and reward metrics over all pairs of ``dataset``, split over the processes."""
         args, accelerator = self.args, self.accelerator
-        collator = PreferenceCollator(args.resolution, random_crop=False, random_flip=False)
+        collator = PreferenceCollator(
+            args.resolution, random_crop=False, random_flip=False, num_frames=self._clip_frames
+        )
         indices = list(range(len(dataset)))
         stats = []
         with accelerator.split_between_processes(indices, apply_padding=True) as mine:
@@ -373,12 +303,12 @@ class DiffusionDPOTrainer(DiffusionTrainer):
                 generators = [torch.Generator().manual_seed(mix_seed(args.eval_seed, i)) for i in rows]
                 with torch.no_grad(), self.compute_loss_context_manager():
                     errors, ref_errors, _ = self._pair_errors(self.model, self._prepare_inputs(batch), generators)
-                    losses, chosen, rejected, correct = self._pair_losses(errors, ref_errors, batch["weights"])
+                    losses, chosen, rejected, correct = self.pairs.losses(errors, ref_errors, batch["weights"])
                 stats.append(torch.stack([losses, chosen, rejected, correct], dim=1))
         stats = accelerator.gather(torch.cat(stats))[: len(dataset)]  # (n, 4), padding dropped
         metrics = {"loss": stats[:, 0].mean().item()}
         if self.needs_reference:
-            named = self._reward_metrics(stats[:, 1], stats[:, 2], stats[:, 3])
+            named = reward_metrics(stats[:, 1], stats[:, 2], stats[:, 3])
             metrics |= {name: values.mean().item() for name, values in named.items()}
         return metrics
 
