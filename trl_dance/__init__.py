@@ -24,6 +24,8 @@ _LAZY = {
     "DiffusionNFTTrainer": "trl_dance.trainer.diffusion_nft_trainer",
     "DirectRewardConfig": "trl_dance.trainer.direct_reward_config",
     "DirectRewardTrainer": "trl_dance.trainer.direct_reward_trainer",
+    "OnlineDiffusionDPOConfig": "trl_dance.trainer.online_dpo_config",
+    "OnlineDiffusionDPOTrainer": "trl_dance.trainer.online_dpo_trainer",
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -42,6 +44,8 @@ __all__ = [
     "DiffusionNFTTrainer",
     "DirectRewardConfig",
     "DirectRewardTrainer",
+    "OnlineDiffusionDPOConfig",
+    "OnlineDiffusionDPOTrainer",
     "SDEStepOutput",
     "dance_sigmas",
     "ddim_sde_step",
@@ -64,6 +68,8 @@ if TYPE_CHECKING:
     from .trainer.diffusion_nft_trainer import DiffusionNFTTrainer
     from .trainer.direct_reward_config import DirectRewardConfig
     from .trainer.direct_reward_trainer import DirectRewardTrainer
+    from .trainer.online_dpo_config import OnlineDiffusionDPOConfig
+    from .trainer.online_dpo_trainer import OnlineDiffusionDPOTrainer
 
 
 def __getattr__(name: str):

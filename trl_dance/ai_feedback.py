@@ -14,6 +14,14 @@ from .sampling import RolloutPlan, generate, mix_seed
 from .visualization import to_pil
 
 
+def best_and_worst(scores: torch.Tensor, min_margin: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For scores (P, G) of G samples of each of P prompts: the index of the best (P,) and of the worst (P,) sample,
+    and whether the pair is kept (P,) bool: its gap is positive and at least ``min_margin``. Ties go to the first."""
+    best, worst = scores.argmax(dim=1), scores.argmin(dim=1)
+    gap = scores.gather(1, best[:, None])[:, 0] - scores.gather(1, worst[:, None])[:, 0]
+    return best, worst, (gap > 0) & (gap >= min_margin)
+
+
 def build_preference_pairs(
     model: str | DiffusionPipeline,
     prompts: Sequence[str],
@@ -78,11 +86,11 @@ def build_preference_pairs(
     scores = scores.view(len(prompts), num_images)
 
     rows = {"prompt": [], "chosen": [], "rejected": [], "score_chosen": [], "score_rejected": []}
-    best, worst = scores.argmax(dim=1), scores.argmin(dim=1)
+    best, worst, keep = best_and_worst(scores, min_margin)
     for p, prompt in enumerate(prompts):
-        high, low = scores[p, best[p]].item(), scores[p, worst[p]].item()
-        if high - low < min_margin or best[p] == worst[p]:
+        if not keep[p]:
             continue
+        high, low = scores[p, best[p]].item(), scores[p, worst[p]].item()
         chosen, rejected = to_pil(images[p, [best[p], worst[p]]])
         rows["prompt"].append(prompt)
         rows["chosen"].append(chosen)

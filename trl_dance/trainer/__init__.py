@@ -6,6 +6,8 @@ from .diffusion_nft_config import DiffusionNFTConfig
 from .diffusion_nft_trainer import DiffusionNFTTrainer
 from .direct_reward_config import DirectRewardConfig
 from .direct_reward_trainer import DirectRewardTrainer
+from .online_dpo_config import OnlineDiffusionDPOConfig
+from .online_dpo_trainer import OnlineDiffusionDPOTrainer
 
 __all__ = [
     "DanceGRPOConfig",
@@ -16,4 +18,6 @@ __all__ = [
     "DiffusionNFTTrainer",
     "DirectRewardConfig",
     "DirectRewardTrainer",
+    "OnlineDiffusionDPOConfig",
+    "OnlineDiffusionDPOTrainer",
 ]
