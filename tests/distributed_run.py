@@ -113,3 +113,5 @@ if trainer.accelerator.is_main_process:
             },
             handle,
         )
+trainer.accelerator.wait_for_everyone()  # no process exits while another still talks to it
+trainer.accelerator.end_training()

@@ -77,3 +77,5 @@ if trainer.accelerator.is_main_process:
             for entry in trainer.state.log_history
         ]
         json.dump({"num_processes": trainer.accelerator.num_processes, "rounds": rollouts, "logged": logged}, handle)
+trainer.accelerator.wait_for_everyone()  # no process exits while another still talks to it
+trainer.accelerator.end_training()

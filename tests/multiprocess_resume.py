@@ -103,3 +103,5 @@ if resumed.accelerator.is_main_process:
             {"num_processes": resumed.accelerator.num_processes, "epoch": full.state.epoch, "different": different},
             handle,
         )
+resumed.accelerator.wait_for_everyone()  # no process exits while another still talks to it
+resumed.accelerator.end_training()

@@ -7,7 +7,14 @@ import pytest
 import yaml
 from PIL import Image
 
-from trl_dance import DanceGRPOConfig, DiffusionDPOConfig, DiffusionNFTConfig, DirectRewardConfig
+from trl_dance import (
+    DanceGRPOConfig,
+    DiffusionDPOConfig,
+    DiffusionNFTConfig,
+    DirectRewardConfig,
+    OnlineDiffusionDPOConfig,
+    SPOConfig,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +57,8 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo", "grpo_qwen_image_tiny", "qwen-image"),
         ("grpo", "grpo_hunyuan_video_tiny", "hunyuan-video"),
         ("grpo", "grpo_flux2_tiny", "flux2"),
+        ("spo", "spo_sd_tiny", "sd"),
+        ("online_dpo", "online_dpo_sd3_tiny", "sd3"),
     ],
 )
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
@@ -87,7 +96,13 @@ def test_shipped_configs_are_valid(name, tmp_path):
         "sample_prompts",
         "sample_steps",
     }
-    classes = {"dpo": DiffusionDPOConfig, "nft": DiffusionNFTConfig, "srpo": DirectRewardConfig}
+    classes = {
+        "dpo": DiffusionDPOConfig,
+        "nft": DiffusionNFTConfig,
+        "srpo": DirectRewardConfig,
+        "spo": SPOConfig,
+        "online": OnlineDiffusionDPOConfig,
+    }
     config_class = classes.get(name.split("_")[0], DanceGRPOConfig)
     training = {k: v for k, v in values.items() if k not in script_and_model_keys}
     # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.

@@ -26,6 +26,8 @@ _LAZY = {
     "DirectRewardTrainer": "trl_dance.trainer.direct_reward_trainer",
     "OnlineDiffusionDPOConfig": "trl_dance.trainer.online_dpo_config",
     "OnlineDiffusionDPOTrainer": "trl_dance.trainer.online_dpo_trainer",
+    "SPOConfig": "trl_dance.trainer.spo_config",
+    "SPOTrainer": "trl_dance.trainer.spo_trainer",
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -47,6 +49,8 @@ __all__ = [
     "OnlineDiffusionDPOConfig",
     "OnlineDiffusionDPOTrainer",
     "SDEStepOutput",
+    "SPOConfig",
+    "SPOTrainer",
     "dance_sigmas",
     "ddim_sde_step",
     "flow_sde_step",
@@ -70,6 +74,8 @@ if TYPE_CHECKING:
     from .trainer.direct_reward_trainer import DirectRewardTrainer
     from .trainer.online_dpo_config import OnlineDiffusionDPOConfig
     from .trainer.online_dpo_trainer import OnlineDiffusionDPOTrainer
+    from .trainer.spo_config import SPOConfig
+    from .trainer.spo_trainer import SPOTrainer
 
 
 def __getattr__(name: str):

@@ -3,6 +3,8 @@
     trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|PATH] [accelerate launch options]
     trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
     trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
+    trl-dance online-dpo --config FILE.yaml [...]    online Diffusion-DPO from AI feedback
+    trl-dance spo  --config FILE.yaml [...]          SPO (step-aware preference optimization)
     trl-dance direct --config FILE.yaml [...]        SRPO's Direct-Align, DRaFT-K, AlignProp
     trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
@@ -23,7 +25,9 @@ import sys
 TRAINING_SCRIPTS = {
     "grpo": ("trl_dance.scripts.grpo", "DanceGRPO / Flow-GRPO / MixGRPO / DDPO"),
     "nft": ("trl_dance.scripts.nft", "DiffusionNFT / AWM / DGPO (flow-matching models)"),
-    "dpo": ("trl_dance.scripts.dpo", "Diffusion-DPO on image preference pairs"),
+    "dpo": ("trl_dance.scripts.dpo", "Diffusion-DPO on image and video preference pairs"),
+    "online-dpo": ("trl_dance.scripts.online_dpo", "online Diffusion-DPO on pairs ranked by rewards (AI feedback)"),
+    "spo": ("trl_dance.scripts.spo", "SPO: step-aware preference optimization on candidate pools"),
     "direct": ("trl_dance.scripts.direct", "SRPO's Direct-Align / DRaFT-K / AlignProp (differentiable rewards)"),
 }
 OTHER_COMMANDS = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -153,6 +155,7 @@ def dgpo_loss(
 
 
 __all__ = [
+    "spo_loss",
     "AWM_WEIGHTINGS",
     "awm_log_ratio",
     "awm_surrogate",
@@ -233,3 +236,22 @@ def dpo_losses(
     if weights is not None:
         losses = weights * losses + (1 - weights) * ordered(rejected, chosen, policy_rejected)
     return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def spo_loss(
+    log_ratio_chosen: torch.Tensor, log_ratio_rejected: torch.Tensor, beta: float, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SPO's per-step preference loss, (P,): ``−log σ(β·log ρ_w − β·log ρ_l)`` with each ratio ρ = π_θ/π_ref of the
+    step's transition clipped to [1 − ε, 1 + ε] (β 10, ε 0.1 in the paper), which stops the gradient of a pair
+    side once its ratio leaves the band.
+
+    Args:
+        log_ratio_chosen, log_ratio_rejected: (P,) log π_θ(x_{t−1}|x_t) − log π_ref(x_{t−1}|x_t) of the preferred and
+            the other candidate of each pair (the same x_t).
+
+    Returns:
+        The losses (P,) and the clipped log-ratios of both sides (P,), (P,).
+    """
+    low, high = math.log(1 - epsilon), math.log(1 + epsilon)
+    chosen, rejected = log_ratio_chosen.clamp(low, high), log_ratio_rejected.clamp(low, high)
+    return F.softplus(-beta * (chosen - rejected)), chosen, rejected

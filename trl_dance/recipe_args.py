@@ -79,3 +79,11 @@ def model_init_kwargs(training_args: Any, model_args: ModelConfig) -> None:
     if model_args.model_revision not in (None, "main"):
         kwargs["revision"] = model_args.model_revision
     training_args.model_init_kwargs = kwargs or None
+
+
+def finish(trainer) -> None:
+    """End a script's run on every process together: wait for the others, then destroy the process group
+    (``Accelerator.end_training``), so that no process exits while another still talks to it (a gloo worker then
+    aborts with "terminate called without an active exception")."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()

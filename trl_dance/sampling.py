@@ -9,7 +9,7 @@ policy's: :meth:`~trl_dance.policies.DiffusionPolicy.step` and ``solve``; this m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -240,11 +240,13 @@ def deterministic_step(
 __all__ = [
     "RolloutPlan",
     "SDEWindow",
+    "StepScorer",
     "compressed_steps",
     "deterministic_step",
     "generate",
     "group_generators",
     "mix_seed",
+    "pooled_rollout",
     "rollout",
     "sample_generators",
 ]
@@ -276,3 +278,90 @@ def generate(
         result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means=keep_means)
         result["images"] = policy.decode(policy.final_latents(result["final_latents"], cond))
     return result
+
+
+StepScorer = Callable[[list[str], torch.Tensor, torch.Tensor], torch.Tensor]
+"""SPO's step-aware scorer: ``(prompts (n), predicted clean images (n, 3, H, W) in [0, 1] (videos (n, F, 3, H, W)),
+model timesteps (n,)) -> scores (n,)``."""
+
+
+@torch.no_grad()
+def pooled_rollout(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    cond: Conditioning,
+    noise: torch.Tensor,
+    pool_steps: Sequence[int],
+    pool_size: int,
+    choices: torch.Tensor,
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor | int]:
+    """SPO's rollout: at each step of ``pool_steps``, ``pool_size`` candidates x_{t−1} from each chain's shared x_t,
+    scored on their predicted clean latents; the chain continues from candidate ``choices``.
+
+    Every step is the policy's stochastic step (its noise level), except the last, which is deterministic. At a pool
+    step the k candidates share x_t's prediction (one Gaussian) and differ in their noise; each candidate's x̂0 comes
+    from the prediction at the next step, which the continued candidate then reuses (k denoiser calls per chain and
+    pool step). On the last step the candidates are the clean samples themselves.
+
+    Args:
+        latents: (B, ...) starting latents; cond: the B chains' conditioning.
+        noise: (N, k, B, ...) standard normal noise: candidate j of chain b at step i takes ``noise[i, j, b]`` (the
+            steps outside the pools take ``noise[i, 0]``).
+        pool_steps: increasing step indices among the first N − 1 (each needs a stochastic step).
+        choices: (S, B) long in [0, k), the candidate each chain continues from after each pool step (host tensor).
+        score: ``(clean latents (k·B, ...), step indices (k·B,)) -> scores (k·B,)`` (candidate-major: j·B + b), the
+            step index being the step whose prediction gave the x̂0 (N for clean samples).
+
+    Returns:
+        ``latents`` (B, S, ...) the x_t of each pool; ``candidates`` (B, S, k, ...) its x_{t−1}; ``scores`` (B, S, k);
+        ``final_latents`` (B, ...); ``denoiser_calls`` the (sample, step) denoiser evaluations made.
+    """
+    batch, k, steps = latents.shape[0], pool_size, policy.num_steps
+    pools = {step: position for position, step in enumerate(pool_steps)}
+    states, candidate_sets, score_sets, calls = [], [], [], 0
+    output = None  # the prediction at the current latents, when a pool step already computed it
+    for i in range(steps):
+        step_index = torch.full((batch,), i, device=latents.device, dtype=torch.long)
+        if output is None:
+            output = policy.predict_step(model, latents, i, step_index, cond)
+            calls += batch
+        if i not in pools:
+            level = 0.0 if i == steps - 1 else None
+            latents = policy.step(
+                output, latents, step_index, noise=noise[i, 0], compute_log_prob=False, noise_level=level
+            ).prev_sample
+            output = None
+            continue
+        # k candidates from one Gaussian: (k·B, ...), candidate-major.
+        repeated = step_index.repeat(k)
+        candidates = policy.step(
+            output.repeat(k, *[1] * (output.ndim - 1)),
+            latents.repeat(k, *[1] * (latents.ndim - 1)),
+            repeated,
+            noise=noise[i].flatten(0, 1),
+            compute_log_prob=False,
+        ).prev_sample
+        if i + 1 < steps:
+            cond_k = {key: value.repeat(k, *[1] * (value.ndim - 1)) for key, value in cond.items()}
+            next_output = policy.predict_step(model, candidates, i + 1, repeated + 1, cond_k)
+            calls += k * batch
+            clean = policy.predicted_clean(next_output, candidates, repeated + 1)
+        else:
+            next_output, clean = None, candidates
+        scores = score(clean, repeated + 1)
+        choice = choices[pools[i]].to(latents.device)
+        rows = choice * batch + torch.arange(batch, device=latents.device)
+        states.append(latents)
+        candidate_sets.append(candidates.view(k, batch, *latents.shape[1:]).transpose(0, 1))
+        score_sets.append(scores.view(k, batch).transpose(0, 1))
+        latents = candidates[rows]
+        output = None if next_output is None else next_output[rows]
+    return {
+        "latents": torch.stack(states, 1),
+        "candidates": torch.stack(candidate_sets, 1),
+        "scores": torch.stack(score_sets, 1),
+        "final_latents": latents,
+        "denoiser_calls": calls,
+    }

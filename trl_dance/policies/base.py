@@ -342,6 +342,13 @@ class DiffusionPolicy(ABC):
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
         ``noise_level`` (default ``settings.noise_level``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
 
+    def predicted_clean(
+        self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
+    ) -> torch.Tensor:
+        """The clean latents x̂0 (B, ...) float32 the network output at ``latents`` of step ``step_index`` predicts
+        (SPO's step-aware scorers judge candidates on them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not predict clean latents")
+
     def solve(
         self,
         model: torch.nn.Module,

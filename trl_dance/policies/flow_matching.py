@@ -98,6 +98,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
             latents, previous = flow_dpm_solver_step(x0_hat, latents, sigma, sigma_next, previous), (x0_hat, sigma)
         return latents
 
+    def predicted_clean(
+        self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
+    ) -> torch.Tensor:
+        """x̂0 = x_σ − σ·v, (B, ...) float32."""
+        sigma = self.sigma(step_index).view(-1, *[1] * (latents.ndim - 1))
+        return latents.float() - sigma * model_output.float()
+
     def step(
         self,
         model_output: torch.Tensor,

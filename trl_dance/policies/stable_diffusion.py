@@ -7,7 +7,7 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLP
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..schedulers import ddim_alpha_pairs
-from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step
+from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, epsilon_and_x0
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 
 
@@ -57,6 +57,13 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
         return self.timesteps.to(step_index.device)[step_index]
+
+    def predicted_clean(
+        self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
+    ) -> torch.Tensor:
+        """DDIM's x̂0 from the network's ε, v or x0 at step ``step_index``, (B, ...) float32."""
+        alpha = self.alpha_prod_t.to(latents.device)[step_index].view(-1, *[1] * (latents.ndim - 1))
+        return epsilon_and_x0(model_output, latents, alpha, self.prediction_type)[1]
 
     def step(
         self,

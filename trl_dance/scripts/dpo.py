@@ -19,7 +19,7 @@ from trl import ModelConfig, get_peft_config
 
 from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.data import load_any_dataset
-from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args, recipe_parser
+from trl_dance.recipe_args import finish, model_init_kwargs, parse_recipe_args, recipe_parser
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
@@ -92,6 +92,7 @@ def main(
             trainer.save_samples(script_args.sample_prompts, after)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    finish(trainer)
     return trainer
 
 

@@ -21,7 +21,7 @@ from trl import ModelConfig, get_peft_config
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.data import load_prompt_dataset
-from trl_dance.recipe_args import model_init_kwargs, parse_recipe_args, recipe_parser
+from trl_dance.recipe_args import finish, model_init_kwargs, parse_recipe_args, recipe_parser
 from trl_dance.trainer.online_config import OnlineDiffusionConfig
 from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
@@ -101,6 +101,7 @@ def main(
         print(f"wrote {output_dir}: {sorted(os.listdir(output_dir))}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    finish(trainer)
     return trainer
 
 

@@ -8,6 +8,8 @@ from .direct_reward_config import DirectRewardConfig
 from .direct_reward_trainer import DirectRewardTrainer
 from .online_dpo_config import OnlineDiffusionDPOConfig
 from .online_dpo_trainer import OnlineDiffusionDPOTrainer
+from .spo_config import SPOConfig
+from .spo_trainer import SPOTrainer
 
 __all__ = [
     "DanceGRPOConfig",
@@ -20,4 +22,6 @@ __all__ = [
     "DirectRewardTrainer",
     "OnlineDiffusionDPOConfig",
     "OnlineDiffusionDPOTrainer",
+    "SPOConfig",
+    "SPOTrainer",
 ]

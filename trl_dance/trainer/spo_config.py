@@ -1,0 +1,97 @@
+"""Configuration of :class:`~trl_dance.SPOTrainer`."""
+
+from dataclasses import dataclass, field
+
+from .online_config import OnlineDiffusionConfig, _choice
+
+_SDE_TYPES = ("dance", "flow_grpo", "cps")
+
+
+@dataclass
+class SPOConfig(OnlineDiffusionConfig):
+    r"""
+    Configuration for [`SPOTrainer`]: Step-aware Preference Optimization (Liang et al., arXiv:2406.04314).
+
+    Defaults follow SPO's SD1.5 recipe (20 DDIM steps with η = 1 and CFG 5, pools of 4 candidates from step 4 on,
+    pair threshold 0.3, β 10, ratio clip 0.1, LoRA lr 6e-5). Generation, reward and model fields:
+    [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`] (`num_generations` is 1: SPO has no groups).
+
+    Units. Each prompt of a round is one chain; each of its pool steps gives one candidate pair, so a process holds
+    ``generation_batch_size / num_processes × pool steps`` pairs per round, ``per_device_train_batch_size`` of them per
+    micro-batch. Pool steps are the trainable steps (the first N − 1) from `pool_start_step` on.
+
+    Parameters:
+        > Rollouts
+
+        pool_size (`int`, defaults to `4`): k, candidates x_{t−1} sampled from each shared x_t (SPO: 4 for SD1.5, 2 for
+            SDXL). At least 2.
+        pool_start_step (`int`, defaults to `4`): The first step with a pool (SPO's `divert_start_step`: the
+            high-noise steps before it are plain stochastic steps).
+        pair_threshold (`float`, defaults to `0.3`): A pool gives a pair only if the softmax of its best and worst
+            scores (× `score_scale`) differ by more than this: tanh(score_scale · (s_best − s_worst) / 2) > threshold
+            (SPO: 0.3 for SD1.5, 0.4 for SDXL, on its preference model's logits). Pairs below are masked and counted in
+            `pairs/kept`.
+        score_scale (`float`, defaults to `1.0`): Multiplies the scores before that softmax; a reward in [0, 1] such as
+            `brightness` needs a large one (e.g. 100).
+        sde_type (`str`, defaults to `"dance"`), eta (`float`, defaults to `1.0`), log_prob_reduction (`str`,
+            defaults to `"mean"`): The stochastic step, as in [`DanceGRPOConfig`]: DDIM with η = `eta` for SD1.x/SDXL
+            (SPO's η 1), the flow SDE or CPS for flow models (SPO's paper: a deterministic flow sampler has no pairs
+            to compare). `"mean"` is SPO's (DDPO's) per-element mean log-density, which β 10 assumes.
+
+        > Loss
+
+        beta (`float`, defaults to `10.0`): SPO's β in −log σ(β·log ρ_w − β·log ρ_l) (not a KL coefficient).
+        epsilon (`float`, defaults to `0.1`): The ratios ρ = π_θ/π_ref are clipped to [1 − ε, 1 + ε]. The reference is
+            the LoRA-disabled base (a frozen copy for full fine-tuning).
+    """
+
+    min_generations = 1  # a chain per prompt, no group statistics
+
+    learning_rate: float = field(default=6e-5, metadata={"help": "AdamW learning rate (SPO SD1.5 LoRA: 6e-5)."})
+    num_generations: int = field(default=1, metadata={"help": "Chains per prompt (SPO: 1)."})
+    num_inference_steps: int = field(default=20, metadata={"help": "Denoising steps N."})
+    guidance_scale: float = field(default=5.0, metadata={"help": "CFG scale in sampling and loss (SPO: 5)."})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "Pairs per micro-batch per process."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer update."})
+    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
+    eta: float = field(default=1.0, metadata={"help": "Noise level of the stochastic step (DDIM η; > 0)."})
+    log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
+    share_initial_noise: str = field(
+        default="none", metadata={"help": "none: every chain its own initial noise.", "choices": ["none"]}
+    )
+    pool_size: int = field(default=4, metadata={"help": "Candidates per pool (k >= 2)."})
+    pool_start_step: int = field(default=4, metadata={"help": "First step with a candidate pool."})
+    pair_threshold: float = field(default=0.3, metadata={"help": "Softmax score gap a pair needs."})
+    score_scale: float = field(default=1.0, metadata={"help": "Scale of the scores inside that softmax."})
+    beta: float = field(default=10.0, metadata={"help": "SPO's β."})
+    epsilon: float = field(default=0.1, metadata={"help": "Clip range of the per-step ratios."})
+
+    def _check_method(self) -> None:
+        _choice("sde_type", self.sde_type, _SDE_TYPES)
+        _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        _choice("share_initial_noise", self.share_initial_noise, ("none",))
+        if self.pool_size < 2:
+            raise ValueError(f"pool_size must be >= 2: a pool of {self.pool_size} candidate(s) forms no pair")
+        if not 0 <= self.pool_start_step < self.num_inference_steps - 1:
+            raise ValueError(
+                f"pool_start_step must be in [0, {self.num_inference_steps - 1}) (pools are on the first N − 1 steps), "
+                f"got {self.pool_start_step}"
+            )
+        if self.eta <= 0:
+            raise ValueError(f"eta must be > 0: candidates of a deterministic step are identical, got {self.eta}")
+        if not 0 <= self.pair_threshold < 1:
+            raise ValueError(f"pair_threshold is a softmax gap in [0, 1), got {self.pair_threshold}")
+        if self.score_scale <= 0 or self.beta <= 0 or not 0 < self.epsilon < 1:
+            raise ValueError(
+                f"score_scale and beta must be > 0 and epsilon in (0, 1), got {self.score_scale}, {self.beta}, "
+                f"{self.epsilon}"
+            )
+
+    @property
+    def num_pool_steps(self) -> int:
+        """Pool steps per chain (before a two-expert model's untrained steps are removed)."""
+        return self.num_inference_steps - 1 - self.pool_start_step
+
+    def _round_items(self) -> tuple[int, str]:
+        chains = self.per_device_generation_batch_size
+        return chains * self.num_pool_steps, f"{chains} chains × {self.num_pool_steps} pool steps"
