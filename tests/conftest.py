@@ -159,3 +159,13 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
         base_out = make_policy(base, settings).predict(base.transformer, latents, steps, cond)
     assert (trained - base_out).abs().max() > 1e-3  # training changed the model...
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)  # ...and the saved LoRA reproduces it
+
+
+def train_and_assert_reward_rose(trainer, metric: str, margin: float) -> None:
+    """Train, then :func:`assert_learned` on the rollouts' logged ``reward``: the mean of the last 3 rounds against the
+    first 3, beyond the first round's sample std."""
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print(f"per round {rewards}")
+    noise = trainer.state.log_history[0]["reward_std"]
+    assert_learned(metric, sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3, noise, margin)

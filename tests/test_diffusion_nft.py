@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, family_overrides, tiny_online_values
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    family_overrides,
+    tiny_online_values,
+    train_and_assert_reward_rose,
+)
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -220,8 +227,4 @@ def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kin
         train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
     )
-    trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    print(f"{kind}: per round {rewards}")
-    noise = trainer.state.log_history[0]["reward_std"]
-    assert_learned(reward, sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3, noise, margin)
+    train_and_assert_reward_rose(trainer, reward, margin)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, assert_learned, tiny_online_values
+from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, tiny_online_values, train_and_assert_reward_rose
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -150,8 +150,4 @@ def test_spo_raises_the_reward_behind_the_scorer(tiny_model_dir, tmp_path, kind,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
     )
-    trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    print(f"{kind}: per round {rewards}")
-    noise = trainer.state.log_history[0]["reward_std"]
-    assert_learned("brightness", sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3, noise, margin)
+    train_and_assert_reward_rose(trainer, "brightness", margin)
