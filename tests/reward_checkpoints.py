@@ -498,3 +498,31 @@ def save_tiny_deberta(directory: str, seed: int = 0) -> str:
     )
     DebertaModel(config).save_pretrained(directory)
     return directory
+
+
+def save_tiny_step_aware_model(path: str, clip_directory: str, identity: bool = False, seed: int = 0) -> str:
+    """A ``.bin`` in the layout of SPO's step-aware preference models over the tiny CLIP of ``clip_directory``:
+    ``model.`` + its CLIPModel keys, ``model.t_embedder.mlp.{0,2}``, per-layer ``adaLN_modulation.1`` (6 × width) and
+    the pooled ``adaLN_modulation.1`` (2 × width). ``identity``: zero modulation weights and (shift, scale, gate) =
+    (0, 0, 1), so the model is the plain CLIP."""
+    g = torch.Generator().manual_seed(seed)
+    clip = CLIPModel.from_pretrained(clip_directory)
+    width, layers = clip.config.vision_config.hidden_size, clip.config.vision_config.num_hidden_layers
+    state = {f"model.{k}": v for k, v in clip.state_dict().items()}
+    _linear(state, g, "model.t_embedder.mlp.0", width, 256)
+    _linear(state, g, "model.t_embedder.mlp.2", width, width)
+
+    def modulation(prefix: str, chunks: int) -> None:
+        _linear(state, g, prefix, chunks * width, width)
+        if identity:
+            state[f"{prefix}.weight"].zero_()
+            bias = torch.zeros(chunks * width)
+            if chunks == 6:  # the two gates
+                bias[2 * width : 3 * width] = bias[5 * width :] = 1
+            state[f"{prefix}.bias"] = bias
+
+    for i in range(layers):
+        modulation(f"model.vision_model.encoder.layers.{i}.adaLN_modulation.1", 6)
+    modulation("model.vision_model.adaLN_modulation.1", 2)
+    torch.save(state, path)
+    return path

@@ -1,6 +1,7 @@
 """Configuration of :class:`~trl_dance.SPOTrainer`."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .online_config import OnlineDiffusionConfig, _choice
 
@@ -33,6 +34,13 @@ class SPOConfig(OnlineDiffusionConfig):
             `pairs/kept`.
         score_scale (`float`, defaults to `1.0`): Multiplies the scores before that softmax; a reward in [0, 1] such as
             `brightness` needs a large one (e.g. 100).
+        step_aware_model (`str` or `None`, defaults to `None`): SPO's step-aware preference model as the step scorer
+            (:class:`~trl_dance.rewards.step_aware.StepAwarePreferenceModel`): its `.bin` file, a folder holding it, or
+            a Hub repo (`SPO-Diffusion-Models/Step-Aware_Preference_Models`). `None`: the weighted `reward_funcs` on
+            each candidate's decoded x̂0. A `step_scorer` given to the trainer takes precedence.
+        step_aware_model_kwargs (`dict` or `None`, defaults to `None`): Its other arguments: `filename`
+            (`sd-v1-5_step-aware_preference_model.bin` or `sdxl_step-aware_preference_model.bin`), `model` (the
+            PickScore `CLIPModel` whose config it follows), `tokenizer`, `dtype`, `batch_size`.
         sde_type (`str`, defaults to `"dance"`), eta (`float`, defaults to `1.0`), log_prob_reduction (`str`,
             defaults to `"mean"`): The stochastic step, as in [`DanceGRPOConfig`]: DDIM with η = `eta` for SD1.x/SDXL
             (SPO's η 1), the flow SDE or CPS for flow models (SPO's paper: a deterministic flow sampler has no pairs
@@ -45,6 +53,7 @@ class SPOConfig(OnlineDiffusionConfig):
             the LoRA-disabled base (a frozen copy for full fine-tuning).
     """
 
+    _VALID_DICT_FIELDS = [*OnlineDiffusionConfig._VALID_DICT_FIELDS, "step_aware_model_kwargs"]
     min_generations = 1  # a chain per prompt, no group statistics
 
     learning_rate: float = field(default=6e-5, metadata={"help": "AdamW learning rate (SPO SD1.5 LoRA: 6e-5)."})
@@ -63,6 +72,12 @@ class SPOConfig(OnlineDiffusionConfig):
     pool_start_step: int = field(default=4, metadata={"help": "First step with a candidate pool."})
     pair_threshold: float = field(default=0.3, metadata={"help": "Softmax score gap a pair needs."})
     score_scale: float = field(default=1.0, metadata={"help": "Scale of the scores inside that softmax."})
+    step_aware_model: str | None = field(
+        default=None, metadata={"help": "SPO's step-aware preference model (.bin, folder or Hub repo) as the scorer."}
+    )
+    step_aware_model_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Its filename, model, tokenizer, dtype, batch_size (JSON)."}
+    )
     beta: float = field(default=10.0, metadata={"help": "SPO's β."})
     epsilon: float = field(default=0.1, metadata={"help": "Clip range of the per-step ratios."})
 

@@ -46,7 +46,8 @@ class SPOTrainer(OnlineDiffusionTrainer):
         model, reward_funcs, args, train_dataset, eval_dataset, callbacks, optimizers, peft_config: as
             :class:`~trl_dance.DanceGRPOTrainer`'s.
         step_scorer: ``(prompts (n), predicted clean images (n, 3, H, W) in [0, 1], model timesteps (n,)) -> (n,)``
-            scores; default: :class:`RewardStepScorer` on ``reward_funcs`` (their ``reward_weights``).
+            scores; default: SPO's step-aware preference model when ``args.step_aware_model`` names one, else
+            :class:`RewardStepScorer` on ``reward_funcs`` (their ``reward_weights``).
     """
 
     _tag_names = ["trl", "trl-dance", "spo", "diffusers"]
@@ -76,6 +77,11 @@ class SPOTrainer(OnlineDiffusionTrainer):
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, callbacks, optimizers, peft_config)
         if step_scorer is not None and not callable(step_scorer):
             raise TypeError(f"step_scorer must be callable, got {type(step_scorer).__name__}")
+        if step_scorer is None and self.args.step_aware_model is not None:
+            from ..rewards.step_aware import StepAwarePreferenceModel
+
+            kwargs = self.args.step_aware_model_kwargs or {}
+            step_scorer = StepAwarePreferenceModel(self.args.step_aware_model, **kwargs)
         self.step_scorer: Callable = step_scorer or RewardStepScorer(
             self.reward_funcs, self.reward_weights, self.args.video_reward_frames
         )
