@@ -37,9 +37,12 @@ TINY = {
     "tiny-wan": "wan",
     "tiny-qwen-image": "qwen-image",
     "tiny-hunyuan-video": "hunyuan-video",
+    "tiny-flux-kontext": "flux-kontext",
+    "tiny-skyreels-i2v": "skyreels-i2v",
 }
 MODELS = [*TINY, "flux-dev", "sd35-medium", "wan21-1.3b"]
-VIDEO_MODELS = ("tiny-wan", "tiny-hunyuan-video", "wan21-1.3b")
+VIDEO_MODELS = ("tiny-wan", "tiny-hunyuan-video", "tiny-skyreels-i2v", "wan21-1.3b")
+IMAGE_CONDITIONED_MODELS = ("tiny-flux-kontext", "tiny-skyreels-i2v")  # rows carry an `image` column
 
 
 def _vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:

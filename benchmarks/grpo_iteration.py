@@ -22,11 +22,12 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import build_model, lora_config, release  # noqa: E402
+from architectures import IMAGE_CONDITIONED_MODELS, build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, num_frames, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
+from trl_dance.testing import tiny_condition_images  # noqa: E402
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
@@ -46,9 +47,10 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     """Train ``args.max_steps`` rounds (one update each); time the rounds after ``warmup`` (rollout and training
     apart) and, with ``floor``, their compute floor."""
     peft = lora_config(options.lora_rank)
-    trainer = DanceGRPOTrainer(
-        model, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=peft
-    )
+    rows = {"prompt": PROMPTS}
+    if options.model in IMAGE_CONDITIONED_MODELS:  # editing / image-to-video: a source image per prompt
+        rows["image"] = tiny_condition_images(len(PROMPTS))
+    trainer = DanceGRPOTrainer(model, "brightness", args=args, train_dataset=Dataset.from_dict(rows), peft_config=peft)
     device = trainer.accelerator.device
     recorder = CallRecorder(trainer) if floor else None
     clock = _StepClock(device)

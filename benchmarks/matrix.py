@@ -36,6 +36,8 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-wan": ["grpo_iteration.py", "--model", "tiny-wan"],
         "grpo-tiny-qwen-image": ["grpo_iteration.py", "--model", "tiny-qwen-image"],
         "grpo-tiny-hunyuan-video": ["grpo_iteration.py", "--model", "tiny-hunyuan-video"],
+        "grpo-tiny-flux-kontext": ["grpo_iteration.py", "--model", "tiny-flux-kontext"],
+        "grpo-tiny-skyreels-i2v": ["grpo_iteration.py", "--model", "tiny-skyreels-i2v"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

@@ -152,6 +152,8 @@ def _denoiser_of_the_pairs(model_dir, data, folder) -> str:
 # -0.59 -> 3.69. Why: with an eps target, chosen and rejected share their target (the noise), so the preference reaches
 # the model only through how its prediction depends on the image, which is arbitrary in a random UNet (the velocity
 # target eps - x0 itself differs by the images' difference); an artefact of the tiny model, not of the loss.
+# wan (5-frame videos, velocity target, beta 500, 60 steps) over seeds 42, 1, 2 x 1 and 2 threads: accuracy 0.977-1.0,
+# projection gain 6.2-12.4 (margins 0.25 and 3.0: the smallest gains / 1.9 and / 2.1).
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "steps", "beta", "min_accuracy", "min_shift"),
