@@ -94,23 +94,28 @@ def _dpo_args(tmp_path, **overrides):
     return DiffusionDPOConfig(**(values | overrides))
 
 
-@pytest.mark.parametrize(("scheme", "expected"), [("none", 0.676), ("logit_normal", 0.714)])
-def test_flow_dpo_draws_sigma_on_the_shifted_training_grid(tiny_model_dir, tmp_path, scheme, expected):
+@pytest.mark.parametrize(
+    ("kind", "scheme", "expected"), [("sd3", "none", 0.676), ("sd3", "logit_normal", 0.714), ("wan", "none", 0.676)]
+)
+def test_flow_dpo_draws_sigma_on_the_shifted_training_grid(tiny_model_dir, tmp_path, kind, scheme, expected):
     """SD3 trains at σ = shift(u), shift 3, as diffusers' SD3 scripts do: E[3u / (1 + 2u)] = 0.676 for u ~ U(0, 1)
-    (unshifted: 0.5), 0.714 for u = sigmoid(N(0, 1)) (unshifted: 0.5)."""
+    (unshifted: 0.5), 0.714 for u = sigmoid(N(0, 1)) (unshifted: 0.5). Wan 2.1 480p: UniPC's flow_shift 3 gives the
+    same (its scheduler's `sigmas` attribute holds VP σ up to 157, which the trainer once drew from)."""
     from trl_dance import DiffusionDPOTrainer
-    from trl_dance.testing import tiny_preference_dataset
+    from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_preference_dataset
 
+    video = {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
     trainer = DiffusionDPOTrainer(
-        tiny_model_dir("sd3"),
-        args=_dpo_args(tmp_path, weighting_scheme=scheme),
-        train_dataset=tiny_preference_dataset("sd3", 4),
+        tiny_model_dir(kind),
+        args=_dpo_args(tmp_path, weighting_scheme=scheme, **video),
+        train_dataset=tiny_preference_dataset(kind, 4),
     )
     latents = torch.zeros(2 * 20000, 4, 2, 2)
-    _, _, timesteps = trainer._noised(latents, *trainer._draw(latents[::2].shape, trainer._noise_generator, "cpu"))
+    pairs = trainer.pairs
+    _, _, timesteps = pairs.noised(latents, *pairs.draw(latents[::2].shape, trainer._noise_generator, "cpu"))
     sigma = timesteps[0::2] / 1000
     assert torch.equal(timesteps[0::2], timesteps[1::2])  # one σ per pair
-    assert abs(sigma.mean().item() - expected) < 0.01
+    assert abs(sigma.mean().item() - expected) < 0.01 and sigma.max() <= 1
 
 
 @pytest.mark.parametrize("trainer_kind", ["dpo", "grpo"])

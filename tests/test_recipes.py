@@ -153,14 +153,16 @@ def test_tiny_image_conditioned_recipe_reads_image_paths(tmp_path, kind, script,
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 
-def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(("kind", "config", "strip"), [("sd3", "dpo_sd3_tiny", 1), ("wan", "dpo_wan_tiny", 4)])
+def test_tiny_dpo_recipe_runs_from_yaml(tmp_path, kind, config, strip):
+    """Image pairs (SD3) and video pairs (Wan, lists of frames saved with save_to_disk) through the real script."""
     from trl_dance.testing import main as testing_main
 
-    testing_main(["sd3", str(tmp_path / "tiny-sd3"), "--preferences", str(tmp_path / "prefs")])
+    testing_main([kind, str(tmp_path / "tiny"), "--preferences", str(tmp_path / "prefs")])
     result = _run_recipe(
         "dpo",
-        "dpo_sd3_tiny",
-        "--model_name_or_path", str(tmp_path / "tiny-sd3"), "--dataset_name", str(tmp_path / "prefs"),
+        config,
+        "--model_name_or_path", str(tmp_path / "tiny"), "--dataset_name", str(tmp_path / "prefs"),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1",
         "--sample_prompts", "a cat", "a dog", "--sample_steps", "3",
         # as the real DPO configs load data: in persistent worker processes
@@ -169,7 +171,7 @@ def test_tiny_dpo_recipe_runs_from_yaml(tiny_model_dir, tmp_path):
     assert "implicit accuracy: first log" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "implicit_accuracy.png", "samples.png", "image_1.png"):
         assert (tmp_path / "out" / name).exists(), name
-    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * 128 + 6, 2 * 128 + 6 + 30)
+    assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * strip * 128 + 6, 2 * 128 + 6 + 30)
 
 
 def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):

@@ -131,7 +131,8 @@ def test_video_configuration_errors(tiny_model_dir, tmp_path):
         tiny_grpo_config(tmp_path, video_reward_frames=0)
     dpo_args = DiffusionDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32)
     pairs = Dataset.from_dict({"prompt": ["a"], "chosen": [None], "rejected": [None]})
-    with pytest.raises(ValueError, match="learns from image pairs; WanPipeline generates videos"):
+    # Video DPO clips default to Wan's 81 frames, more than the tiny transformer's rotary table: named, with the fix.
+    with pytest.raises(ValueError, match=r"num_frames=81 gives 41 latent patches .* use a smaller num_frames"):
         DiffusionDPOTrainer(tiny_model_dir("wan"), args=dpo_args, train_dataset=pairs)
 
 

@@ -98,23 +98,22 @@ def main(
 
 def _samples(trainer: DiffusionDPOTrainer, script_args: ScriptArguments):
     """The pipeline's own samples of ``sample_prompts`` with the current denoiser (its LoRA, if any, on), fixed seeds;
-    (B, 3, H, W) in [0, 1], or None without prompts."""
+    (B, 3, H, W) in [0, 1] (videos: (B, F, 3, H, W) of the trained clip length), or None without prompts."""
     if not script_args.sample_prompts:
         return None
-    resolution = trainer.args.resolution
+    resolution, policy = trainer.args.resolution, trainer.policy
+    video = {"num_frames": policy.settings.num_frames} if policy.is_video else {}
     with torch.no_grad():
-        return (
-            trainer.policy.pipeline(
-                script_args.sample_prompts,
-                num_inference_steps=script_args.sample_steps,
-                height=resolution,
-                width=resolution,
-                generator=[torch.Generator().manual_seed(i) for i in range(len(script_args.sample_prompts))],
-                output_type="pt",
-            )
-            .images.float()
-            .cpu()
+        output = policy.pipeline(
+            script_args.sample_prompts,
+            num_inference_steps=script_args.sample_steps,
+            height=resolution,
+            width=resolution,
+            generator=[torch.Generator().manual_seed(i) for i in range(len(script_args.sample_prompts))],
+            output_type="pt",
+            **video,
         )
+    return (output.frames if video else output.images).float().cpu()
 
 
 def make_parser(prog: str | None = None):
