@@ -135,7 +135,8 @@ def test_branching_equals_unbranched_sampling_and_saves_calls(tiny_model_dir, tm
 
 def test_flash_grid_and_solver(tiny_model_dir, tmp_path):
     """MixGRPO-Flash: after the window, ⌊0.4 · remaining⌋ steps on the shifted linspace to 0, solved with
-    DPM-Solver++(2M) from the last window state."""
+    DPM-Solver++(2M) from the last window state, its first step second order from the last window step's x̂0 (as
+    MixGRPO's solver continues), which a first-order start does not reproduce."""
     trainer = _trainer(
         tiny_model_dir,
         tmp_path,
@@ -157,8 +158,17 @@ def test_flash_grid_and_solver(tiny_model_dir, tmp_path):
     assert result["denoiser_calls"] == 2 * (2 + 4)
     cond = policy.encode_prompts([ROWS[0]["prompt"]] * 2)
     with torch.no_grad():
-        again = policy.solve(trainer.model, result["latents"][:, -1], cond, plan.post_window_sigmas, "dpm_solver++")
+        before, index = result["latents"][:, -2], torch.full((2,), plan.sde_end - 1)
+        x0_hat = policy.predicted_clean(policy.predict(trainer.model, before, index, cond), before, index)
+        previous = (x0_hat, policy.sigma_values[plan.sde_end - 1])
+        again = policy.solve(
+            trainer.model, result["latents"][:, -1], cond, plan.post_window_sigmas, "dpm_solver++", previous
+        )
+        first_order = policy.solve(
+            trainer.model, result["latents"][:, -1], cond, plan.post_window_sigmas, "dpm_solver++"
+        )
     torch.testing.assert_close(result["final_latents"], again, rtol=1e-5, atol=1e-5)
+    assert (result["final_latents"] - first_order).abs().max() > 1e-4
     trainer._generate_and_score(ROWS)
     assert max_ratio_deviation(trainer) < 1e-5
     trainer.create_model_card()

@@ -18,8 +18,8 @@ def spo_config(output_dir, **overrides) -> SPOConfig:
     values = tiny_online_values(output_dir) | {
         "num_generations": 1,
         "generation_batch_size": 2,  # 2 chains
-        "pool_start_step": 2,  # pools on steps 2, 3, 4 of 6: 6 pairs per round
-        "per_device_train_batch_size": 6,
+        "pool_start_step": 2,  # pools on steps 2, 3, 4 and the last, 5, of 6: 8 pairs per round
+        "per_device_train_batch_size": 8,
         "score_scale": 100.0,
         "pair_threshold": 0.0,
     }
@@ -59,7 +59,7 @@ def test_pools_share_x_t_and_log_ratio_is_zero_at_initialisation(tiny_model_dir,
     trainer = _trainer(tiny_model_dir, tmp_path, kind, eta=1.0 if kind == "sd" else 0.7)
     inputs = trainer._prepare_inputs(CHAINS)
     rollout = trainer._rollout
-    assert rollout["x_t"].shape[:2] == (2, 3) and rollout["chosen"].shape == rollout["x_t"].shape
+    assert rollout["x_t"].shape[:2] == (2, 4) and rollout["chosen"].shape == rollout["x_t"].shape
     assert rollout["keep"].all()  # threshold 0: every pool with distinct scores gives a pair
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, inputs)
@@ -71,9 +71,9 @@ def test_pools_share_x_t_and_log_ratio_is_zero_at_initialisation(tiny_model_dir,
 
 
 def test_scorer_decides_the_pairs_and_chains_continue_from_a_candidate(tiny_model_dir, tmp_path, monkeypatch):
-    """A scorer sees k·B images per pool with the timestep of the next step; one that ranks candidate 0 first and
-    candidate k − 1 last makes them the chosen and the rejected; each pool's x_t is a candidate of the previous pool
-    (the chain's random choice)."""
+    """A scorer sees k·B images per pool with the timestep of the next step (0 for the last step's clean candidates,
+    as SPO judges them); one that ranks candidate 0 first and candidate k − 1 last makes them the chosen and the
+    rejected; each pool's x_t is a candidate of the previous pool (the chain's random choice)."""
     from trl_dance.trainer import spo_trainer
 
     seen, results = [], []
@@ -91,15 +91,16 @@ def test_scorer_decides_the_pairs_and_chains_continue_from_a_candidate(tiny_mode
     monkeypatch.setattr(spo_trainer, "pooled_rollout", recording)
     trainer = _trainer(tiny_model_dir, tmp_path, step_scorer=prefer_first, pool_size=3)
     trainer._prepare_inputs(CHAINS)
-    assert [s[:2] for s in seen] == [(6, (6, 3, 32, 32))] * 3
+    assert [s[:2] for s in seen] == [(6, (6, 3, 32, 32))] * 4
     for (_, _, timesteps), step in zip(seen, (3, 4, 5)):
         assert torch.equal(timesteps, trainer.policy.model_timestep(torch.tensor([step])).expand(6))
+    assert not seen[3][2].any()  # the last step's candidates are clean samples, judged at timestep 0
     candidates, rollout = results[0]["candidates"], trainer._rollout  # (B, S, k, ...)
     assert torch.equal(rollout["chosen"], candidates[:, :, 0]) and torch.equal(
         rollout["rejected"], candidates[:, :, 2]
     )
     choices = results[0]["choices"]  # (B, S): the candidate each chain continued from
-    for s in range(2):
+    for s in range(3):
         picked = candidates[torch.arange(2), s, choices[:, s]]
         assert torch.equal(rollout["x_t"][:, s + 1], picked)
 
@@ -137,7 +138,7 @@ def test_spo_raises_the_reward_behind_the_scorer(tiny_model_dir, tmp_path, kind,
         tmp_path,
         generation_batch_size=8,
         per_device_train_batch_size=8,
-        gradient_accumulation_steps=3,  # 8 chains × 3 pools / 8: one update per round
+        gradient_accumulation_steps=4,  # 8 chains × 4 pools / 8: one update per round
         eta=eta,
         max_steps=30,
         learning_rate=3e-2,

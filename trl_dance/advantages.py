@@ -111,10 +111,16 @@ def nan_std(values: torch.Tensor, dim: int | None = None, keepdim: bool = False)
 
 
 def normalized_reward_sum(
-    rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, clip: float | None = 5.0, epsilon: float = 1e-4
+    rewards: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    clip: float | None = 5.0,
+    epsilon: float = 1e-4,
+    renormalize: bool = True,
 ) -> torch.Tensor:
     """GDPO / TRL's ``normalize_then_sum``: each reward normalised in its group, weighted and summed, then normalised
-    over the batch.
+    over the batch; with ``renormalize=False`` the weighted sum itself (MixGRPO's ``advantage_aggr``, DanceGRPO's
+    video VQ + MQ advantages).
 
     Args:
         rewards: (B, F) rewards of the F reward functions, groups contiguous (``[k·G, (k+1)·G)``); NaN where a
@@ -133,7 +139,7 @@ def normalized_reward_sum(
     # A reward's abstentions (NaN) are left out of its group statistics and of the sum, as in TRL.
     normalized = (grouped - grouped.nanmean(dim=1, keepdim=True)) / (nan_std(grouped, dim=1, keepdim=True) + epsilon)
     total = (normalized.view(-1, rewards.shape[1]) * weights.to(normalized)).nansum(dim=1)
-    advantages = (total - total.mean()) / (total.std() + epsilon)
+    advantages = (total - total.mean()) / (total.std() + epsilon) if renormalize else total
     return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 

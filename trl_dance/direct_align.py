@@ -56,6 +56,11 @@ def shifted_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
+def draw_positions(count: int, generator: torch.Generator, length: int = 1000) -> torch.Tensor:
+    """SRPO's ``random.randint(5, length − 5)`` per item (both ends included): (count,) long positions in the table."""
+    return torch.randint(5, length - 4, (count,), generator=generator)
+
+
 def direct_align_levels(
     mid: torch.Tensor,
     inversion: torch.Tensor,

@@ -149,7 +149,8 @@ def dgpo_loss(
     """
     delta = (error - reference_error).detach()
     count = torch.bincount(groups, minlength=num_groups).clamp_min(1)
-    sums = torch.zeros(num_groups, device=error.device).index_add_(0, groups, advantages.float() * delta)
+    product = advantages.to(delta.dtype) * delta  # float32, or float64 for float64 models
+    sums = torch.zeros(num_groups, device=error.device, dtype=product.dtype).index_add_(0, groups, product)
     weight = torch.sigmoid(beta * sums / count)
     return weight[groups] * advantages * error
 

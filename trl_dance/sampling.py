@@ -190,7 +190,7 @@ def rollout(
         calls += len(reps) * plan.sde_start
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
-    stored, log_probs, means = [], [], []
+    stored, log_probs, means, previous = [], [], [], None
     end = plan.num_steps if plan.post_window_sigmas is None else plan.sde_end
     for i in range(start, end):
         if i == plan.sde_start:
@@ -203,6 +203,9 @@ def rollout(
         result = policy.step(
             output, latents, step_index, noise=noise[i], compute_log_prob=window, noise_level=None if noisy else 0.0
         )
+        if i == end - 1 and plan.post_window_solver == "dpm_solver++" and plan.post_window_sigmas is not None:
+            # DPM-Solver++(2M)'s first step after the window is second order, from this step's x̂0.
+            previous = (policy.predicted_clean(output, latents, step_index), policy.sigma_values[i])
         latents = result.prev_sample
         if window:
             stored.append(latents)
@@ -210,7 +213,7 @@ def rollout(
             if keep_means:
                 means.append(result.mean)
     if plan.post_window_sigmas is not None:
-        latents = policy.solve(model, latents, cond, plan.post_window_sigmas, plan.post_window_solver)
+        latents = policy.solve(model, latents, cond, plan.post_window_sigmas, plan.post_window_solver, previous)
         calls += batch * (len(plan.post_window_sigmas) - 1)
 
     out = {"final_latents": latents, "denoiser_calls": calls}

@@ -356,6 +356,7 @@ class DiffusionPolicy(ABC):
         cond: Conditioning,
         sigmas: tuple[float, ...],
         solver: str = "ode",
+        previous: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Deterministically solve from ``sigmas[0]`` down the given grid (MixGRPO-Flash's compressed steps after the
         SDE window); flow-matching policies only."""

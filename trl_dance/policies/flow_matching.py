@@ -24,6 +24,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             self.sigmas = flow_match_sigmas(scheduler)
         else:
             raise ValueError(f"sigma_schedule must be 'dance' or 'pipeline', got {settings.sigma_schedule!r}")
+        self.sigma_values = tuple(self.sigmas.tolist())  # host copy: samplers read σ_i without a device read
 
     def _scheduler_kwargs(self) -> dict:
         """Extra ``set_timesteps`` arguments of the family (FLUX's resolution-dependent shift ``mu``)."""
@@ -83,12 +84,15 @@ class FlowMatchingPolicy(DiffusionPolicy):
         cond: Conditioning,
         sigmas: tuple[float, ...],
         solver: str = "ode",
+        previous: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Deterministic steps along ``sigmas`` (from the current σ down to 0): ``"ode"`` the Euler step,
-        ``"dpm_solver++"`` DPM-Solver++(2M) (:func:`~trl_dance.sde.flow_dpm_solver_step`). Returns float32 latents."""
+        ``"dpm_solver++"`` DPM-Solver++(2M) (:func:`~trl_dance.sde.flow_dpm_solver_step`), whose first step is second
+        order when ``previous`` = (x̂0, σ) of the step that reached ``latents`` is given (MixGRPO-Flash continues from
+        the last SDE step's x̂0). Returns float32 latents."""
         if solver not in ("ode", "dpm_solver++"):
             raise ValueError(f"solver must be 'ode' or 'dpm_solver++', got {solver!r}")
-        previous, latents = None, latents.float()
+        latents = latents.float()
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
             velocity = self.predict_at_sigma(model, latents, sigma, cond)
             if solver == "ode":

@@ -102,6 +102,27 @@ def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
     )
 
 
+def resolve_reward_funcs(
+    reward_funcs: RewardFunc | str | Sequence[RewardFunc | str], reward_kwargs: dict[str, dict[str, Any]] | None = None
+) -> list[RewardFunc]:
+    """A trainer's ``reward_funcs`` (one reward or a list, as :func:`get_reward_function` takes them) as a list of
+    callables; ``reward_kwargs`` gives registered names their constructor arguments."""
+    reward_kwargs = reward_kwargs or {}
+    if reward_funcs is None or (
+        isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
+    ):
+        raise ValueError("at least one reward function is required")
+    if isinstance(reward_funcs, str) or callable(reward_funcs):
+        reward_funcs = [reward_funcs]
+    unused = set(reward_kwargs) - {func for func in reward_funcs if isinstance(func, str)}
+    if unused:
+        raise ValueError(f"reward_kwargs names rewards that are not in reward_funcs: {sorted(unused)}")
+    return [
+        get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
+        for func in reward_funcs
+    ]
+
+
 def registered_rewards() -> list[str]:
     """Names accepted by :func:`get_reward_function` and in ``reward_funcs`` of a config."""
     return sorted(_registry())

@@ -25,6 +25,9 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
     ``generation_batch_size / num_processes`` samples per round, so a round has ``steps_per_generation =
     (trained samples per process) · K / per_device_train_batch_size`` micro-batches, each consumed by one
     ``training_step``, and ``steps_per_generation · num_iterations / gradient_accumulation_steps`` optimizer updates.
+    Left unset, ``gradient_accumulation_steps`` is the smallest divisor of a round's micro-batches that gives at most
+    3 updates per round (DanceGRPO's FLUX recipe: 12 samples × 9 transitions, 36 per update); a value given must
+    divide them.
 
     Parameters:
         > SDE sampling
@@ -74,21 +77,23 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
         kl_scaling (`str`, defaults to `"gaussian"`): Units of the KL term, mean((μ_θ − μ_ref)²) over the latent
             divided by: `"gaussian"`, 2·std² with std the step's standard deviation (the exact KL between the two
             steps' Gaussians); `"flow_grpo"`, 2·s² with s the SDE's diffusion coefficient (std = s·√Δ), i.e. the
-            exact KL times Δ = σ_i − σ_{i+1}, as Flow-GRPO computes it, so its β (0.01–0.04) transfers. Flow models
-            only.
-        timestep_fraction (`float`, defaults to `0.6`): Fraction of the trainable steps (the first N−1, or the SDE
-            window) trained per sample; the last step is never trained.
+            exact KL times Δ = σ_i − σ_{i+1}, as Flow-GRPO computes it, so its β (0.01–0.04) transfers. With
+            `sde_type="cps"` both are the exact KL: CPS's std is already the step's own, and Flow-GRPO divides by its
+            square. Flow models only.
+        timestep_fraction (`float` or `None`, defaults to `None`): Fraction of the trainable steps (the first N−1, or
+            the SDE window) trained per sample; the last step is never trained. `None`: 0.6 of the first N−1 steps
+            (DanceGRPO) and, with an SDE window, every window step (Flow-GRPO-Fast and MixGRPO train their whole
+            window).
         timestep_selection (`str`, defaults to `"random"`): Which of them: `"random"`, drawn per sample (DanceGRPO);
             `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %").
         best_of_n_k (`int` or `None`, defaults to `None`): Train only the k highest and the k lowest advantages of
             each group (DanceGRPO's video recipe: 4 + 4 of 24); every process must hold whole groups. `None`: all.
     """
 
+    updates_per_round = 3  # DanceGRPO's FLUX recipe: 12 samples × 9 transitions in 3 updates
+
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "Transitions (denoising steps) per micro-batch per process."}
-    )
-    gradient_accumulation_steps: int = field(
-        default=36, metadata={"help": "Micro-batches per optimizer update (default: 3 updates per 12×9 transitions)."}
     )
     sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
     eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
@@ -132,8 +137,9 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
             "choices": ["gaussian", "flow_grpo"],
         },
     )
-    timestep_fraction: float = field(
-        default=0.6, metadata={"help": "Fraction of the trainable steps (first N-1, or the window) trained."}
+    timestep_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Fraction of the trainable steps trained (None: 0.6, or 1 with an SDE window)."},
     )
     timestep_selection: str = field(
         default="random",
@@ -150,6 +156,8 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
         _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
         _choice("timestep_selection", self.timestep_selection, ("random", "first", "last"))
+        if self.timestep_fraction is None:
+            self.timestep_fraction = 0.6 if self.sde_window_size is None else 1.0
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if self.eta <= 0:

@@ -168,7 +168,7 @@ class DanceGRPOTrainer(OnlineDiffusionTrainer):
             ref_mean = self._reference_mean(model, inputs)
             dims = tuple(range(1, step.mean.ndim))
             kl = ((step.mean - ref_mean) ** 2).mean(dim=dims) / (2 * step.std**2)
-            if self.args.kl_scaling == "flow_grpo":
+            if self.args.kl_scaling == "flow_grpo" and self.args.sde_type != "cps":  # CPS: std is the step's own
                 kl = kl * self._delta_sigma(step_index)
             per_transition = per_transition + self.args.beta * kl
             self._record("kl", kl)

@@ -22,7 +22,8 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     Units. Rollouts store one clean latent per sample. Each sample gives ``K = max(1, ⌊N · timestep_fraction⌋)``
     *training items*: the sample re-noised, with fresh noise, to K distinct noise levels of the rollout's grid.
     ``per_device_train_batch_size`` counts items; a round has ``samples per process · K / per_device_train_batch_size``
-    micro-batches.
+    micro-batches. Left unset, ``gradient_accumulation_steps`` is all of them: one optimizer update per round, as
+    the paper's recipes (two for OCR).
 
     Parameters:
         > Rollouts
@@ -60,12 +61,10 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     """
 
     # Overridden defaults (DiffusionNFT's SD3.5-M recipe).
+    updates_per_round = 1  # the paper's gradient_step_per_epoch (2 for OCR)
     learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (DiffusionNFT LoRA: 3e-4)."})
     per_device_train_batch_size: int = field(
         default=9, metadata={"help": "Training items (re-noised samples) per micro-batch per process."}
-    )
-    gradient_accumulation_steps: int = field(
-        default=24, metadata={"help": "Micro-batches per optimizer update (default: 1 update per 24 samples × 9)."}
     )
     num_generations: int = field(default=24, metadata={"help": "Samples per prompt (group size G)."})
     num_inference_steps: int = field(default=10, metadata={"help": "Denoising steps N of the rollouts."})

@@ -19,13 +19,28 @@ class DirectRewardConfig(OnlineDiffusionConfig):
     each sample gives training items whose loss
     backpropagates a reward through the VAE decoder into the denoiser. Generation, reward and model fields:
     [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`] (`num_generations` may be 1: no groups are formed).
-    Defaults follow SRPO's FLUX.1-dev recipe (lr 5e-6, grad-norm clip 0.1, weight decay 1e-4, 25 rollout steps with
-    shift 3, guidance 1).
+    Defaults follow SRPO's FLUX.1-dev recipe (lr 5e-6, grad-norm clip 0.1, weight decay 1e-4, 25 deterministic rollout
+    steps with shift 3 at guidance 1); SRPO trains the Direct-Align forwards at FLUX's guidance 3.5, which
+    `srpo_flux.yaml` sets with `train_guidance_scale` (a default of 3.5 would turn CFG on for SD models).
+
+    Reward scales. The loss sees each reward times a scale (`reward_scales`): SRPO's own for the rewards it
+    publishes (`hpsv2` 1, its cosine; `pickscore` and `clip_score` 1/20, "to make the score scope comparable with
+    HPS"; `brightness` 1, already in [0, 1]); every other reward f is centred and scaled by its first round's rollout
+    statistics, s·(f − μ₀) with s = 0.02/σ₀ (HPS v2.1's spread over FLUX samples), so the hinge ReLU(0.7 − r) stays
+    active and the learning rate means the same whatever the reward's units. The metric
+    `direct_align/hinge_active` is the fraction of items with a gradient; a round without any is reported (see
+    `max_idle_rounds`).
 
     Parameters:
         eta (`float`, defaults to `0.0`): Noise level of the rollouts' SDE (DanceGRPO's; DDIM η for ε models) on all
-            but the last step; 0: the deterministic sampler. SRPO samples with 0.3. Direct-Align re-noises the sample
-            with its initial ε either way; DRaFT reruns the deterministic sampler.
+            but the last step; 0: the deterministic sampler, which is what SRPO's released code samples with (its
+            scripts pass η 0.3, which its `flux_step` ignores). Direct-Align re-noises the sample with its initial ε
+            either way; DRaFT reruns the deterministic sampler.
+        train_guidance_scale (`float` or `None`, defaults to `None`): The guidance of the forwards with gradients
+            (Direct-Align's step, DRaFT's rerun steps); `None`: `guidance_scale`. SRPO rolls out at guidance 1 and
+            trains FLUX's guidance embedding at 3.5.
+        reward_scales (`list[float]` or `None`, defaults to `None`): One multiplier per reward for the loss; `None`:
+            automatic, see "Reward scales" above.
         method (`str`, defaults to `"direct_align"`): `"direct_align"` (SRPO): the sample re-noised with its own ε to
             σ_from, one model step with gradients to σ_to, x̂0 = (x_σto − σ_to·ε)/(1 − σ_to), loss ReLU(margin − r)
             (ε/v-prediction models: a DDIM step between the timesteps σ·(T_train − 1), x̂0 = (x_t − √(1 − ᾱ)·ε)/√ᾱ);
@@ -66,7 +81,13 @@ class DirectRewardConfig(OnlineDiffusionConfig):
     per_device_train_batch_size: int = field(default=2, metadata={"help": "Training items per micro-batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer update."})
 
-    eta: float = field(default=0.0, metadata={"help": "Rollout SDE noise level (SRPO: 0.3; 0: deterministic)."})
+    eta: float = field(default=0.0, metadata={"help": "Rollout SDE noise level (0: deterministic, as SRPO's code)."})
+    train_guidance_scale: float | None = field(
+        default=None, metadata={"help": "Guidance of the forwards with gradients (None: guidance_scale; SRPO 3.5)."}
+    )
+    reward_scales: list[float] | None = field(
+        default=None, metadata={"help": "Loss multiplier of each reward (None: SRPO's, or from the first round)."}
+    )
     method: str = field(default="direct_align", metadata={"help": "direct_align | draft.", "choices": list(METHODS)})
     direct_align_grid_steps: int = field(default=50, metadata={"help": "Steps of the schedule σ is drawn from."})
     direct_align_window: list[int] = field(
@@ -107,6 +128,8 @@ class DirectRewardConfig(OnlineDiffusionConfig):
             raise ValueError(f"draft_k must be in [1, num_inference_steps], got {self.draft_k}")
         if not (self.eta >= 0 and math.isfinite(self.eta)):
             raise ValueError(f"eta must be >= 0, got {self.eta}")
+        if self.reward_scales is not None and not all(math.isfinite(v) and v > 0 for v in self.reward_scales):
+            raise ValueError(f"reward_scales must be positive numbers, one per reward, got {self.reward_scales}")
         if not math.isfinite(self.reward_margin):
             raise ValueError(f"reward_margin must be finite, got {self.reward_margin}")
 

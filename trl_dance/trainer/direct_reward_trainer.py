@@ -8,6 +8,8 @@ the graph kept (every model reward here, and ``brightness``).
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..direct_align import (
     direct_align_levels,
+    draw_positions,
     euler_step,
     recover_x0,
     recover_x0_vp,
@@ -28,9 +31,15 @@ from ..rewards import reward_name
 from ..sampling import RolloutPlan, deterministic_step
 from ..sde import ddim_sde_step
 from .direct_reward_config import DirectRewardConfig
+from .evaluation import policy_with
 from .online_trainer import OnlineDiffusionTrainer
 
+logger = logging.getLogger(__name__)
+
 TABLE = 1000  # entries of SRPO's σ table (its `timestep_length`)
+# SRPO's published reward scales (its CLIP-family rewards divide logit_scale·cos by 20, "comparable with hps").
+PUBLISHED_SCALES = {"hpsv2": 1.0, "pickscore": 1 / 20, "clip_score": 1 / 20, "brightness": 1.0}
+DERIVED_SPREAD = 0.02  # a derived scale puts the first round's reward spread at HPS v2.1's
 
 
 class DirectRewardTrainer(OnlineDiffusionTrainer):
@@ -67,11 +76,57 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             True: torch.linspace(*args.discount_inv, TABLE),  # inversion branch
         }
         self._noise_parts: list[torch.Tensor] = []
+        # Per reward: (scale, offset) of the loss's reward, s·(f − offset); derived ones are set at the first round.
+        scales = args.reward_scales or [PUBLISHED_SCALES.get(name) for name in self.reward_names]
+        if len(scales) != len(self.reward_funcs):
+            raise ValueError(f"{len(scales)} reward_scales for {len(self.reward_funcs)} reward functions")
+        self._reward_affine: list[tuple[float, float] | None] = [None if v is None else (v, 0.0) for v in scales]
+        self._train_policy = policy_with(self.policy, guidance_scale=args.train_guidance_scale or args.guidance_scale)
+        self._srp: list[bool] | None = None  # per reward: the semantic-relative preference applies (first round)
         if args.decoder_checkpointing:  # diffusers' own, per decoder block: the peak is one block's activations
             self.policy.pipeline.vae.enable_gradient_checkpointing()
 
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        for column, affine in enumerate(self._reward_affine):  # gathered: every process derives the same
+            if affine is None:
+                values = all_rewards[:, column]
+                values = values[values.isfinite()]
+                spread = values.std().item() if len(values) > 1 else 0.0
+                if not spread > 0:
+                    raise ValueError(
+                        f"cannot derive a loss scale for reward {self.reward_names[column]!r}: its first round's "
+                        f"{len(values)} rewards have no spread; set reward_scales"
+                    )
+                self._reward_affine[column] = (DERIVED_SPREAD / spread, values.mean().item())
         return torch.zeros_like(total)  # the loss takes reward gradients, not advantages
+
+    @torch.no_grad()
+    def _reads_prompt(self, func, images: torch.Tensor) -> bool:
+        """Whether a reward's score depends on the control words (on a few of the first round's images): for one that
+        ignores its prompt, SRP's (1 + k)·r(c⁺. p) − r(c⁻. p) is just k·r, a 4–100× weaker signal, so it trains on
+        the reward itself (with a warning)."""
+        prompts, images = self._rollout["prompts"][:2], images[:2]
+        args = self.args
+        positive = func.score([f"{args.positive_words[0]}. {p}" for p in prompts], images)
+        negative = func.score([f"{args.negative_words[0]}. {p}" for p in prompts], images)
+        if torch.equal(positive, negative):
+            logger.warning(
+                f"reward {reward_name(func)!r} ignores its prompt: the semantic-relative preference would reduce it to "
+                "k·r; it is trained on the reward itself (srp applies to text-conditioned rewards)"
+            )
+            return False
+        return True
+
+    def _signal_items(self, advantages: torch.Tensor) -> None:
+        return None  # counted per micro-batch: the items whose hinge is active
+
+    def _idle_causes(self) -> tuple[str, str]:
+        return (
+            f"the hinge ReLU({self.args.reward_margin} − r) was inactive on every item (rewards above reward_margin): "
+            f"lower reward_scales (now {[a and round(a[0], 6) for a in self._reward_affine]}) or raise reward_margin",
+            "the reward's gradient was exactly zero in every update: its score() must be differentiable in the "
+            "images (no rounding or thresholding of pixels)",
+        )
 
     # ----------------------------------------------------------------------------------------------------------
     # Rounds: samples from known noise
@@ -90,13 +145,15 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         at the same position (Direct-Align), or one item (DRaFT); micro-batches in a fresh order each iteration."""
         args = self.args
         self._rollout |= {"x0": rollout["final_latents"], "noise": torch.cat(self._noise_parts)}
+        if self._srp is None:
+            self._srp = [args.srp and self._reads_prompt(func, rollout["images"]) for func in self.reward_funcs]
         self._noise_parts = []
         samples = len(advantages)
         branches = 2 if args.method == "direct_align" and args.inversion else 1
         items = []
         for _ in range(args.num_iterations):
             order = torch.randperm(samples, generator=self._cpu_generator)
-            mid = torch.randint(5, TABLE - 5, (samples,), generator=self._cpu_generator)  # SRPO's draw
+            mid = draw_positions(samples, self._cpu_generator, TABLE)
             sample = order.repeat_interleave(branches)
             inversion = torch.tensor([bool(b) for b in range(branches)] * samples)
             position = mid[order].repeat_interleave(branches)
@@ -141,7 +198,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
         """Direct-Align's x̂0 (B, ...) from ``latents`` at noise level ``level_from`` (B,): one deterministic model step
         to ``level_to`` (B,) (flow: Euler; VP: DDIM η = 0), then the clean latents recovered with the known ε;
         differentiable in the model (and ``latents``)."""
-        policy = self.policy
+        policy = self._train_policy
         if isinstance(policy, FlowMatchingPolicy):
             velocity = policy.predict_at(model, latents, policy.timestep_from_sigma(level_from), cond)
             return recover_x0(euler_step(latents, velocity.to(latents.dtype), level_from, level_to), noise, level_to)
@@ -157,12 +214,13 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
     def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
         """DRaFT-K: the sampler's first N − K deterministic steps without gradients from ε, its last K with (each
         step checkpointed with ``decoder_checkpointing``); the clean latents (B, ...)."""
-        steps, latents = self.policy.num_steps, noise
+        policy = self._train_policy
+        steps, latents = policy.num_steps, noise
         with torch.no_grad():
             for i in range(steps - k):
-                latents = deterministic_step(self.policy, model, latents, i, cond)
+                latents = deterministic_step(policy, model, latents, i, cond)
         for i in range(steps - k, steps):
-            step = lambda x, i=i: deterministic_step(self.policy, model, x, i, cond)  # noqa: E731
+            step = lambda x, i=i: deterministic_step(policy, model, x, i, cond)  # noqa: E731
             latents = (
                 checkpoint(step, latents, use_reentrant=False) if self.args.decoder_checkpointing else step(latents)
             )
@@ -176,21 +234,24 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
     def item_rewards(
         self, images: torch.Tensor, prompts: list[str], inversion: torch.Tensor, position
     ) -> torch.Tensor:
-        """(B,) the weighted differentiable reward of each item: SRPO's semantic-relative preference (control words
-        swapped on the inversion branch), or the reward itself (negated on the inversion branch)."""
+        """(B,) the weighted differentiable reward of each item, each reward f as s·(f − offset) (the reward scales):
+        SRPO's semantic-relative preference (control words swapped on the inversion branch), or the reward itself
+        (negated on the inversion branch)."""
         args, step = self.args, self.state.global_step
         sign = 1 - 2 * inversion.to(images.device, torch.float32)  # +1 denoise, −1 inversion
         total = torch.zeros(len(prompts), device=images.device, dtype=images.dtype)
-        for func, weight in zip(self.reward_funcs, self.reward_weights.tolist()):
-            if args.srp:
+        weights = self.reward_weights.tolist()
+        for column, (func, weight, (scale, offset)) in enumerate(zip(self.reward_funcs, weights, self._reward_affine)):
+            func = functools.partial(_affine_score, func.score, scale, offset)
+            if args.srp if self._srp is None else self._srp[column]:
                 positive = args.positive_words[step % len(args.positive_words)]
                 negative = args.negative_words[step % len(args.negative_words)]
                 discount = torch.where(inversion, self._discount[True][position], self._discount[False][position]).to(
                     images.device
                 )
-                value = semantic_relative_reward(func.score, prompts, images, positive, negative, discount, inversion)
+                value = semantic_relative_reward(func, prompts, images, positive, negative, discount, inversion)
             else:
-                value = sign * func.score(prompts, images)
+                value = sign * func(prompts, images)
             total = total + weight * value.to(total.dtype)
         return total
 
@@ -201,6 +262,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             latents = self.draft_latents(model, noise, cond, inputs["draft_k"])
             reward = self.item_rewards(self.decode(latents), inputs["prompts"], inputs["inversion"], None)
             loss = -reward.mean()
+            self.training_signal.add_items(self.args.world_size * len(reward))
             self._record("draft/k", torch.tensor([float(inputs["draft_k"])], device=device))
         else:
             sigma_from, sigma_to, m = direct_align_levels(
@@ -211,6 +273,9 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             clean = self.clean_latents(model, latents, noise, sigma_from, sigma_to, cond)
             reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
             loss = torch.relu(args.reward_margin - reward).mean()
+            active = (reward.detach() < args.reward_margin).float()
+            self.training_signal.add_items(self.accelerator.gather(active.sum().reshape(1)).sum())
+            self._record("direct_align/hinge_active", active)
             self._record("direct_align/sigma", sigma_from)
         self._record("direct_reward/reward", reward.detach())
         return (loss, reward) if return_outputs else loss
@@ -227,6 +292,18 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
                 f"{args.shift}), inversion branch {'on' if args.inversion else 'off'}, SRP {'on' if args.srp else 'off'}"
             )
         return super()._model_card_details() | {"method": method}
+
+    def _resume_state(self) -> dict[str, Any]:
+        return super()._resume_state() | {"reward_affine": self._reward_affine, "srp": self._srp}
+
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
+        super()._restore_resume_state(state)
+        self._reward_affine = state.get("reward_affine", self._reward_affine)
+        self._srp = state.get("srp", self._srp)
+
+
+def _affine_score(score, scale: float, offset: float, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+    return scale * (score(prompts, images) - offset)
 
 
 __all__ = ["DirectRewardTrainer"]

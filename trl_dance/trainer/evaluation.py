@@ -59,19 +59,22 @@ def pipeline_call_defaults(pipeline: DiffusionPipeline) -> dict[str, Any]:
 
 def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defaults: Any) -> DiffusionPolicy:
     """The sampler of evaluation: ``policy``'s settings with ``defaults`` (SamplerSettings fields) and then the config's
-    ``eval_*`` values where set; ``policy`` itself when nothing changes. A second policy on the same pipeline holds
-    no weights of its own."""
+    ``eval_*`` values where set; ``policy`` itself when nothing changes."""
     given = {
         "num_inference_steps": args.eval_num_inference_steps,
         "guidance_scale": args.eval_guidance_scale,
         "negative_prompt": args.eval_negative_prompt,
     }
-    settings = dataclasses.replace(
-        policy.settings, **(defaults | {name: value for name, value in given.items() if value is not None})
-    )
+    return policy_with(policy, **(defaults | {name: value for name, value in given.items() if value is not None}))
+
+
+def policy_with(policy: DiffusionPolicy, **changes: Any) -> DiffusionPolicy:
+    """``policy`` with some SamplerSettings ``changes``: a second policy on the same pipeline (it holds no weights of
+    its own), or ``policy`` itself when nothing changes."""
+    settings = dataclasses.replace(policy.settings, **changes)
     if settings == policy.settings:
         return policy
-    evaluation = make_policy(policy.pipeline, settings)
-    evaluation.offload_text_encoders = policy.offload_text_encoders
-    evaluation.offload_frozen_expert = policy.offload_frozen_expert
-    return evaluation
+    other = make_policy(policy.pipeline, settings)
+    other.offload_text_encoders = policy.offload_text_encoders
+    other.offload_frozen_expert = policy.offload_frozen_expert
+    return other

@@ -2,7 +2,7 @@
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
@@ -10,7 +10,7 @@ from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_then_sum")
 
 
 @dataclass
@@ -57,13 +57,19 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
 
         > Rewards, advantages, training
 
+        gradient_accumulation_steps (`int` or `None`, defaults to `None`): Micro-batches per optimizer update; it
+            must divide a round's `steps_per_generation · num_iterations` micro-batches (an update never mixes two
+            rounds). `None`: the smallest divisor giving at most the method's documented updates per round
+            (DanceGRPO 3, DiffusionNFT 1; one update per micro-batch for the others).
         num_iterations (`int`, defaults to `1`): Passes over each round's training items (μ in GRPO).
         beta (`float`, defaults to `0.0`): KL coefficient to the reference (the model with LoRA disabled, or a
             frozen copy for full fine-tuning). 0 disables the KL term and its extra forward pass.
         multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`): As in TRL. `"sum_then_normalize"`:
             the weighted sum of the rewards, then the advantage statistics of `scale_rewards`;
             `"normalize_then_sum"` (GDPO): each reward normalised in its group (std + 1e-4), weighted and summed,
-            then normalised over the batch.
+            then normalised over the batch (TRL's; not MixGRPO's, which does not renormalise);
+            `"group_normalize_then_sum"`: each reward normalised in its group (std + 1e-8), weighted and summed, no
+            renormalisation (MixGRPO's `advantage_aggr`, DanceGRPO's video VQ + MQ advantages).
         scale_rewards (`str` or `bool`, defaults to `"group"`): Advantage statistics (TRL's `True` is `"group"`, `False`
             `"none"`). `"group"`: group mean and std
             (DanceGRPO); `"batch"`: group mean, batch std (Flow-GRPO); `"none"`: group mean only; `"per_prompt"`:
@@ -86,6 +92,10 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
             `num_completions_to_log` rollout images captioned with prompt and reward, and a histogram of the round's
             rewards, to the `report_to` trackers (TensorBoard, W&B, trackio). `0`: never.
         num_completions_to_log (`int`, defaults to `8`): Images per logging.
+        max_idle_rounds (`int`, defaults to `3`): A round in which no training item can contribute a gradient (every
+            advantage zero, every pair masked, every hinge inactive) or every update's gradient is exactly zero logs a
+            warning naming the cause and the field to change; this many such rounds in a row stop training with it.
+            0: warn only.
         reward_worker_thread (`bool`, defaults to `True`): Score each rollout chunk in a worker thread while the
             next chunk is denoised (with `rollout_batch_size` smaller than the local batch); results are identical.
 
@@ -109,6 +119,9 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
     """
 
     min_generations = 2  # group statistics need two samples; a method without advantages lowers it
+    # With gradient_accumulation_steps unset: at most this many optimizer updates per round, as many as divide the
+    # round's micro-batches (None: one update per micro-batch). Each method documents its own.
+    updates_per_round: ClassVar[int | None] = None
 
     _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
 
@@ -124,8 +137,9 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "Training items (GRPO: transitions) per micro-batch per process."}
     )
-    gradient_accumulation_steps: int = field(
-        default=36, metadata={"help": "Micro-batches per optimizer update (default: 3 updates per 12×9 transitions)."}
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata={"help": "Micro-batches per optimizer update (None: derived, see `updates_per_round`)."},
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer updates."})
     gradient_checkpointing: bool | None = field(
@@ -189,8 +203,8 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
         metadata={
-            "help": "sum_then_normalize | normalize_then_sum (GDPO).",
-            "choices": ["sum_then_normalize", "normalize_then_sum"],
+            "help": "sum_then_normalize | normalize_then_sum (GDPO) | group_normalize_then_sum (MixGRPO).",
+            "choices": list(AGGREGATIONS),
         },
     )
     video_reward_frames: int | None = field(
@@ -203,6 +217,9 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
         default=0, metadata={"help": "Log rollout images and a reward histogram every this many steps (0: never)."}
     )
     num_completions_to_log: int = field(default=8, metadata={"help": "Images per rollout logging."})
+    max_idle_rounds: int = field(
+        default=3, metadata={"help": "Rounds in a row that train nothing before training stops (0: warn only)."}
+    )
     reward_worker_thread: bool = field(
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
@@ -238,15 +255,16 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
         for name, value, ok, bound in (
             ("beta", self.beta, self.beta >= 0, ">= 0"),
             ("num_iterations", self.num_iterations, self.num_iterations >= 1, ">= 1"),
+            ("max_idle_rounds", self.max_idle_rounds, self.max_idle_rounds >= 0, ">= 0"),
             ("height", self.height, self.height > 0, "> 0"),
             ("width", self.width, self.width > 0, "> 0"),
             ("num_frames", self.num_frames, self.num_frames is None or self.num_frames > 0, "> 0 (or None)"),
         ):
             if not ok or not math.isfinite(value or 0):
                 raise ValueError(f"{name} must be {bound}, got {value}")
-        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards == "per_prompt":
+        if self.multi_objective_aggregation != "sum_then_normalize" and self.scale_rewards == "per_prompt":
             raise ValueError(
-                "multi_objective_aggregation='normalize_then_sum' normalises each reward in its group; "
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} normalises each reward in its group; "
                 "scale_rewards='per_prompt' has no groups. Use one or the other"
             )
         if self.video_reward_frames is not None and self.video_reward_frames < 1:
@@ -274,7 +292,8 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
         if items % self.per_device_train_batch_size:
             raise ValueError(
                 f"each process trains {description} per round, which per_device_train_batch_size "
-                f"({self.per_device_train_batch_size}) must divide"
+                f"({self.per_device_train_batch_size}) must divide: set per_device_train_batch_size to one of "
+                f"{_divisors(items)}, or change generation_batch_size"
             )
         derived = items // self.per_device_train_batch_size
         if self.steps_per_generation is not None and self.steps_per_generation != derived:
@@ -284,8 +303,16 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
             )
         self.steps_per_generation = derived
         round_steps = derived * self.num_iterations
+        if self.gradient_accumulation_steps is None:
+            # The fewest micro-batches per update that give at most `updates_per_round` updates.
+            most = self.updates_per_round or round_steps
+            self.gradient_accumulation_steps = next(d for d in _divisors(round_steps) if round_steps // d <= most)
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(
+                f"gradient_accumulation_steps must be >= 1 (or None), got {self.gradient_accumulation_steps}"
+            )
         if round_steps % self.gradient_accumulation_steps:
-            divisors = [d for d in range(1, round_steps + 1) if round_steps % d == 0]
+            divisors = _divisors(round_steps)
             raise ValueError(
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide the {round_steps} "
                 f"micro-batches of a round (steps_per_generation {derived} × num_iterations {self.num_iterations}): "
@@ -315,6 +342,10 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
     def per_device_generation_batch_size(self) -> int:
         """Samples each process generates per round."""
         return self.generation_batch_size // self.world_size
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -47,12 +47,23 @@ class OnlineDiffusionDPOTrainer(OnlineDiffusionTrainer):
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         return RolloutPlan.deterministic(self.policy.num_steps)
 
+    def _signal_items(self, advantages: torch.Tensor) -> None:
+        return None  # the kept pairs, counted in _plan_round
+
+    def _idle_causes(self) -> tuple[str, str]:
+        return (
+            f"every pair's reward gap was zero or below min_margin ({self.args.min_margin}): the rewards tie within "
+            "every group (check them, raise num_generations) or lower min_margin",
+            "the loss's gradient was exactly zero in every update",
+        )
+
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
         """Each prompt's best and worst sample (the process holds whole groups), then per iteration a shuffle of the
         pairs into micro-batches, each pair with a fresh noise seed (host integers: no device read)."""
         args, group = self.args, self.args.num_generations
         rewards = self._rollout["rewards"].view(-1, group)
         best, worst, keep = best_and_worst(rewards, args.min_margin)
+        self.training_signal.add_items(self.accelerator.gather(keep.sum().reshape(1)).sum())
         offsets = torch.arange(len(best), device=best.device) * group
         self._rollout |= {
             "x0": rollout["final_latents"],

@@ -25,13 +25,14 @@ from .._compat import repeat_iterable_dataset
 from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normalized_reward_sum
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
-from ..rewards import RewardFunc, get_reward_function, reward_name, score_images, weighted_reward_sum
+from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
 from .online_config import OnlineDiffusionConfig
 from .reward_metrics import RewardMetricLog
+from .training_signal import TrainingSignal
 
 
 def _identity(rows: list[dict]) -> list[dict]:
@@ -107,7 +108,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     ):
         args = self._resolve_args(model, args, self.config_class, self._name)
 
-        self.reward_funcs = self._resolve_rewards(reward_funcs, args.reward_kwargs or {})
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs or {})
         self.reward_names = [reward_name(func) for func in self.reward_funcs]
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -176,6 +177,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._next_media_step = 0
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
         self.reward_metrics = RewardMetricLog()  # the rewards' log_metric
+        self.training_signal = TrainingSignal(args.max_idle_rounds)
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
@@ -212,24 +214,23 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     def _microbatch(self, plan) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _signal_items(self, advantages: torch.Tensor) -> torch.Tensor | None:
+        """How many of the round's samples can carry a gradient, from all processes' advantages (``None``: the method
+        counts its items into ``training_signal`` itself, the same count on every process)."""
+        return (advantages != 0).sum() if self.args.beta == 0 else None
+
+    def _idle_causes(self) -> tuple[str, str]:
+        """Why a round trained nothing: (no item could contribute, every update's gradient was zero), each naming
+        what to change."""
+        return (
+            "every advantage is zero: each group's rewards are equal (frac_reward_zero_std 1). Check that the rewards "
+            "vary between samples of a prompt; raise num_generations or the sampling noise",
+            "the gradient was exactly zero in every optimizer update; check that the loss depends on the trained "
+            "parameters",
+        )
+
     # ----------------------------------------------------------------------------------------------------------
     # Construction checks
-
-    @staticmethod
-    def _resolve_rewards(reward_funcs, reward_kwargs: dict[str, dict[str, Any]]) -> list[RewardFunc]:
-        if reward_funcs is None or (
-            isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
-        ):
-            raise ValueError("at least one reward function is required")
-        if isinstance(reward_funcs, str) or callable(reward_funcs):
-            reward_funcs = [reward_funcs]
-        unused = set(reward_kwargs) - {func for func in reward_funcs if isinstance(func, str)}
-        if unused:
-            raise ValueError(f"reward_kwargs names rewards that are not in reward_funcs: {sorted(unused)}")
-        return [
-            get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
-            for func in reward_funcs
-        ]
 
     @classmethod
     def _check_dataset(cls, dataset: Dataset | None, args: OnlineDiffusionConfig) -> None:
@@ -367,8 +368,17 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         generators = [torch.Generator().manual_seed(mix_seed(seed, i)) for i in range(len(prompts))]
         return self.sample(prompts, generators, model=self.model, columns=columns)["images"]
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.training_signal.add_grad_norm(grad_norm)
+        return grad_norm
+
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
+        if self._generation_round > 0 and self.training_signal.end_round(
+            self._generation_round - 1, *self._idle_causes()
+        ):
+            self._metrics["idle_rounds"].append(torch.tensor(float(self.training_signal.idle_rounds)))
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         batch = len(prompts)
@@ -434,6 +444,8 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         all_advantages = self._advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
+        if (items := self._signal_items(all_advantages)) is not None:
+            self.training_signal.add_items(items)
         self._log_rollout_metrics(all_rewards, total, all_advantages, plan, calls / batch)
         self._log_rollout_media(rollout["images"], prompts, total[local], total)
 
@@ -452,10 +464,11 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """(num_processes · B,) advantages of the gathered rewards (F columns) and their weighted sum."""
         args = self.args
-        if args.multi_objective_aggregation == "normalize_then_sum":
-            epsilon = 1e-4 if args.advantage_epsilon is None else args.advantage_epsilon
+        if args.multi_objective_aggregation != "sum_then_normalize":
+            renormalize = args.multi_objective_aggregation == "normalize_then_sum"
+            epsilon = (1e-4 if renormalize else 1e-8) if args.advantage_epsilon is None else args.advantage_epsilon
             return normalized_reward_sum(
-                all_rewards, self.reward_weights, args.num_generations, args.adv_clip_max, epsilon
+                all_rewards, self.reward_weights, args.num_generations, args.adv_clip_max, epsilon, renormalize
             )
         if self.stat_tracker is not None:
             # Every process updates an identical tracker with the same global (prompt, reward) list.

@@ -19,7 +19,9 @@ class SPOConfig(OnlineDiffusionConfig):
 
     Units. Each prompt of a round is one chain; each of its pool steps gives one candidate pair, so a process holds
     ``generation_batch_size / num_processes × pool steps`` pairs per round, ``per_device_train_batch_size`` of them per
-    micro-batch. Pool steps are the trainable steps (the first N − 1) from `pool_start_step` on.
+    micro-batch. Pool steps are the steps from `pool_start_step` on, the last one included (its candidates are clean
+    samples, judged at timestep 0, as SPO's). A pair below the threshold is dropped, not reweighted: each kept pair
+    weighs 1/`per_device_train_batch_size` in its micro-batch, and kept pairs fill the round's first micro-batches.
 
     Parameters:
         > Rollouts
@@ -32,8 +34,12 @@ class SPOConfig(OnlineDiffusionConfig):
             scores (× `score_scale`) differ by more than this: tanh(score_scale · (s_best − s_worst) / 2) > threshold
             (SPO: 0.3 for SD1.5, 0.4 for SDXL, on its preference model's logits). Pairs below are masked and counted in
             `pairs/kept`.
-        score_scale (`float`, defaults to `1.0`): Multiplies the scores before that softmax; a reward in [0, 1] such as
-            `brightness` needs a large one (e.g. 100).
+        score_scale (`float` or `None`, defaults to `None`): Multiplies the scores before that softmax. `None`: 1 for
+            SPO's step-aware preference model (the threshold is tuned on its logits), and for any other scorer
+            1 / (the round's mean best-worst gap over all processes), so whatever the scorer's units a pool is kept
+            when its gap exceeds 2·atanh(`pair_threshold`) ≈ 0.62 of the mean gap (at 0.3).
+        pool_last_step (`bool`, defaults to `True`): Pool the last step too (SPO); a stochastic step without noise
+            there (`sde_type="cps"` onto σ = 0) has no pairs: set False.
         step_aware_model (`str` or `None`, defaults to `None`): SPO's step-aware preference model as the step scorer
             (:class:`~trl_dance.rewards.step_aware.StepAwarePreferenceModel`): its `.bin` file, a folder holding it, or
             a Hub repo (`SPO-Diffusion-Models/Step-Aware_Preference_Models`). `None`: the weighted `reward_funcs` on
@@ -71,7 +77,10 @@ class SPOConfig(OnlineDiffusionConfig):
     pool_size: int = field(default=4, metadata={"help": "Candidates per pool (k >= 2)."})
     pool_start_step: int = field(default=4, metadata={"help": "First step with a candidate pool."})
     pair_threshold: float = field(default=0.3, metadata={"help": "Softmax score gap a pair needs."})
-    score_scale: float = field(default=1.0, metadata={"help": "Scale of the scores inside that softmax."})
+    score_scale: float | None = field(
+        default=None, metadata={"help": "Scale of the scores inside that softmax (None: 1 / the round's mean gap)."}
+    )
+    pool_last_step: bool = field(default=True, metadata={"help": "Pool the last step too (SPO)."})
     step_aware_model: str | None = field(
         default=None, metadata={"help": "SPO's step-aware preference model (.bin, folder or Hub repo) as the scorer."}
     )
@@ -96,7 +105,7 @@ class SPOConfig(OnlineDiffusionConfig):
             raise ValueError(f"eta must be > 0: candidates of a deterministic step are identical, got {self.eta}")
         if not 0 <= self.pair_threshold < 1:
             raise ValueError(f"pair_threshold is a softmax gap in [0, 1), got {self.pair_threshold}")
-        if self.score_scale <= 0 or self.beta <= 0 or not 0 < self.epsilon < 1:
+        if (self.score_scale is not None and self.score_scale <= 0) or self.beta <= 0 or not 0 < self.epsilon < 1:
             raise ValueError(
                 f"score_scale and beta must be > 0 and epsilon in (0, 1), got {self.score_scale}, {self.beta}, "
                 f"{self.epsilon}"
@@ -104,9 +113,9 @@ class SPOConfig(OnlineDiffusionConfig):
 
     @property
     def num_pool_steps(self) -> int:
-        """Pool steps per chain (before a two-expert model's untrained steps are removed)."""
-        return self.num_inference_steps - 1 - self.pool_start_step
+        """Pool steps per chain."""
+        return self.num_inference_steps - self.pool_start_step - (0 if self.pool_last_step else 1)
 
     def _round_items(self) -> tuple[int, str]:
         chains = self.per_device_generation_batch_size
-        return chains * self.num_pool_steps, f"{chains} chains × {self.num_pool_steps} pool steps"
+        return chains * self.num_pool_steps, f"{chains} chains × {self.num_pool_steps} pool steps (pairs)"

@@ -87,14 +87,21 @@ class SPOTrainer(OnlineDiffusionTrainer):
         )
 
     def _check_policy(self, policy: DiffusionPolicy, args: SPOConfig) -> None:
-        self.pool_steps = list(range(args.pool_start_step, policy.num_steps - 1))
-        untrained = sorted(set(self.pool_steps) - set(policy.trainable_steps()))
+        self.pool_steps = list(range(args.pool_start_step, policy.num_steps - (0 if args.pool_last_step else 1)))
+        untrained = sorted(set(self.pool_steps) - set(policy.trained_denoiser_steps()))
         if untrained:
             raise ValueError(
                 f"pool steps {untrained} are served by a frozen expert; pools must be on the trained steps "
-                f"{policy.trainable_steps()}: raise pool_start_step or train the other expert"
+                f"{policy.trained_denoiser_steps()}: raise pool_start_step or train the other expert"
             )
         policy.check_schedule()
+        if args.pool_last_step:
+            last, zeros = torch.tensor([policy.num_steps - 1]), torch.zeros(1, 1)
+            if not (policy.step(zeros, zeros, last, prev_sample=zeros, compute_log_prob=False).std > 0).all():
+                raise ValueError(
+                    f"the last step has no noise (sde_type {args.sde_type!r}, noise level {args.eta}): its pool would "
+                    "give identical candidates; set pool_last_step=False"
+                )
 
     @staticmethod
     def _needs_reference(args: SPOConfig) -> bool:
@@ -102,6 +109,17 @@ class SPOTrainer(OnlineDiffusionTrainer):
 
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return torch.zeros_like(total)  # pairs come from the step scorer; the final rewards are only logged
+
+    def _signal_items(self, advantages: torch.Tensor) -> None:
+        return None  # the kept pairs, counted in _plan_round
+
+    def _idle_causes(self) -> tuple[str, str]:
+        scale = "the round's mean gap" if self.args.score_scale is None else f"score_scale {self.args.score_scale}"
+        return (
+            f"no pool passed pair_threshold {self.args.pair_threshold} (scores scaled by {scale}): every "
+            "candidate scored the same (check the step scorer) or the threshold is too high; lower pair_threshold",
+            "the loss's gradient was exactly zero in every update",
+        )
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         return RolloutPlan(self.policy.num_steps)  # only its step count is used: SPO samples pools
@@ -159,7 +177,14 @@ class SPOTrainer(OnlineDiffusionTrainer):
         scores = rollout["scores"]  # (B, S, k)
         best, worst = scores.argmax(dim=2), scores.argmin(dim=2)
         gap = scores.max(dim=2).values - scores.min(dim=2).values
-        keep = torch.tanh(args.score_scale * gap / 2) > args.pair_threshold  # SPO's softmax gap of the two
+        scale = args.score_scale
+        if scale is None:  # SPO's preference model: its own logits; any other scorer: the round's mean gap
+            from ..rewards.step_aware import StepAwarePreferenceModel
+
+            mean_gap = self.accelerator.gather(gap.flatten()).mean()
+            scale = 1.0 if isinstance(self.step_scorer, StepAwarePreferenceModel) else 1 / mean_gap.clamp_min(1e-30)
+        keep = torch.tanh(scale * gap / 2) > args.pair_threshold  # SPO's softmax gap of the two
+        self.training_signal.add_items(self.accelerator.gather(keep.sum().reshape(1)).sum())
         chains, pools = scores.shape[:2]
         chain, pool = torch.arange(chains, device=scores.device)[:, None], torch.arange(pools, device=scores.device)
         candidates = rollout["candidates"]  # (B, S, k, ...)
@@ -170,9 +195,10 @@ class SPOTrainer(OnlineDiffusionTrainer):
             "keep": keep,
             "score_gap": gap,
         }
-        items = []
+        items, dropped = [], ~keep.flatten().cpu()  # read once per round
         for _ in range(args.num_iterations):
             order = torch.randperm(chains * pools, generator=self._cpu_generator)
+            order = order[dropped[order].argsort(stable=True)]  # kept pairs first, in random order
             items.extend(order.split(args.per_device_train_batch_size))
         return items
 
@@ -207,7 +233,8 @@ class SPOTrainer(OnlineDiffusionTrainer):
             ref_log_prob = policy.step(reference, latents, step_index, prev_sample=inputs[side]).log_prob
             log_ratios.append(log_prob - ref_log_prob)
         losses, chosen, rejected = spo_loss(*log_ratios, args.beta, args.epsilon)
-        loss = (losses * keep).sum() / keep.sum().clamp_min(1)  # pools below the threshold train nothing
+        # Dropped pairs train nothing and kept ones are not reweighted by how many share the micro-batch.
+        loss = torch.where(keep > 0, losses, 0.0).sum() / len(keep)
         with torch.no_grad():
             self._record("pairs/kept", keep)
             self._record("pairs/score_gap", inputs["score_gap"])
@@ -223,7 +250,8 @@ class SPOTrainer(OnlineDiffusionTrainer):
             "sampling": f"{args.num_inference_steps} steps, {args.sde_type} noise level {args.eta}, guidance "
             f"{args.guidance_scale}, {self._sample_size()}",
             "SPO": f"pools of {args.pool_size} from step {args.pool_start_step}, pair threshold {args.pair_threshold} "
-            f"(score scale {args.score_scale:g}), β {args.beta:g}, ratio clip {args.epsilon}",
+            f"(score scale {'1 / mean gap' if args.score_scale is None else f'{args.score_scale:g}'}), β {args.beta:g}, "
+            f"ratio clip {args.epsilon}",
         }
 
 
