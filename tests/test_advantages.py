@@ -15,7 +15,8 @@ def test_group_advantages_match_hand_computation():
 def test_batch_and_no_scaling_and_clipping():
     rewards = torch.tensor([0.0, 1.0, 10.0, 30.0])
     batch = group_advantages(rewards, 2, scale_rewards="batch")
-    torch.testing.assert_close(batch, torch.tensor([-0.5, 0.5, -10.0, 10.0]) / (rewards.view(-1, 2).std() + 1e-4))
+    std = rewards.std(correction=0)  # np.std, as Flow-GRPO and DiffusionNFT
+    torch.testing.assert_close(batch, torch.tensor([-0.5, 0.5, -10.0, 10.0]) / (std + 1e-4))
     assert torch.equal(
         group_advantages(rewards, 2, scale_rewards="none", clip=None), torch.tensor([-0.5, 0.5, -10.0, 10.0])
     )

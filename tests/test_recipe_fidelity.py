@@ -376,3 +376,100 @@ def test_constant_rewards_stop_grpo(tiny_model_dir, tmp_path):
     )
     with pytest.raises(RuntimeError, match="every advantage is zero"):
         trainer.train()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# DiffusionNFT, AWM and DGPO as their papers' code
+
+
+def _nft(tiny_model_dir, tmp_path, **overrides):
+    from trl_dance import DiffusionNFTTrainer
+
+    values = tiny_online_values(tmp_path) | {"per_device_train_batch_size": 4} | overrides
+    return DiffusionNFTTrainer(
+        tiny_model_dir("flux"),
+        "brightness",
+        args=DiffusionNFTConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS),
+    )
+
+
+def test_nft_defaults_are_the_papers(tiny_model_dir, tmp_path):
+    """DPM-Solver++ rollouts on the pipeline's σ grid (ending near 0, not at the dance grid's σ), advantages from each
+    prompt's mean and the batch's population std + 1e-4 (DiffusionNFT's PerPromptStatTracker(global_std=True))."""
+    trainer = _nft(tiny_model_dir, tmp_path, timestep_fraction=0.5)
+    args = trainer.args
+    assert (args.rollout_solver, args.sigma_schedule, args.scale_rewards) == ("dpm_solver++", "pipeline", "batch")
+    assert (args.old_policy_decay, args.timestep_selection, args.ema_kl_beta, args.dgpo_clip) == (
+        "linear",
+        "random",
+        0,
+        0,
+    )
+    rewards = torch.tensor([0.3, 0.5, 0.1, 0.9, 2.0, 2.0, 2.5, 1.5])
+    expected = torch.cat([(g - g.mean()) for g in rewards.view(2, 4)]) / (rewards.numpy().std() + 1e-4)
+    torch.testing.assert_close(
+        trainer._advantages(rewards[:, None], rewards, PROMPTS[:2]), expected.float().clamp(-5, 5)
+    )
+
+
+def test_awm_ratio_against_the_round_start_its_scaled_advantages_and_ema_regulariser(tiny_model_dir, tmp_path):
+    """AWM: the old policy is θ at the start of the round (which samples it), the surrogate takes A/adv_clip_max, the
+    levels are one per stratum of the grid's levels 1 … ⌊0.9·N⌋, and β·mean((v − v_ema)²) to a fast EMA (decay
+    min(0.3, 0.001·step)) joins the loss."""
+    trainer = _nft(tiny_model_dir, tmp_path, loss_type="awm", gradient_accumulation_steps=1, max_steps=3)
+    args = trainer.args
+    assert (args.old_policy_decay, args.timestep_selection, args.ema_kl_beta) == ("none", "stratified", 1.0)
+    assert trainer._levels.tolist() == [1, 2, 3, 4, 5] and args.timesteps_per_sample == 2  # ⌊0.9·6⌋ = 5, ⌊6·0.45⌋
+    draws = trainer._draw_levels(4000, 2)
+    assert set(draws[:, 0].tolist()) == {0, 1, 2} and set(draws[:, 1].tolist()) == {3, 4}  # strata [1-3], [4-5]
+    trainer.train()  # 8 samples × 2 levels / 4: 4 micro-batches, the first 3 updates of one round
+    # The old policy is θ at the round's start: unchanged within the round, while θ and the fast EMA moved.
+    lora = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    moved = max((trainer.old_policy.params[n] - p).abs().max() for n, p in lora.items())
+    assert moved > 0 and "ema_kl" in trainer.state.log_history[-2]
+    ema_gap = max((trainer.fast_ema.params[n] - p).abs().max() for n, p in lora.items())
+    assert 0 < ema_gap < moved  # the EMA follows θ (decay ≤ 0.003 here) but lags its last update
+
+
+def test_awm_surrogate_takes_advantages_over_the_clip():
+    from trl_dance.losses import clipped_surrogate
+
+    ratio, advantages = torch.tensor([1.0, 1.0]), torch.tensor([5.0, -2.5])
+    torch.testing.assert_close(clipped_surrogate(ratio, advantages / 5.0, 1.0), torch.tensor([-1.0, 0.5]))
+
+
+def test_dgpo_clip_stops_samples_past_the_band():
+    """clip_dsm: ρ = exp(ℓ_old − ℓ_θ); a positive sample whose loss already fell below the old model's by more than
+    the band (ρ > 1 + c), or a negative one whose loss rose past it (ρ < 1 − c), contributes no gradient."""
+    error = torch.tensor([0.5, 0.5, 0.5, 0.5], requires_grad=True)
+    old = torch.tensor([0.6, 0.5, 0.4, 0.5])  # ρ = e^0.1, 1, e^−0.1, 1
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss = dgpo_loss(error, torch.full((4,), 0.5), advantages, torch.tensor([0, 0, 1, 1]), 2, 10.0, old, 1e-2)
+    loss.sum().backward()
+    assert error.grad[0] == 0 and error.grad[2] == 0 and error.grad[1] != 0 and error.grad[3] != 0
+    error.grad = None
+    dgpo_loss(error, torch.full((4,), 0.5), advantages, torch.tensor([0, 0, 1, 1]), 2, 10.0).sum().backward()
+    assert (error.grad != 0).all()  # no clip without an old model
+
+
+def test_dgpo_trains_the_highest_noise_levels_and_can_sample_with_cfg_train_without(tiny_model_dir, tmp_path):
+    trainer = _nft(tiny_model_dir, tmp_path, loss_type="dgpo", gradient_accumulation_steps=2)
+    args = trainer.args
+    assert (args.timestep_selection, args.dgpo_clip, args.timesteps_per_sample) == ("first", 1e-2, 3)
+    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    levels = torch.cat([item[1] for item in trainer._microbatches])
+    assert set(levels.tolist()) == {0, 1, 2}  # the 3 highest-noise of 6
+    from trl_dance import DiffusionNFTTrainer
+
+    values = tiny_online_values(tmp_path / "cfg") | {"per_device_train_batch_size": 4, "loss_type": "dgpo"}
+    values |= {"guidance_scale": 4.5, "train_guidance_scale": 1.0, "gradient_accumulation_steps": 2}
+    cfg = DiffusionNFTTrainer(
+        tiny_model_dir("sd3"),
+        "brightness",
+        args=DiffusionNFTConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS),
+    )
+    assert cfg.policy.use_cfg and not cfg._train_policy.use_cfg

@@ -29,7 +29,8 @@ def group_advantages(
         rewards: (B,) rewards of the whole (all-process) generation batch, groups contiguous: samples
             ``[k·G, (k+1)·G)`` share a prompt.
         num_generations: group size G (>= 2); must divide B.
-        scale_rewards: std of the group (unbiased, DanceGRPO), of the whole batch (Flow-GRPO), or no scaling.
+        scale_rewards: std of the group (unbiased, DanceGRPO), of the whole batch (population std: Flow-GRPO's and
+            DiffusionNFT's ``global_std``), or no scaling.
         epsilon: added to the std; defaults to 1e-8 (group), 1e-4 (batch).
         clip: advantages are clipped to ``[−clip, clip]``; None disables.
 
@@ -47,8 +48,8 @@ def group_advantages(
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
         advantages = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    elif scale_rewards == "batch":
-        advantages = centered / (grouped.std() + eps)
+    elif scale_rewards == "batch":  # the population std, as Flow-GRPO's and DiffusionNFT's np.std
+        advantages = centered / (grouped.std(correction=0) + eps)
     else:
         advantages = centered
     advantages = advantages.flatten()

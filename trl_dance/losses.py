@@ -136,10 +136,14 @@ def dgpo_loss(
     groups: torch.Tensor,
     num_groups: int,
     beta: float,
+    old_error: torch.Tensor | None = None,
+    clip: float = 0.0,
 ) -> torch.Tensor:
     """DGPO's loss per sample, (B,): ``w_g·A·ℓ_θ`` with the group weight ``w_g = sigmoid(β/|g| · Σ_{i∈g} A_i·δ_i)``,
     ``δ = sg(ℓ_θ − ℓ_ref)`` at noise shared within the group; its gradient is that of the group-level DPO objective
-    −log σ(R(G⁺) − R(G⁻)) (with Σ_g A = 0).
+    −log σ(R(G⁺) − R(G⁻)) (with Σ_g A = 0). With ``old_error`` (an old model's ℓ at the same noise) and ``clip`` c > 0
+    (DGPO's ``clip_dsm``), ℓ_θ's gradient is stopped where ρ = exp(ℓ_old − ℓ_θ) > 1 + c with A > 0 or ρ < 1 − c with
+    A < 0: a sample that already moved past the band trains no further.
 
     Args:
         error, reference_error: (B,) flow-matching losses of the policy (with gradient) and the reference.
@@ -152,6 +156,10 @@ def dgpo_loss(
     product = advantages.to(delta.dtype) * delta  # float32, or float64 for float64 models
     sums = torch.zeros(num_groups, device=error.device, dtype=product.dtype).index_add_(0, groups, product)
     weight = torch.sigmoid(beta * sums / count)
+    if old_error is not None and clip > 0:
+        ratio = torch.exp(old_error.detach() - error.detach())
+        past = ((ratio > 1 + clip) & (advantages > 0)) | ((ratio < 1 - clip) & (advantages < 0))
+        error = torch.where(past, error.detach(), error)
     return weight[groups] * advantages * error
 
 

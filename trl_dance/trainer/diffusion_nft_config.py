@@ -8,6 +8,13 @@ from .online_config import OnlineDiffusionConfig, _choice
 
 LOSS_TYPES = ("nft", "awm", "dgpo")
 DECAYS = ("linear", "delayed", "none")
+SELECTIONS = ("random", "stratified", "first")
+# Each loss type's own paper: timestep_fraction, timestep_selection, old_policy_decay, ema_kl_beta, dgpo_clip.
+LOSS_DEFAULTS = {
+    "nft": (0.99, "random", "linear", 0.0, 0.0),
+    "awm": (0.45, "stratified", "none", 1.0, 0.0),
+    "dgpo": (0.6, "first", "none", 0.0, 1e-2),
+}
 
 
 @dataclass
@@ -15,9 +22,13 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     r"""
     Configuration for [`DiffusionNFTTrainer`]: reinforcement learning on the forward (noising) process.
 
-    Defaults follow DiffusionNFT's SD3.5-Medium recipe (10 deterministic steps without CFG, 24 generations per prompt,
-    NFT β 1, KL β 1e-4, 9 of the 10 noise levels per sample, lr 3e-4 for LoRA, the linear old-policy decay).
-    Generation, reward, advantage and model fields: [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`].
+    Defaults follow DiffusionNFT's SD3.5-Medium recipe (NVlabs/DiffusionNFT `config/nft.py`): 10 deterministic
+    second-order (DPM-Solver++) steps on the pipeline's σ grid without CFG, 24 generations per prompt, advantages
+    from each prompt's mean and the batch's standard deviation + 1e-4 (its `global_std`), NFT β 1, KL β 1e-4, 9 of the
+    10 noise levels per sample, lr 3e-4 for LoRA, the linear old-policy decay, one optimizer update per round.
+    `loss_type="awm"` and `"dgpo"` take their own papers' defaults where this config leaves a field unset (`None`);
+    see each field. Generation, reward, advantage and model fields:
+    [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`].
 
     Units. Rollouts store one clean latent per sample. Each sample gives ``K = max(1, ⌊N · timestep_fraction⌋)``
     *training items*: the sample re-noised, with fresh noise, to K distinct noise levels of the rollout's grid.
@@ -31,9 +42,15 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
         share_initial_noise (`str`, defaults to `"none"`): Every sample starts from its own noise: the rollouts are
             deterministic, so a shared start would make a group's samples identical.
 
-        rollout_solver (`str`, defaults to `"ode"`): The deterministic sampler of the rollouts: `"ode"`, the policy's
-            own deterministic step (Euler for flow models); `"dpm_solver++"`, DPM-Solver++(2M) on the same grid (the
-            paper's default second-order solver).
+        rollout_solver (`str`, defaults to `"dpm_solver++"`): The deterministic sampler of the rollouts: `"ode"`, the
+            policy's own deterministic step (Euler for flow models); `"dpm_solver++"`, DPM-Solver++(2M) on the same grid
+            (the paper's `dpm2`).
+        sigma_schedule (`str`, defaults to `"pipeline"`): the pipeline's own σ grid, as the paper samples (at N = 10 the
+            `"dance"` grid would end at σ 0.25, the pipeline's at ~0.003).
+        scale_rewards (`str`, defaults to `"batch"`): each prompt's mean and the batch's standard deviation (+ 1e-4),
+            the paper's `global_std` per-prompt statistics.
+        train_guidance_scale (`float` or `None`, defaults to `None`): The guidance of the training forwards; `None`:
+            `guidance_scale`. DGPO's main mode samples with CFG 4.5 (`guidance_scale`) and trains CFG-free (1).
 
         > Loss
 
@@ -47,15 +64,34 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
             `"uniform"` ℓ.
         awm_ghuber_power (`float`, defaults to `0.25`): p of the `"ghuber"` weighting.
         epsilon (`float`, defaults to `1.0`): AWM's clip range of the ratio (AWM's 1 leaves it nearly inactive;
-            Flow-Factory advises 1e-5 for stability).
+            Flow-Factory advises 1e-5 for stability). AWM's ratio is against θ at the start of the round, which also
+            samples the round (`old_policy_decay` is `"none"` for AWM), and its advantages are divided by
+            `adv_clip_max` (its `advantage_max` 1: A in [−1, 1]).
+        ema_kl_beta (`float` or `None`, defaults to `None`): β of mean((v_θ − v_ema)²) against a fast EMA of the trained
+            weights, decay min(0.3, 0.001·step) after every optimizer update (AWM's `ema_beta`, "mimicking TRPO").
+            `None`: 1 for AWM, 0 otherwise.
         dgpo_beta (`float`, defaults to `100.0`): DGPO's β in the group weight sigmoid(β/G · Σ A·δ).
+        dgpo_clip (`float` or `None`, defaults to `None`): DGPO's `clip_dsm`: with ρ = exp(ℓ_old − ℓ_θ) against the same
+            fast EMA, ℓ_θ's gradient is stopped where ρ > 1 + c and A > 0 or ρ < 1 − c and A < 0. `None`: 1e-2 for
+            DGPO. 0 disables it.
         nft_beta (`float`, defaults to `1.0`): NFT's β: the implicit policies are v± = v_old ± β·(v_θ − v_old)
             (0.1 for OCR and multi-reward runs in the paper).
-        timestep_fraction (`float`, defaults to `0.99`): Noise levels trained per sample, as a fraction of the N of the
-            rollout grid (the paper: ⌊10 · 0.99⌋ = 9), drawn without repetition per sample.
-        old_policy_decay (`str`, defaults to `"linear"`): λ of the old policy's update old ← λ·old + (1 − λ)·θ after
-            each round, from the optimizer step: `"linear"` min(0.001·step, 0.5); `"delayed"` 0 for 75 steps, then
-            min(0.0075·(step − 75), 0.999) (the paper's OCR setting); `"none"` 0 (the old policy is the current one).
+        timestep_fraction (`float` or `None`, defaults to `None`): Noise levels trained per sample, K = ⌊N ·
+            fraction⌋ of the rollout grid. `None`: 0.99 (NFT: 9 of 10), 0.45 (AWM: 6 of 14), 0.6 (DGPO: 6 of 10).
+        timestep_selection (`str` or `None`, defaults to `None`): Which K levels: `"random"`, K distinct levels per
+            sample (NFT); `"stratified"`, one level from each of K equal strata of the grid's levels 1 … ⌊0.9·N⌋
+            (AWM: neither σ = 1 nor the last tenth); `"first"`, the K highest-noise levels (DGPO trains only those).
+            `None`: the loss type's.
+        old_policy_decay (`str` or `None`, defaults to `None`): λ of the old policy's update old ← λ·old + (1 − λ)·θ,
+            from the optimizer step: `"linear"` min(0.001·step, 0.5) (NFT's default); `"delayed"` 0 for 75 steps,
+            then min(0.0075·(step − 75), 0.999) (the paper's OCR setting); `"none"` 0 (the old policy is θ as the
+            round starts: AWM's default).
+        old_policy_update (`str`, defaults to `"step"`): When NFT's old policy moves: `"step"`, after every optimizer
+            update; `"round"`, once per round (DiffusionNFT's code, whose recipes make one or two updates per round).
+            Identical with one update per round. NFT's loss is minimised at v_θ − v_old = (2r − 1)(v* − v_old)/β, so
+            within a round the later updates of `"round"` pull θ back to that optimum instead of learning further
+            (`tests/test_diffusion_nft.py` measures it); `"step"` re-anchors every update. AWM always uses `"round"`
+            (its ratio is against θ at the round's start).
         beta (`float`, defaults to `1e-4`): KL coefficient: β·mean((v_θ − v_ref)²) with v_ref the LoRA-disabled base
             (a frozen copy for full fine-tuning).
     """
@@ -77,8 +113,17 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
         metadata={"help": "none: every sample its own initial noise (deterministic rollouts).", "choices": ["none"]},
     )
 
+    sigma_schedule: str = field(
+        default="pipeline", metadata={"help": "pipeline | dance σ grid.", "choices": ["dance", "pipeline"]}
+    )
+    scale_rewards: str = field(
+        default="batch", metadata={"help": "Advantage statistics (batch: the paper's global std)."}
+    )
     rollout_solver: str = field(
-        default="ode", metadata={"help": "ode | dpm_solver++ rollouts.", "choices": ["ode", "dpm_solver++"]}
+        default="dpm_solver++", metadata={"help": "ode | dpm_solver++ rollouts.", "choices": ["ode", "dpm_solver++"]}
+    )
+    train_guidance_scale: float | None = field(
+        default=None, metadata={"help": "Guidance of the training forwards (None: guidance_scale)."}
     )
     loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo.", "choices": list(LOSS_TYPES)})
     nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
@@ -88,18 +133,38 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     )
     awm_ghuber_power: float = field(default=0.25, metadata={"help": "p of AWM's ghuber weighting."})
     epsilon: float = field(default=1.0, metadata={"help": "AWM's clip range."})
-    dgpo_beta: float = field(default=100.0, metadata={"help": "DGPO's β."})
-    timestep_fraction: float = field(
-        default=0.99, metadata={"help": "Fraction of the rollout's N noise levels trained per sample."}
+    ema_kl_beta: float | None = field(
+        default=None, metadata={"help": "β to a fast EMA of the weights (None: AWM 1, else 0)."}
     )
-    old_policy_decay: str = field(
-        default="linear", metadata={"help": "linear | delayed | none.", "choices": list(DECAYS)}
+    dgpo_beta: float = field(default=100.0, metadata={"help": "DGPO's β."})
+    dgpo_clip: float | None = field(default=None, metadata={"help": "DGPO's clip_dsm (None: 1e-2 for DGPO)."})
+    timestep_fraction: float | None = field(
+        default=None, metadata={"help": "Fraction of the N noise levels trained per sample (None: by loss type)."}
+    )
+    timestep_selection: str | None = field(
+        default=None,
+        metadata={"help": "random | stratified | first (None: by loss type).", "choices": list(SELECTIONS)},
+    )
+    old_policy_decay: str | None = field(
+        default=None, metadata={"help": "linear | delayed | none (None: by loss type).", "choices": list(DECAYS)}
+    )
+    old_policy_update: str = field(
+        default="step", metadata={"help": "step | round: when NFT's old policy moves.", "choices": ["step", "round"]}
     )
 
     def _check_method(self) -> None:
         _choice("rollout_solver", self.rollout_solver, ("ode", "dpm_solver++"))
         _choice("loss_type", self.loss_type, LOSS_TYPES)
+        names = ("timestep_fraction", "timestep_selection", "old_policy_decay", "ema_kl_beta", "dgpo_clip")
+        for name, default in zip(names, LOSS_DEFAULTS[self.loss_type]):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         _choice("old_policy_decay", self.old_policy_decay, DECAYS)
+        _choice("timestep_selection", self.timestep_selection, SELECTIONS)
+        _choice("old_policy_update", self.old_policy_update, ("step", "round"))
+        for name in ("ema_kl_beta", "dgpo_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if self.share_initial_noise != "none":

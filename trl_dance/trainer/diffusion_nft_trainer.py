@@ -18,6 +18,7 @@ from ..losses import (
 from ..policies import DiffusionPolicy, FlowMatchingPolicy
 from ..sampling import RolloutPlan
 from .diffusion_nft_config import DiffusionNFTConfig
+from .evaluation import policy_with
 from .old_policy import OldPolicy, nft_decay
 from .online_trainer import OnlineDiffusionTrainer
 
@@ -57,6 +58,11 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
                 "shards: use DeepSpeed ZeRO-2 (--accelerate_config zero2) or DDP"
             )
         self.old_policy = OldPolicy(self.policy.denoiser)
+        args = self.args
+        # AWM's EMA regulariser and DGPO's clip share one fast EMA of the trained weights.
+        self.fast_ema = OldPolicy(self.policy.denoiser) if args.ema_kl_beta > 0 or args.dgpo_clip > 0 else None
+        self._synced_step = 0  # the optimizer step the old policy / fast EMA were last moved at
+        self._train_policy = policy_with(self.policy, guidance_scale=args.train_guidance_scale or args.guidance_scale)
 
     def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
         name = type(policy.pipeline).__name__
@@ -72,10 +78,14 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             )
         self._grid = tuple(policy.sigmas.tolist())  # the rollout's σ grid, read once
         levels = policy.trained_denoiser_steps()
+        if args.timestep_selection == "stratified":  # AWM: neither σ = 1 nor the last tenth of the grid
+            levels = [level for level in levels if 1 <= level <= int(0.9 * policy.num_steps)]
+        self._levels = torch.tensor(levels)
         if args.timesteps_per_sample > len(levels):
             raise ValueError(
                 f"timestep_fraction {args.timestep_fraction} trains {args.timesteps_per_sample} noise levels per "
-                f"sample, but the trained denoiser serves {len(levels)} of the {policy.num_steps} ({levels})"
+                f"sample, but {args.timestep_selection!r} selection has {len(levels)} of the {policy.num_steps} "
+                f"({levels}): lower timestep_fraction"
             )
 
     @staticmethod
@@ -96,24 +106,37 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         if self._generation_round > 0:  # after the previous round's updates
-            decay = nft_decay(self.state.global_step, self.args.old_policy_decay)
+            self._sync_old_policies(round_start=True)
+        super()._generate_and_score(rows)
+
+    def _sync_old_policies(self, round_start: bool = False) -> None:
+        """Move the old policy and the fast EMA after each optimizer update (host integers only: no device read). The
+        old policy moves per update (NFT, ``old_policy_update="step"``) or per round (``"round"``; AWM)."""
+        args, step = self.args, self.state.global_step
+        if step == self._synced_step and not round_start:
+            return
+        per_step = args.old_policy_update == "step" and args.loss_type == "nft"
+        if round_start or (per_step and step > self._synced_step):
+            decay = nft_decay(step, args.old_policy_decay)
             self.old_policy.update(decay)
             self._metrics["old_policy/decay"].append(torch.tensor(decay))
-        super()._generate_and_score(rows)
+        if self.fast_ema is not None and step > self._synced_step:
+            self.fast_ema.update(min(0.3, 0.001 * step))  # AWM's EMA; DGPO's fast "old" model
+        self._synced_step = step
 
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
         """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration. For
         DGPO a whole group shares each level and noise, and micro-batches hold whole groups (consecutive rows)."""
         args = self.args
         self._rollout["x0"] = rollout["final_latents"]
-        levels = torch.tensor(self.policy.trained_denoiser_steps())  # the grid σ the items are noised to
+        levels = self._levels  # the grid σ the items are noised to
         # The unit drawn: a sample, or for DGPO a group (which every process holds whole).
         group = args.num_generations if args.loss_type == "dgpo" else 1
         units, k = len(advantages) // group, args.timesteps_per_sample
         members = torch.arange(group)
         items = []
         for _ in range(args.num_iterations):
-            draws = torch.rand(units, len(levels), generator=self._cpu_generator).argsort(dim=1)[:, :k].flatten()
+            draws = self._draw_levels(units, k).flatten()
             seeds = torch.randint(2**62, (units * k,), generator=self._cpu_generator)
             order = torch.randperm(units * k, generator=self._cpu_generator)
             unit = torch.arange(units).repeat_interleave(k)[order]
@@ -124,6 +147,18 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             # Seeds as host integers: a micro-batch draws its noise without reading a tensor.
             items.extend(zip(samples.split(size), chosen.split(size), (c.tolist() for c in noise.split(size))))
         return items
+
+    def _draw_levels(self, units: int, k: int) -> torch.Tensor:
+        """(units, k) indices into ``self._levels``: K distinct at random, one per stratum, or the first K."""
+        count, generator = len(self._levels), self._cpu_generator
+        if self.args.timestep_selection == "first":
+            return torch.arange(k).expand(units, k)
+        if self.args.timestep_selection == "stratified":
+            strata = torch.arange(count).tensor_split(k)
+            offsets = torch.tensor([s[0] for s in strata])
+            sizes = torch.tensor([len(s) for s in strata])
+            return offsets + (torch.rand(units, k, generator=generator) * sizes).long()
+        return torch.rand(units, count, generator=generator).argsort(dim=1)[:, :k]
 
     def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, Any]:
         rollout, device = self._rollout, self.accelerator.device
@@ -149,18 +184,26 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
     # Loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args, policy = self.args, self.policy
+        args, policy = self.args, self._train_policy
+        self._sync_old_policies()
         noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs["x0"]
         advantages = inputs["advantages"]
         timestep = policy.timestep_from_sigma(sigma)
         velocity = policy.predict_at(model, noisy, timestep, cond)
         dims = tuple(range(1, velocity.ndim))
-        reference = self.reference_prediction(model, noisy, timestep, cond) if self._needs_reference(args) else None
+        reference = None
+        if self._needs_reference(args):
+            reference = self.reference_prediction(model, noisy, timestep, cond, policy)
+        with torch.no_grad():
+            ema = None if self.fast_ema is None else policy.predict_at(self.fast_ema.model, noisy, timestep, cond)
         if args.loss_type == "dgpo":
             error = flow_matching_error(velocity, inputs["noise"], x0)
             reference_error = flow_matching_error(reference, inputs["noise"], x0)
+            old_error = None if ema is None else flow_matching_error(ema, inputs["noise"], x0)
             groups = len(sigma) // args.num_generations
-            per_item = dgpo_loss(error, reference_error, advantages, inputs["groups"], groups, args.dgpo_beta)
+            per_item = dgpo_loss(
+                error, reference_error, advantages, inputs["groups"], groups, args.dgpo_beta, old_error, args.dgpo_clip
+            )
         else:
             with torch.no_grad():
                 old_velocity = policy.predict_at(self.old_policy.model, noisy, timestep, cond)
@@ -174,12 +217,17 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
                 old_error = flow_matching_error(old_velocity, inputs["noise"], x0)
                 log_ratio = awm_log_ratio(error, old_error, sigma, args.awm_weighting, args.awm_ghuber_power)
                 ratio = torch.exp(log_ratio)
-                per_item = clipped_surrogate(ratio, advantages, args.epsilon)
-                self._record("clip_ratio/region_mean", clipped_fraction(ratio.detach(), advantages, args.epsilon))
+                scaled = advantages / args.adv_clip_max  # AWM's advantage_max 1
+                per_item = clipped_surrogate(ratio, scaled, args.epsilon)
+                self._record("clip_ratio/region_mean", clipped_fraction(ratio.detach(), scaled, args.epsilon))
         if args.beta > 0:
             kl = ((velocity - reference) ** 2).mean(dim=dims)
             per_item = per_item + args.beta * kl
             self._record("kl", kl)
+        if args.ema_kl_beta > 0:
+            ema_kl = ((velocity - ema) ** 2).mean(dim=dims)
+            per_item = per_item + args.ema_kl_beta * ema_kl
+            self._record("ema_kl", ema_kl)
         loss = per_item.mean()
         return (loss, velocity) if return_outputs else loss
 
@@ -196,11 +244,17 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         }
 
     def _resume_state(self) -> dict[str, Any]:
-        return super()._resume_state() | {"old_policy": self.old_policy.state_dict()}
+        state = {"old_policy": self.old_policy.state_dict(), "synced_step": self._synced_step}
+        if self.fast_ema is not None:
+            state["fast_ema"] = self.fast_ema.state_dict()
+        return super()._resume_state() | state
 
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
         super()._restore_resume_state(state)
         self.old_policy.load_state_dict(state["old_policy"])
+        self._synced_step = state.get("synced_step", self.state.global_step)
+        if self.fast_ema is not None:
+            self.fast_ema.load_state_dict(state["fast_ema"])
 
 
 __all__ = ["DiffusionNFTTrainer"]

@@ -382,16 +382,18 @@ class DiffusionTrainer(_BaseTrainer):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
         return
 
-    def reference_prediction(self, model, latents, timestep, cond) -> torch.Tensor:
-        """The reference model's prediction, without gradients: the LoRA disabled, or the frozen copy."""
+    def reference_prediction(self, model, latents, timestep, cond, policy=None) -> torch.Tensor:
+        """The reference model's prediction, without gradients: the LoRA disabled, or the frozen copy (through
+        ``policy``, default the trainer's)."""
+        policy = self.policy if policy is None else policy
         with torch.no_grad():
             if self.ref_model is not None:
-                return self.policy.predict_at(self.ref_model, latents, timestep, cond)
+                return policy.predict_at(self.ref_model, latents, timestep, cond)
             unwrapped, lora_layers = self._reference_toggle(model)
             for layer in lora_layers:
                 layer.enable_adapters(False)
             try:
-                return self.policy.predict_at(unwrapped, latents, timestep, cond)
+                return policy.predict_at(unwrapped, latents, timestep, cond)
             finally:
                 for layer in lora_layers:
                     layer.enable_adapters(True)
