@@ -50,8 +50,10 @@ PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car",
 def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrainer], dict]]:
     """Each method's trainer and settings for an N-step schedule. Windows keep their published sizes; ranges scale with N
         (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
-        paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (ODE rollouts, ⌊0.99·N⌋ noise
-        levels per sample, KL β 1e-4, the linear old-policy decay). Direct reward methods: deterministic rollouts, their
+        paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (DPM-Solver++ rollouts on the
+        pipeline's grid, ⌊0.99·N⌋ noise levels per sample, KL β 1e-4, the linear old-policy decay moved after every
+        update), with ``updates_per_round`` optimizer updates per round where given (one otherwise, for every method).
+        Direct reward methods: deterministic rollouts, their
     config's SRPO defaults except as noted."""
     half = max(3, (steps - 1) // 2)
     fast = {"sde_type": "cps", "eta": 0.8, "sde_window_size": 2, "sde_window_range": [0, half]}
@@ -72,6 +74,12 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrai
         "diffusion_nft": (DiffusionNFTTrainer, {}),
         # Ablation: 3 noise levels per sample instead of ⌊0.99·N⌋, to show what dominates NFT's work.
         "diffusion_nft_3_levels": (DiffusionNFTTrainer, {"timestep_fraction": 3 / steps}),
+        # Several optimizer updates per round on the same items (the old policy moved after each): same work.
+        "diffusion_nft_5_updates": (DiffusionNFTTrainer, {"updates_per_round": 5}),
+        "diffusion_nft_3_levels_3_updates": (
+            DiffusionNFTTrainer,
+            {"timestep_fraction": 3 / steps, "updates_per_round": 3},
+        ),
         # Reward gradients (brightness is differentiable): SRPO's Direct-Align (denoise + inversion items per
         # sample) and DRaFT-1; the semantic-relative preference off (brightness ignores the prompt), grad clip 1.
         "direct_align": (DirectRewardTrainer, {"srp": False, "max_grad_norm": 1.0, "weight_decay": 0.0}),
@@ -148,12 +156,13 @@ def run_method(
         "learning_rate": options.learning_rate,
         "max_steps": options.rounds,
     } | settings
+    updates = config.pop("updates_per_round", 1)
     config_class = trainer_class.config_class
     # With one item per micro-batch, a round's micro-batches are its training items (transitions, re-noised samples).
     items = config_class(**config, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
-    # One optimizer update per round (the loss a mean over the round's items, whatever their number).
-    train_batch = max(d for d in range(1, options.train_batch + 1) if items % d == 0)
-    config |= {"per_device_train_batch_size": train_batch, "gradient_accumulation_steps": items // train_batch}
+    # One optimizer update per round (the loss a mean over the round's items, whatever their number), or `updates`.
+    train_batch = max(d for d in range(1, options.train_batch + 1) if items % d == 0 and (items // d) % updates == 0)
+    config |= {"per_device_train_batch_size": train_batch, "gradient_accumulation_steps": items // train_batch // updates}
     trainer = trainer_class(
         model,
         "brightness",

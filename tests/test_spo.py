@@ -129,19 +129,24 @@ def test_bad_input(tiny_model_dir, tmp_path):
         trainer._prepare_inputs(CHAINS)
 
 
-# Gains (first 3 → last 3 rounds of the final samples' brightness) over seeds 42, 1, 2 × 1 and 2 threads: SD1.5
-# 0.040-0.061, SD3 0.073-0.104 (sample std <= 0.009); the margin 0.02 is at most the smallest gain / 2.
+# SPO's defaults (score scale from the round's mean gap, threshold 0.3, the last step pooled), lr 3e-3, 20 rounds: gains
+# (first 3 → last 3 rounds of the final samples' brightness) over seeds 42, 1, 2: SD1.5 0.016-0.023, SD3 0.043-0.049
+# (sample std <= 0.009); each margin is at most the smallest gain / 2. At lr 3e-2 (the earlier setting) every kept
+# pair's ratio leaves SPO's clip band around the reference within 6 rounds (the last step's tiny DDIM std saturates
+# first), after which only Adam's momentum moved the weights: those rounds are now reported and stop the run.
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "eta", "margin"), [("sd", 1.0, 0.02), ("sd3", 0.7, 0.02)])
+@pytest.mark.parametrize(("kind", "eta", "margin"), [("sd", 1.0, 0.008), ("sd3", 0.7, 0.02)])
 def test_spo_raises_the_reward_behind_the_scorer(tiny_model_dir, tmp_path, kind, eta, margin):
     args = spo_config(
         tmp_path,
         generation_batch_size=8,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=4,  # 8 chains × 4 pools / 8: one update per round
+        score_scale=None,  # SPO's defaults: 1 / the round's mean gap, threshold 0.3
+        pair_threshold=0.3,
         eta=eta,
-        max_steps=30,
-        learning_rate=3e-2,
+        max_steps=20,
+        learning_rate=3e-3,
         beta=10.0,
         seed=LEARNING_SEED,
     )

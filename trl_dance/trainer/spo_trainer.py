@@ -118,7 +118,9 @@ class SPOTrainer(OnlineDiffusionTrainer):
         return (
             f"no pool passed pair_threshold {self.args.pair_threshold} (scores scaled by {scale}): every "
             "candidate scored the same (check the step scorer) or the threshold is too high; lower pair_threshold",
-            "the loss's gradient was exactly zero in every update",
+            f"every kept pair's ratios to the reference were outside the clip [1 − {self.args.epsilon}, "
+            f"1 + {self.args.epsilon}] (SPO's trust region around the reference is used up: further updates would move "
+            "the weights only by optimizer momentum and weight decay); raise epsilon",
         )
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
