@@ -162,7 +162,10 @@ def run_method(
     items = config_class(**config, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
     # One optimizer update per round (the loss a mean over the round's items, whatever their number), or `updates`.
     train_batch = max(d for d in range(1, options.train_batch + 1) if items % d == 0 and (items // d) % updates == 0)
-    config |= {"per_device_train_batch_size": train_batch, "gradient_accumulation_steps": items // train_batch // updates}
+    config |= {
+        "per_device_train_batch_size": train_batch,
+        "gradient_accumulation_steps": items // train_batch // updates,
+    }
     trainer = trainer_class(
         model,
         "brightness",

@@ -269,9 +269,10 @@ def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
         nft_config(tmp_path, loss_type="dgpo", per_device_train_batch_size=6, gradient_accumulation_steps=4)
 
 
-# Gains over seeds 42, 1, 2 × 1 and 2 threads with the papers' defaults (DPM-Solver++ on the pipeline grid, batch std;
-# NFT 5 of 6 levels, AWM 2 stratified, DGPO the 3 highest-noise): see the README's learning table; each margin is at
-# most the smallest gain / 2. The FLUX rows make several optimizer updates per round (NFT 5, AWM 4, DGPO 3).
+# Gains over seeds 42, 1, 2 with the papers' defaults (DPM-Solver++ on the pipeline grid, batch std; NFT 5 of 6
+# levels, AWM 2 stratified, DGPO the 3 highest-noise); the FLUX rows make several optimizer updates per round (NFT 5,
+# AWM 4, DGPO 3): NFT FLUX 0.141-0.155, SD3 0.140-0.148, Wan 0.159-0.186 kB, AWM 0.091-0.098, DGPO 0.117-0.150 (sample
+# std <= 0.009); each margin is at most the smallest gain / 2.3.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "reward", "loss_type", "updates", "margin"),
@@ -279,8 +280,8 @@ def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
         ("flux", "brightness", "nft", 5, 0.05),
         ("sd3", "brightness", "nft", 1, 0.05),
         ("wan", "jpeg_compressibility", "nft", 1, 0.05),
-        ("flux", "brightness", "awm", 4, 0.05),
-        ("flux", "brightness", "dgpo", 3, 0.02),
+        ("flux", "brightness", "awm", 4, 0.04),
+        ("flux", "brightness", "dgpo", 3, 0.05),
     ],
 )
 def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kind, reward, loss_type, updates, margin):
