@@ -134,22 +134,30 @@ def test_client_fails_clearly_when_the_server_dies_mid_run():
     assert time.monotonic() - start < 10  # bounded: no hang
 
 
-@pytest.fixture(scope="module")
-def served_brightness():
-    """``trl-dance serve-reward brightness`` as a real server process on loopback."""
+def _serve(reward: str, *options: str, token: str | None = None):
+    """``trl-dance serve-reward REWARD OPTIONS`` as a real server process on loopback: (process, client)."""
     port = _free_port()
-    command = [sys.executable, "-m", "trl_dance.cli", "serve-reward", "brightness", "--port", str(port)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    reward = RemoteReward(f"http://127.0.0.1:{port}", image_format="npy", timeout=5, max_retries=0)
+    command = [sys.executable, "-m", "trl_dance.cli", "serve-reward", reward, "--port", str(port), *options]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    client = RemoteReward(f"http://127.0.0.1:{port}", image_format="npy", timeout=5, max_retries=0, token=token)
     deadline = time.monotonic() + 60
     while True:
         try:
-            assert reward.health() == {"status": "ok", "reward": "brightness"}
-            break
+            client.health()
+            return process, client
         except RemoteRewardError:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the reward server did not start: {process.communicate()[1][-2000:]}") from None
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served_brightness():
+    """``trl-dance serve-reward brightness`` with its default limits."""
+    process, reward = _serve("brightness")
+    assert reward.health()["reward"] == "brightness"
+    reward.process = process
     yield reward
     process.terminate()
     process.wait(timeout=30)
@@ -162,7 +170,7 @@ def test_served_reward_equals_in_process(served_brightness):
     quantized = (images * 255).round() / 255
     torch.testing.assert_close(torch.tensor(png), quantized.mean(dim=(1, 2, 3)), atol=1e-6, rtol=0)
     malformed = served_brightness.client.post(f"{served_brightness.url}/score", json={"prompts": ["a"]})
-    assert malformed.status_code == 400 and "bad request: KeyError" in malformed.json()["error"]
+    assert malformed.status_code == 400 and "bad request: 1 prompts, 0 images" in malformed.json()["error"]
     with pytest.raises(RemoteRewardError, match="status 400: .*1 prompts, 0 images"):
         served_brightness._score_batch(0, 0, {"prompts": ["a"], "images": [], "image_format": "npy"})
 
@@ -274,7 +282,12 @@ def test_pickle_server_adapters_speak_the_reference_formats():
     )
     images = torch.stack([torch.full((3, 16, 16), value) for value in (0.2, 0.6, 0.8)])
     logged = {}
-    reward = get_reward_function("llava_bertscore", url=llava.url, batch_size=2, backoff=0.01)
+    with pytest.raises(
+        ValueError, match="unpickling runs whatever code the answer names; pass trust_remote_pickle=True"
+    ):
+        get_reward_function("llava_bertscore", url=llava.url)
+    trust = {"trust_remote_pickle": True}
+    reward = get_reward_function("llava_bertscore", url=llava.url, batch_size=2, backoff=0.01, **trust)
     values = reward(["a cat", "a dog", "a house"], images, log_metric=logged.__setitem__)
     assert values == pytest.approx([0.2, 0.6, 0.8], abs=2 / 255) and llava.requests == 2
     first = llava.bodies[0]
@@ -283,7 +296,9 @@ def test_pickle_server_adapters_speak_the_reference_formats():
     assert logged == {"llava_bertscore/precision": 0.5, "llava_bertscore/f1": 0.25}
 
     deqa = _Stub(lambda n, body: (200, {"outputs": jpeg_brightness(body)}), codec=pickle)
-    assert get_reward_function("deqa", url=deqa.url)(["x"] * 3, images) == pytest.approx([0.2, 0.6, 0.8], abs=2 / 255)
+    assert get_reward_function("deqa", url=deqa.url, **trust)(["x"] * 3, images) == pytest.approx(
+        [0.2, 0.6, 0.8], abs=2 / 255
+    )
     assert set(deqa.bodies[0]) == {"images"}
 
     answer = {
@@ -295,13 +310,135 @@ def test_pickle_server_adapters_speak_the_reference_formats():
     }
     geneval = _Stub(lambda n, body: (200, answer), codec=pickle)
     metadata = [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}] * 3
-    reward = get_reward_function("geneval", url=geneval.url)
+    reward = get_reward_function("geneval", url=geneval.url, **trust)
     assert reward(["two cats"] * 3, images, metadata=metadata) == [1.0, 0.5, 0.0]
     assert geneval.bodies[0]["meta_datas"] == metadata and geneval.bodies[0]["only_strict"] is True
     with pytest.raises(ValueError, match="GenEval metadata in the dataset column 'metadata'"):
         reward(["two cats"] * 3, images)
     wrong = _Stub(lambda n, body: (200, {"outputs": [0.1]}), codec=pickle)
     with pytest.raises(RemoteRewardError, match="deqa server .*: 1 rewards for 3 samples"):
-        get_reward_function("deqa", url=wrong.url)(["x"] * 3, images)
+        get_reward_function("deqa", url=wrong.url, **trust)(["x"] * 3, images)
     for stub in (llava, deqa, geneval, wrong):
         stub.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The server under hostile input, faults and load (issue #42)
+
+
+def _png(width: int, height: int) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buffer, format="PNG")
+    return __import__("base64").b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    """A server with a token, small limits and a queue of 1 in front of a reward that takes 0.3 s."""
+    options = ["--token", "s3cret", "--max_images", "4", "--max_pixels", "4096", "--max_body_mb", "0.5"]
+    options += ["--max_prompt_chars", "100", "--max_frames", "3", "--max_queue", "1"]
+    process, client = _serve("slow_reward:slow_brightness", *options, token="s3cret")
+    yield client
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_hostile_requests_get_clear_json_errors(strict_server):
+    """Malformed items are 400s naming the item; limits are 413s naming the item and the limit, checked before the work
+    they bound (a 100×100 PNG is refused from its header, a large body while it is read); no token, a 401."""
+    url, headers = f"{strict_server.url}/score", {"Authorization": "Bearer s3cret"}
+    post = strict_server.client.post
+    good = {"prompts": ["a"], "images": [_png(8, 8)], "image_format": "png"}
+    cases = [
+        ({"prompts": ["a"], "images": ["%%% not base64"]}, 400, "images[0]: not base64"),
+        ({"prompts": ["a"], "images": [__import__("base64").b64encode(b"not an image").decode()]}, 400,
+         "images[0]: not a png image (UnidentifiedImageError"),
+        ({"prompts": ["a"], "images": [7]}, 400, "images[0]: expected base64 text, got int"),
+        ({"prompts": [3], "images": [_png(8, 8)]}, 400, "prompts[0]: expected text, got int"),
+        ({"prompts": ["a"] * 5, "images": [_png(8, 8)] * 5}, 413, "5 images in one request (limit --max_images 4)"),
+        ({"prompts": ["a"], "images": [_png(100, 100)]}, 413, "images[0]: 100×100 = 10000 pixels (limit --max_pixels 4096)"),
+        ({"prompts": ["x" * 101], "images": [_png(8, 8)]}, 413, "prompts[0]: 101 characters (limit --max_prompt_chars 100)"),
+        ({"prompts": ["a"], "images": [[_png(8, 8)] * 4]}, 413, "images[0]: a video of 4 frames (limit 3)"),
+        ({"prompts": ["a"], "images": [_png(8, 8)], "image_format": "gif"}, 400, "image_format must be one of"),
+        (good | {"columns": {"image": [{"image": "!!"}]}}, 400, "columns['image'][0]: not base64"),
+    ]  # fmt: skip
+    for payload, status, message in cases:
+        response = post(url, json=payload, headers=headers)
+        assert response.status_code == status and message in response.json()["error"], (message, response.text)
+    response = post(url, content=b"{not json", headers=headers)
+    assert response.status_code == 400 and "not JSON" in response.json()["error"]
+    response = post(url, content=b"x" * (600 * 1024), headers=headers)  # over --max_body_mb 0.5
+    assert response.status_code == 413 and "limit --max_body_mb" in response.json()["error"]
+    import httpx
+
+    for auth in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(url, json=good, headers=auth)  # not the client, which sends its token
+        assert response.status_code == 401 and "token" in response.json()["error"]
+    assert post(url, json=good, headers=headers).json() == {"rewards": [0.0]}
+    assert strict_server(["a"], torch.full((1, 3, 8, 8), 0.5)) == [0.5]  # the client sends the token it was given
+
+
+def test_a_full_queue_answers_503_and_clients_retry_after(strict_server):
+    """--max_queue 1 and a 0.3 s reward: concurrent requests beyond the first get 503 with Retry-After at once (not
+    queued without bound); clients that retry honour it and every answer is right; without retries the error names
+    the server, the batch and the last status."""
+    import httpx
+
+    images = torch.rand(4, 3, 8, 8)
+    payload = {"prompts": ["a"], "images": [encode_image(images[0], "npy")], "image_format": "npy"}
+    auth = {"Authorization": "Bearer s3cret"}
+    with httpx.Client(timeout=10) as client, __import__("concurrent.futures").futures.ThreadPoolExecutor(4) as pool:
+        responses = list(
+            pool.map(lambda _: client.post(f"{strict_server.url}/score", json=payload, headers=auth), range(4))
+        )
+    busy = [r for r in responses if r.status_code == 503]
+    assert busy and all(r.headers["retry-after"] == "1" and "--max_queue 1" in r.json()["error"] for r in busy)
+    assert all(r.status_code in (200, 503) for r in responses)
+    patient = RemoteReward(strict_server.url, image_format="npy", batch_size=1, max_concurrency=4, token="s3cret",
+                           max_retries=6, backoff=0.05, timeout=10)  # fmt: skip
+    assert patient(["a"] * 4, images) == pytest.approx(images.mean(dim=(1, 2, 3)).tolist(), abs=1e-6)
+    impatient = RemoteReward(strict_server.url, image_format="npy", batch_size=1, max_concurrency=4, token="s3cret",
+                             max_retries=0, timeout=10)  # fmt: skip
+    with pytest.raises(
+        RemoteRewardError,
+        match=r"reward server .*, batch \d \(samples \d–\d\): failed after 1 attempts; last: status 503",
+    ):
+        impatient(["a"] * 4, images)
+
+
+def test_load_answers_every_request_in_order_with_bounded_memory(served_brightness):
+    """200 requests of 8 PNG images from 8 concurrent clients against the real server (default limits): every answer
+    is its own images' brightness, in order; /health answers throughout; the server's resident memory grows by less
+    than 200 MB; all within a minute."""
+    import concurrent.futures
+
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+    pid = served_brightness.process.pid
+    before = rss(pid)
+    client = RemoteReward(served_brightness.url, image_format="png", batch_size=8, max_concurrency=8, timeout=30)
+    batches = [torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(25)]
+    start, peak = time.monotonic(), before
+
+    def one(i: int) -> tuple[int, list]:
+        return i, client([f"prompt {i}"] * 64, torch.cat([batches[i % 25]] * 8))  # 8 requests of 8 images
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(25)]  # 25 calls × 8 requests = 200 requests
+        while not all(f.done() for f in futures):
+            assert served_brightness.health()["status"] == "ok"
+            peak = max(peak, rss(pid))
+            time.sleep(0.05)
+        results = [f.result() for f in futures]
+    elapsed = time.monotonic() - start
+    for i, values in results:
+        expected = ((torch.cat([batches[i % 25]] * 8) * 255).round() / 255).mean(dim=(1, 2, 3))
+        torch.testing.assert_close(torch.tensor(values), expected, atol=1e-6, rtol=0)
+    print(
+        f"200 requests in {elapsed:.1f} s ({200 / elapsed:.0f}/s), server RSS {before / 2**20:.0f} → peak {peak / 2**20:.0f} MB"
+    )
+    assert elapsed < 60 and peak - before < 200 * 2**20

@@ -42,6 +42,8 @@ class PickleServerReward(HTTPReward):
         batch_size: images per request (the reference clients': 16 LLaVA, 64 DeQA/GenEval).
         jpeg_quality: the reference clients' JPEG quality.
         max_concurrency, timeout, max_retries, backoff: as :class:`~trl_dance.rewards.remote.RemoteReward`'s.
+        trust_remote_pickle: must be True: the server's answer is unpickled, which runs whatever code the answer
+            names, so only a server you run, on a network you trust, may be called.
     """
 
     name = "pickle_server"
@@ -58,7 +60,14 @@ class PickleServerReward(HTTPReward):
         max_retries: int = 3,
         backoff: float = 1.0,
         name: str | None = None,
+        trust_remote_pickle: bool = False,
     ):
+        if trust_remote_pickle is not True:
+            raise ValueError(
+                f"{name or self.name}: this client unpickles the server's answer, and unpickling runs whatever code "
+                "the answer names; pass trust_remote_pickle=True only for a server you run on a network you trust "
+                "(or serve the reward with `trl-dance serve-reward`, which speaks JSON)"
+            )
         self._init_http(max_concurrency, timeout, max_retries, backoff, None)
         self.url = url or self.default_url
         self.batch_size = batch_size or self.default_batch_size

@@ -2,12 +2,14 @@
 
 Protocol (JSON over HTTP):
 
-* ``GET {url}/health`` → 200 ``{"status": "ok", "reward": NAME}``.
+* ``GET {url}/health`` → 200 ``{"status": "ok", "reward": NAME, ...}``.
 * ``POST {url}/score`` with ``{"prompts": [B strings], "images": [B encoded images], "image_format": "png" | "jpeg" |
   "npy", "columns": {name: [B JSON values]}, "global_step": int}`` → ``{"rewards": [B numbers or null]}`` (null:
   the reward abstains on that row). An image is base64 of a PNG/JPEG file (8-bit) or of a ``numpy.save`` float32
   (3, H, W) array in [0, 1] (``npy``, lossless); a video is a list of such frames (``npy``: one (F, 3, H, W) array).
   PIL images in ``columns`` (image-to-video conditioning) travel as ``{"image": base64 PNG}``.
+* Refusals are JSON ``{"error": MESSAGE}``: 400 malformed, 401 missing token, 413 over a limit, 503 with
+  ``Retry-After`` when busy (the client retries 429/5xx within its budget, honouring Retry-After).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -74,10 +77,10 @@ def post_with_retries(client, url: str, payload: dict[str, Any] | bytes, max_ret
     import httpx
 
     body = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
-    last = ""
+    last, retry_after = "", 0.0
     for attempt in range(max_retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
+        if attempt:  # a busy server's Retry-After (503, 429) is honoured, within the retry budget
+            time.sleep(max(backoff * 2 ** (attempt - 1), retry_after))
         try:
             response = client.post(url, **body)
         except httpx.TimeoutException:
@@ -88,11 +91,20 @@ def post_with_retries(client, url: str, payload: dict[str, Any] | bytes, max_ret
             continue
         if response.status_code == 429 or response.status_code >= 500:
             last = f"status {response.status_code}: {response.text[:300]}"
+            retry_after = _seconds(response.headers.get("retry-after"))
             continue
         if response.status_code != 200:
             raise RemoteRewardError(f"{where}: status {response.status_code}: {response.text[:300]}")
         return response
     raise RemoteRewardError(f"{where}: failed after {max_retries + 1} attempts; last: {last}")
+
+
+def _seconds(value: str | None, most: float = 60.0) -> float:
+    """A Retry-After header's delay in seconds (0 if absent or not a number of seconds), at most ``most``."""
+    try:
+        return min(max(float(value), 0.0), most) if value is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
 class HTTPReward:
@@ -148,7 +160,9 @@ class RemoteReward(HTTPReward):
             ``backoff · 2^k`` seconds before attempt k + 1. Other 4xx statuses and malformed answers fail at once.
         image_format: ``png`` (8-bit, lossless), ``jpeg`` (8-bit, ``jpeg_quality``) or ``npy`` (float32, exact).
         videos: send videos whole (the server's reward scores videos); otherwise a trainer sends frames.
-        headers: extra HTTP headers (e.g. an authorization token).
+        token: the server's shared secret (``trl-dance serve-reward --token``), sent as ``Authorization: Bearer``;
+            default: the ``TRL_DANCE_REWARD_TOKEN`` environment variable, if set.
+        headers: extra HTTP headers.
 
     Every failure raises :class:`RemoteRewardError` naming the server, the batch and what went wrong: a reward is never
     silently replaced by a constant.
@@ -166,6 +180,7 @@ class RemoteReward(HTTPReward):
         image_format: str = "png",
         jpeg_quality: int = 95,
         videos: bool = False,
+        token: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         parsed = urllib.parse.urlparse(url)
@@ -175,6 +190,8 @@ class RemoteReward(HTTPReward):
             raise ValueError(f"image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        token = token or os.environ.get("TRL_DANCE_REWARD_TOKEN") or None
+        headers = dict(headers or {}) | ({"Authorization": f"Bearer {token}"} if token else {})
         self._init_http(max_concurrency, timeout, max_retries, backoff, headers)
         self.url = url.rstrip("/")
         self.__name__ = name or f"remote_{parsed.hostname}_{parsed.port or parsed.scheme}"

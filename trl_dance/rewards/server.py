@@ -3,69 +3,224 @@
 
     trl-dance serve-reward hpsv2 --port 8000 --reward_kwargs '{"checkpoint": "/ckpt/HPS_v2.1_compressed.pt"}'
 
-then ``reward_funcs: [http://HOST:8000]`` in a training config. Requests run in uvicorn's thread pool; model rewards
-load once, on ``--device``, and score under their own lock.
+then ``reward_funcs: [http://HOST:8000]`` in a training config. Requests are decoded and scored in uvicorn's thread
+pool; model rewards load once, on ``--device``, and score under their own lock.
+
+Hardened for shared networks: every limit is checked before the work it bounds (the body's size while it is read,
+an image's pixels from its header before it is decoded), every refusal is a JSON ``{"error": ...}`` naming the item
+and the limit (400 malformed, 401 no token, 413 over a limit, 503 + ``Retry-After`` when ``--max_queue`` requests are
+already in flight), and ``--token`` (or ``TRL_DANCE_REWARD_TOKEN``) makes ``/score`` require ``Authorization: Bearer
+TOKEN``, compared in constant time. It speaks plain HTTP: for TLS put it behind a reverse proxy (nginx, Caddy).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import hmac
+import io
 import json
 import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from .base import get_reward_function, reward_name, score_images
-from .remote import IMAGE_FORMATS, decode_image
+from .remote import IMAGE_FORMATS
+
+TOKEN_ENV = "TRL_DANCE_REWARD_TOKEN"
 
 
-def build_app(reward: Any, device: str = "cpu"):
-    """A Starlette app serving ``reward`` (a reward function) at ``/score`` and ``/health``."""
+@dataclass
+class ServerLimits:
+    """What one request may hold (defaults: a batch of 64 images of up to 16.7 MP, or videos of up to 256 frames)."""
+
+    max_body_bytes: int = 256 * 2**20
+    max_images: int = 64
+    max_pixels: int = 4096 * 4096  # per image or video frame, read from its header before decoding
+    max_frames: int = 256
+    max_prompt_chars: int = 4096
+    max_queue: int = 32  # requests in flight (reading, decoding, waiting for or being scored); more get 503
+
+
+class Refused(Exception):
+    """A request refused with ``status`` and a message naming the item and the limit."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def decode_checked(data: Any, image_format: str, limits: ServerLimits, where: str) -> torch.Tensor:
+    """An encoded image or video (:func:`~trl_dance.rewards.remote.encode_image`'s format) as (3, H, W) or
+    (F, 3, H, W) float32, its size checked against ``limits`` from the header before anything is decoded.
+
+    Raises:
+        Refused: 400 for anything malformed, 413 for an image over ``max_pixels`` or a video over ``max_frames``.
+    """
+    if isinstance(data, list):
+        if not 1 <= len(data) <= limits.max_frames:
+            raise Refused(413 if data else 400, f"{where}: a video of {len(data)} frames (limit {limits.max_frames})")
+        return torch.stack(
+            [decode_checked(frame, image_format, limits, f"{where}[{i}]") for i, frame in enumerate(data)]
+        )
+    if not isinstance(data, str):
+        raise Refused(400, f"{where}: expected base64 text, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise Refused(400, f"{where}: not base64 ({err})") from None
+    try:
+        if image_format == "npy":
+            return _decode_npy(raw, limits, where)
+        with Image.open(io.BytesIO(raw)) as image:  # reads the header only
+            width, height = image.size
+            if width * height > limits.max_pixels:
+                raise Refused(
+                    413,
+                    f"{where}: {width}×{height} = {width * height} pixels (limit --max_pixels {limits.max_pixels})",
+                )
+            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except Refused:
+        raise
+    except Image.DecompressionBombError as err:
+        raise Refused(413, f"{where}: {err}") from None
+    except Exception as err:  # PIL's UnidentifiedImageError, truncated files, numpy's header errors...
+        raise Refused(400, f"{where}: not a {image_format} image ({type(err).__name__}: {err})") from None
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def _decode_npy(raw: bytes, limits: ServerLimits, where: str) -> torch.Tensor:
+    buffer = io.BytesIO(raw)
+    version = np.lib.format.read_magic(buffer)
+    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = reader(buffer)
+    if dtype != np.float32 or len(shape) not in (3, 4) or shape[-3] != 3:
+        raise Refused(400, f"{where}: expected float32 (3, H, W) or (F, 3, H, W), got {dtype} {shape}")
+    frames = shape[0] if len(shape) == 4 else 1
+    if shape[-1] * shape[-2] > limits.max_pixels or frames > limits.max_frames:
+        raise Refused(
+            413, f"{where}: {shape} exceeds --max_pixels {limits.max_pixels} or --max_frames {limits.max_frames}"
+        )
+    buffer.seek(0)
+    return torch.from_numpy(np.load(buffer, allow_pickle=False)).float()
+
+
+def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], torch.Tensor, dict[str, list]]:
+    """A ``/score`` body as (prompts, images (B, ...), columns), every field and limit checked.
+
+    Raises:
+        Refused: 400 naming the malformed field or item, 413 naming the item and the limit.
+    """
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise Refused(400, f"bad request: the body is not JSON ({err})") from None
+    if not isinstance(request, dict) or not isinstance(request.get("prompts"), list):
+        raise Refused(400, "bad request: expected an object with 'prompts' and 'images' lists")
+    prompts, encoded = request["prompts"], request.get("images")
+    image_format = request.get("image_format", "png")
+    if not isinstance(encoded, list) or len(prompts) != len(encoded):
+        raise Refused(
+            400, f"bad request: {len(prompts)} prompts, {len(encoded) if isinstance(encoded, list) else 0} images"
+        )
+    if image_format not in IMAGE_FORMATS:
+        raise Refused(400, f"bad request: image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+    if len(encoded) > limits.max_images:
+        raise Refused(413, f"{len(encoded)} images in one request (limit --max_images {limits.max_images})")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise Refused(400, f"prompts[{i}]: expected text, got {type(prompt).__name__}")
+        if len(prompt) > limits.max_prompt_chars:
+            raise Refused(
+                413, f"prompts[{i}]: {len(prompt)} characters (limit --max_prompt_chars {limits.max_prompt_chars})"
+            )
+    images = [decode_checked(item, image_format, limits, f"images[{i}]") for i, item in enumerate(encoded)]
+    if len({tuple(image.shape) for image in images}) > 1:
+        raise Refused(400, f"images of different shapes in one request: {sorted({tuple(i.shape) for i in images})}")
+    columns = request.get("columns") or {}
+    if not isinstance(columns, dict) or any(
+        not isinstance(v, list) or len(v) != len(prompts) for v in columns.values()
+    ):
+        raise Refused(400, "bad request: columns must map names to one value per prompt")
+    columns = {
+        key: [_column_value(value, limits, f"columns[{key!r}][{i}]") for i, value in enumerate(values)]
+        for key, values in columns.items()
+    }
+    return prompts, torch.stack(images) if images else torch.zeros(0, 3, 1, 1), columns
+
+
+def _column_value(value: Any, limits: ServerLimits, where: str) -> Any:
+    """A column value from JSON: ``{"image": base64 PNG}`` back to a PIL image (size-checked)."""
+    if isinstance(value, dict) and set(value) == {"image"}:
+        array = decode_checked(value["image"], "png", limits, where)
+        return Image.fromarray((array.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    return value
+
+
+def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = None, token: str | None = None):
+    """A Starlette app serving ``reward`` (a reward function) at ``/score`` and ``/health`` within ``limits``; with
+    ``token``, ``/score`` answers 401 unless the request carries ``Authorization: Bearer <token>``."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    name = reward_name(reward)
+    name, limits = reward_name(reward), limits or ServerLimits()
+    expected = f"Bearer {token}".encode() if token else None
+    in_flight = 0  # one event loop: no lock needed between the check and the increment
+
+    def refuse(status: int, message: str, headers: dict[str, str] | None = None):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     def health(request):
-        return JSONResponse({"status": "ok", "reward": name})
+        return JSONResponse({"status": "ok", "reward": name, "in_flight": in_flight, "max_queue": limits.max_queue})
+
+    async def read_body(request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise Refused(413, f"a body of {declared} bytes (limit --max_body_mb {limits.max_body_bytes / 2**20:g})")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:  # stop reading: never hold more than the limit
+                raise Refused(413, f"a body over {limits.max_body_bytes} bytes (limit --max_body_mb)")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def score(request):
+        nonlocal in_flight
+        if expected is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected
+        ):
+            return refuse(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if in_flight >= limits.max_queue:
+            return refuse(
+                503, f"busy: {in_flight} requests in flight (--max_queue {limits.max_queue})", {"Retry-After": "1"}
+            )
+        in_flight += 1
         try:
-            body = await request.json()
-            prompts, encoded = body["prompts"], body["images"]
-            image_format = body.get("image_format", "png")
-            if image_format not in IMAGE_FORMATS or len(prompts) != len(encoded):
-                raise ValueError(
-                    f"image_format must be one of {IMAGE_FORMATS}; {len(prompts)} prompts, {len(encoded)} images"
-                )
-            images = torch.stack([decode_image(item, image_format) for item in encoded]).to(device)
-            columns = {key: [_column_value(v) for v in values] for key, values in body.get("columns", {}).items()}
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            return JSONResponse({"error": f"bad request: {type(err).__name__}: {err}"}, status_code=400)
-        try:
-            from starlette.concurrency import run_in_threadpool
-
-            values = await run_in_threadpool(score_images, [reward], prompts, images, columns)
-        except Exception as err:  # the reward's own failure: the client names it with the status
-            return JSONResponse({"error": f"{name}: {type(err).__name__}: {err}"}, status_code=500)
-        rewards = [None if math.isnan(v) else v for v in values[:, 0].tolist()]
-        return JSONResponse({"rewards": rewards})
+            try:
+                body = await read_body(request)
+                prompts, images, columns = await run_in_threadpool(parse_request, body, limits)
+            except Refused as refused:
+                return refuse(refused.status, str(refused))
+            if not prompts:
+                return JSONResponse({"rewards": []})
+            try:
+                values = await run_in_threadpool(score_images, [reward], prompts, images.to(device), columns)
+            except Exception as err:  # the reward's own failure: the client names it with the status
+                return refuse(500, f"{name}: {type(err).__name__}: {err}")
+            return JSONResponse({"rewards": [None if math.isnan(v) else v for v in values[:, 0].tolist()]})
+        finally:
+            in_flight -= 1
 
     return Starlette(routes=[Route("/health", health), Route("/score", score, methods=["POST"])])
-
-
-def _column_value(value: Any) -> Any:
-    """A column value from JSON: ``{"image": base64 PNG}`` back to a PIL image."""
-    if isinstance(value, dict) and set(value) == {"image"}:
-        import base64
-        import io
-
-        from PIL import Image
-
-        return Image.open(io.BytesIO(base64.b64decode(value["image"]))).convert("RGB")
-    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,11 +230,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--reward_kwargs", default=None, help="JSON: the reward's constructor arguments")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--token", default=None, help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    defaults = ServerLimits()
+    parser.add_argument("--max_body_mb", type=float, default=defaults.max_body_bytes / 2**20)
+    parser.add_argument("--max_images", type=int, default=defaults.max_images, help="images per request")
+    parser.add_argument("--max_pixels", type=int, default=defaults.max_pixels, help="pixels per image or frame")
+    parser.add_argument("--max_frames", type=int, default=defaults.max_frames, help="frames per video")
+    parser.add_argument("--max_prompt_chars", type=int, default=defaults.max_prompt_chars)
+    parser.add_argument("--max_queue", type=int, default=defaults.max_queue, help="requests in flight; more get 503")
     args = parser.parse_args(argv)
     import uvicorn
 
+    limits = ServerLimits(
+        int(args.max_body_mb * 2**20), args.max_images, args.max_pixels, args.max_frames, args.max_prompt_chars,
+        args.max_queue,
+    )  # fmt: skip
     reward = get_reward_function(args.reward, **json.loads(args.reward_kwargs or "{}"))
-    uvicorn.run(build_app(reward, args.device), host=args.host, port=args.port, log_level="warning")
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    uvicorn.run(build_app(reward, args.device, limits, token), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
