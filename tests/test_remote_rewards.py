@@ -47,7 +47,12 @@ class _Stub(http.server.ThreadingHTTPServer):
                 body = codec.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
                 self.requests += 1
                 self.bodies.append(body)
-                status, payload = self.behave(self.requests, body)
+                answer = self.behave(self.requests, body)
+                if answer is None:  # die in the middle of the answer: half the body, then the connection closes
+                    handler.wfile.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"rewards": [0.')
+                    handler.close_connection = True
+                    return
+                status, payload = answer
                 data = codec.dumps(payload)
                 data = data.encode() if isinstance(data, str) else data
                 handler.send_response(status)
@@ -110,11 +115,18 @@ def test_client_batches_concurrently_and_survives_a_slow_server():
         (lambda n, body: (200, {"rewards": [0.5]}), r"batch 0 \(samples 0–3\): 1 rewards for 4 samples"),
         (lambda n, body: (200, {"scores": [0.5] * 4}), "the answer has no 'rewards' list"),
         (lambda n, body: (400, {"error": "no such column"}), "status 400: .*no such column"),
+        (lambda n, body: (200, {"rewards": ["high", 1, 2, 3]}), "rewards must be numbers or null"),
+        (lambda n, body: None, r"failed after 3 attempts; last: RemoteProtocolError"),  # dies mid-answer
+        (
+            lambda n, body: time.sleep(3) or _brightness_answer(body),
+            r"failed after 3 attempts; last: no answer within",
+        ),
     ],
 )
 def test_client_errors_name_the_server_the_status_and_the_batch(behave, message):
+    """Every fault is a RemoteRewardError after bounded retries, never a hang or a silent value."""
     stub = _Stub(behave)
-    reward = RemoteReward(stub.url, batch_size=4, timeout=2, max_retries=2, backoff=0.01)
+    reward = RemoteReward(stub.url, batch_size=4, timeout=0.5, max_retries=2, backoff=0.01)
     with pytest.raises(
         RemoteRewardError, match=f"reward server {stub.url}, {message}" if "batch" in message else message
     ):
