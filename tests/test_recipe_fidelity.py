@@ -14,8 +14,6 @@ from trl_dance import (
     DanceGRPOConfig,
     DanceGRPOTrainer,
     DiffusionNFTConfig,
-    DirectRewardConfig,
-    DirectRewardTrainer,
     OnlineDiffusionDPOConfig,
     OnlineDiffusionDPOTrainer,
     SPOConfig,
@@ -189,23 +187,9 @@ class ShiftedBrightness:
 
 
 def _direct(tiny_model_dir, tmp_path, reward, **overrides):
-    values = tiny_online_values(tmp_path) | {
-        "num_generations": 1,
-        "generation_batch_size": 4,
-        "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "max_grad_norm": 1.0,
-        "weight_decay": 0.0,
-        "learning_rate": 1e-2,
-        "seed": LEARNING_SEED,
-    }
-    return DirectRewardTrainer(
-        tiny_model_dir("flux"),
-        reward,
-        args=DirectRewardConfig(**(values | overrides)),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        peft_config=LORA,
-    )
+    from test_direct_reward import _trainer  # the Direct-Align tests' tiny FLUX trainer
+
+    return _trainer(tiny_model_dir, tmp_path, reward=reward, seed=LEARNING_SEED, **overrides)
 
 
 # Gains (first 2 → last 2 logged rounds, in the reward's units, ~20 ± 1 at the start) over seeds 42, 1, 2 × 1 and 2
