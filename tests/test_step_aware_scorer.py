@@ -88,5 +88,17 @@ def test_spo_trainer_scores_pools_with_it(tiny_model_dir, clip_dir, tmp_path):
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
     )
     assert isinstance(trainer.step_scorer, StepAwarePreferenceModel)
+    seen = []
+    original = trainer.step_scorer._score
+    trainer.step_scorer._score = lambda p, images, t: seen.append(images.clone()) or original(p, images, t)
     trainer._prepare_inputs(CHAINS)
-    assert trainer._rollout["score_gap"].shape == (2, 3) and (trainer._rollout["score_gap"] > 0).all()
+    assert trainer._rollout["score_gap"].shape == (2, 4) and (trainer._rollout["score_gap"] > 0).all()
+    # SPO resizes the decoded x̂0 before it clamps: the model gets them unclamped (the random VAE overshoots [0, 1]).
+    pixels = torch.cat(seen)
+    assert pixels.min() < 0 or pixels.max() > 1
+    policy = trainer.policy
+    latents = policy.initial_noise([torch.Generator().manual_seed(0)])
+    with torch.no_grad(), policy.unclamped_decode():
+        raw = policy.decode(latents)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.decode(latents), raw.clamp(0, 1))  # decode itself is unchanged

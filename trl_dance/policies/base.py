@@ -423,5 +423,18 @@ class DiffusionPolicy(ABC):
         return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))  # float64 stays
 
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        """The VAE's output in [-1, 1] to the pipeline's "pt" output in [0, 1]."""
+        """The VAE's output in [-1, 1] to the pipeline's "pt" output in [0, 1] (not clamped inside
+        :meth:`unclamped_decode`)."""
+        if getattr(self, "_unclamped", False):
+            return decoded / 2 + 0.5
         return self.pipeline.image_processor.postprocess(decoded, output_type="pt")
+
+    @contextlib.contextmanager
+    def unclamped_decode(self):
+        """:meth:`decode` of images without the final clamp to [0, 1], for scorers that resize before they clamp
+        (SPO's step-aware preference model); videos are unaffected."""
+        self._unclamped = True
+        try:
+            yield
+        finally:
+            self._unclamped = False

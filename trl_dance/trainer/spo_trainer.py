@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from transformers import TrainerCallback
 from ..losses import spo_loss
 from ..policies import DiffusionPolicy
 from ..rewards import RewardFunc, score_images, weighted_reward_sum
+from ..rewards.step_aware import StepAwarePreferenceModel
 from ..sampling import RolloutPlan, StepScorer, pooled_rollout
 from .online_trainer import OnlineDiffusionTrainer
 from .spo_config import SPOConfig
@@ -78,8 +80,6 @@ class SPOTrainer(OnlineDiffusionTrainer):
         if step_scorer is not None and not callable(step_scorer):
             raise TypeError(f"step_scorer must be callable, got {type(step_scorer).__name__}")
         if step_scorer is None and self.args.step_aware_model is not None:
-            from ..rewards.step_aware import StepAwarePreferenceModel
-
             kwargs = self.args.step_aware_model_kwargs or {}
             step_scorer = StepAwarePreferenceModel(self.args.step_aware_model, **kwargs)
         self.step_scorer: Callable = step_scorer or RewardStepScorer(
@@ -148,8 +148,12 @@ class SPOTrainer(OnlineDiffusionTrainer):
             noise = torch.stack([torch.randn((steps, k, *shape), generator=g) for g in generators], dim=2)
             choices = torch.stack([torch.randint(k, (pools,), generator=g) for g in generators], dim=1)  # (S, B)
 
+            # SPO's preference model resizes the decoded images before it clamps them: give it them unclamped.
+            unclamped = isinstance(self.step_scorer, StepAwarePreferenceModel)
+
             def score(clean: torch.Tensor, step_index: torch.Tensor) -> torch.Tensor:
-                images = policy.decode(clean)
+                with policy.unclamped_decode() if unclamped else contextlib.nullcontext():
+                    images = policy.decode(clean)
                 timesteps = self._score_timesteps(step_index)
                 scores = torch.as_tensor(self.step_scorer(list(prompts) * k, images, timesteps), device=clean.device)
                 if scores.shape != (clean.shape[0],):
@@ -181,8 +185,6 @@ class SPOTrainer(OnlineDiffusionTrainer):
         gap = scores.max(dim=2).values - scores.min(dim=2).values
         scale = args.score_scale
         if scale is None:  # SPO's preference model: its own logits; any other scorer: the round's mean gap
-            from ..rewards.step_aware import StepAwarePreferenceModel
-
             mean_gap = self.accelerator.gather(gap.flatten()).mean()
             scale = 1.0 if isinstance(self.step_scorer, StepAwarePreferenceModel) else 1 / mean_gap.clamp_min(1e-30)
         keep = torch.tanh(scale * gap / 2) > args.pair_threshold  # SPO's softmax gap of the two
