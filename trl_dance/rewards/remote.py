@@ -15,6 +15,7 @@ Protocol (JSON over HTTP):
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import math
 import os
@@ -50,15 +51,76 @@ def encode_image(image: torch.Tensor, image_format: str, quality: int = 95) -> s
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decode_image(data: str | list[str], image_format: str) -> torch.Tensor:
-    """The inverse of :func:`encode_image`: (3, H, W) or (F, 3, H, W) float32 in [0, 1]."""
+class RefusedInput(ValueError):
+    """An encoded input refused: ``status`` 400 (malformed) or 413 (over a limit), the message naming the item."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def decode_image(
+    data: Any,
+    image_format: str,
+    max_pixels: int | None = None,
+    max_frames: int | None = None,
+    where: str = "image",
+) -> torch.Tensor:
+    """The inverse of :func:`encode_image`: (3, H, W) or (F, 3, H, W) float32 in [0, 1]. An image's size is checked
+    against ``max_pixels`` (per image or frame) from its header before it is decoded, a video's length against
+    ``max_frames`` (``None``: no limit).
+
+    Raises:
+        RefusedInput (a ValueError) naming ``where``: 400 for anything malformed, 413 over a limit.
+    """
     if isinstance(data, list):
-        return torch.stack([decode_image(frame, image_format) for frame in data])
-    raw = base64.b64decode(data)
-    if image_format == "npy":
-        return torch.from_numpy(np.load(io.BytesIO(raw), allow_pickle=False)).float()
-    array = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), dtype=np.float32) / 255.0
+        if not data or (max_frames is not None and len(data) > max_frames):
+            raise RefusedInput(413 if data else 400, f"{where}: a video of {len(data)} frames (limit {max_frames})")
+        return torch.stack(
+            [
+                decode_image(frame, image_format, max_pixels, max_frames, f"{where}[{i}]")
+                for i, frame in enumerate(data)
+            ]
+        )
+    if not isinstance(data, str):
+        raise RefusedInput(400, f"{where}: expected base64 text, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise RefusedInput(400, f"{where}: not base64 ({err})") from None
+    try:
+        if image_format == "npy":
+            return _decode_npy(raw, max_pixels, max_frames, where)
+        with Image.open(io.BytesIO(raw)) as image:  # reads the header only
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise RefusedInput(
+                    413, f"{where}: {width}×{height} = {width * height} pixels (limit --max_pixels {max_pixels})"
+                )
+            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except RefusedInput:
+        raise
+    except Image.DecompressionBombError as err:
+        raise RefusedInput(413, f"{where}: {err}") from None
+    except Exception as err:  # PIL's UnidentifiedImageError, truncated files, numpy's header errors...
+        raise RefusedInput(400, f"{where}: not a {image_format} image ({type(err).__name__}: {err})") from None
     return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def _decode_npy(raw: bytes, max_pixels: int | None, max_frames: int | None, where: str) -> torch.Tensor:
+    buffer = io.BytesIO(raw)
+    version = np.lib.format.read_magic(buffer)
+    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = reader(buffer)
+    if dtype != np.float32 or len(shape) not in (3, 4) or shape[-3] != 3:
+        raise RefusedInput(400, f"{where}: expected float32 (3, H, W) or (F, 3, H, W), got {dtype} {shape}")
+    frames = shape[0] if len(shape) == 4 else 1
+    if (max_pixels is not None and shape[-1] * shape[-2] > max_pixels) or (
+        max_frames is not None and frames > max_frames
+    ):
+        raise RefusedInput(413, f"{where}: {shape} exceeds --max_pixels {max_pixels} or --max_frames {max_frames}")
+    buffer.seek(0)
+    return torch.from_numpy(np.load(buffer, allow_pickle=False)).float()
 
 
 def _json_value(value: Any) -> Any:

@@ -16,10 +16,7 @@ TOKEN``, compared in constant time. It speaks plain HTTP: for TLS put it behind 
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import hmac
-import io
 import json
 import math
 import os
@@ -31,7 +28,7 @@ import torch
 from PIL import Image
 
 from .base import get_reward_function, reward_name, score_images
-from .remote import IMAGE_FORMATS
+from .remote import IMAGE_FORMATS, RefusedInput, decode_image
 
 TOKEN_ENV = "TRL_DANCE_REWARD_TOKEN"
 
@@ -48,106 +45,48 @@ class ServerLimits:
     max_queue: int = 32  # requests in flight (reading, decoding, waiting for or being scored); more get 503
 
 
-class Refused(Exception):
-    """A request refused with ``status`` and a message naming the item and the limit."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def decode_checked(data: Any, image_format: str, limits: ServerLimits, where: str) -> torch.Tensor:
-    """An encoded image or video (:func:`~trl_dance.rewards.remote.encode_image`'s format) as (3, H, W) or
-    (F, 3, H, W) float32, its size checked against ``limits`` from the header before anything is decoded.
-
-    Raises:
-        Refused: 400 for anything malformed, 413 for an image over ``max_pixels`` or a video over ``max_frames``.
-    """
-    if isinstance(data, list):
-        if not 1 <= len(data) <= limits.max_frames:
-            raise Refused(413 if data else 400, f"{where}: a video of {len(data)} frames (limit {limits.max_frames})")
-        return torch.stack(
-            [decode_checked(frame, image_format, limits, f"{where}[{i}]") for i, frame in enumerate(data)]
-        )
-    if not isinstance(data, str):
-        raise Refused(400, f"{where}: expected base64 text, got {type(data).__name__}")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise Refused(400, f"{where}: not base64 ({err})") from None
-    try:
-        if image_format == "npy":
-            return _decode_npy(raw, limits, where)
-        with Image.open(io.BytesIO(raw)) as image:  # reads the header only
-            width, height = image.size
-            if width * height > limits.max_pixels:
-                raise Refused(
-                    413,
-                    f"{where}: {width}×{height} = {width * height} pixels (limit --max_pixels {limits.max_pixels})",
-                )
-            array = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    except Refused:
-        raise
-    except Image.DecompressionBombError as err:
-        raise Refused(413, f"{where}: {err}") from None
-    except Exception as err:  # PIL's UnidentifiedImageError, truncated files, numpy's header errors...
-        raise Refused(400, f"{where}: not a {image_format} image ({type(err).__name__}: {err})") from None
-    return torch.from_numpy(array).permute(2, 0, 1)
-
-
-def _decode_npy(raw: bytes, limits: ServerLimits, where: str) -> torch.Tensor:
-    buffer = io.BytesIO(raw)
-    version = np.lib.format.read_magic(buffer)
-    reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, _, dtype = reader(buffer)
-    if dtype != np.float32 or len(shape) not in (3, 4) or shape[-3] != 3:
-        raise Refused(400, f"{where}: expected float32 (3, H, W) or (F, 3, H, W), got {dtype} {shape}")
-    frames = shape[0] if len(shape) == 4 else 1
-    if shape[-1] * shape[-2] > limits.max_pixels or frames > limits.max_frames:
-        raise Refused(
-            413, f"{where}: {shape} exceeds --max_pixels {limits.max_pixels} or --max_frames {limits.max_frames}"
-        )
-    buffer.seek(0)
-    return torch.from_numpy(np.load(buffer, allow_pickle=False)).float()
-
-
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], torch.Tensor, dict[str, list]]:
     """A ``/score`` body as (prompts, images (B, ...), columns), every field and limit checked.
 
     Raises:
-        Refused: 400 naming the malformed field or item, 413 naming the item and the limit.
+        RefusedInput: 400 naming the malformed field or item, 413 naming the item and the limit.
     """
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise Refused(400, f"bad request: the body is not JSON ({err})") from None
+        raise RefusedInput(400, f"bad request: the body is not JSON ({err})") from None
     if not isinstance(request, dict) or not isinstance(request.get("prompts"), list):
-        raise Refused(400, "bad request: expected an object with 'prompts' and 'images' lists")
+        raise RefusedInput(400, "bad request: expected an object with 'prompts' and 'images' lists")
     prompts, encoded = request["prompts"], request.get("images")
     image_format = request.get("image_format", "png")
     if not isinstance(encoded, list) or len(prompts) != len(encoded):
-        raise Refused(
+        raise RefusedInput(
             400, f"bad request: {len(prompts)} prompts, {len(encoded) if isinstance(encoded, list) else 0} images"
         )
     if image_format not in IMAGE_FORMATS:
-        raise Refused(400, f"bad request: image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
+        raise RefusedInput(400, f"bad request: image_format must be one of {IMAGE_FORMATS}, got {image_format!r}")
     if len(encoded) > limits.max_images:
-        raise Refused(413, f"{len(encoded)} images in one request (limit --max_images {limits.max_images})")
+        raise RefusedInput(413, f"{len(encoded)} images in one request (limit --max_images {limits.max_images})")
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
-            raise Refused(400, f"prompts[{i}]: expected text, got {type(prompt).__name__}")
+            raise RefusedInput(400, f"prompts[{i}]: expected text, got {type(prompt).__name__}")
         if len(prompt) > limits.max_prompt_chars:
-            raise Refused(
+            raise RefusedInput(
                 413, f"prompts[{i}]: {len(prompt)} characters (limit --max_prompt_chars {limits.max_prompt_chars})"
             )
-    images = [decode_checked(item, image_format, limits, f"images[{i}]") for i, item in enumerate(encoded)]
+    images = [
+        decode_image(item, image_format, limits.max_pixels, limits.max_frames, f"images[{i}]")
+        for i, item in enumerate(encoded)
+    ]
     if len({tuple(image.shape) for image in images}) > 1:
-        raise Refused(400, f"images of different shapes in one request: {sorted({tuple(i.shape) for i in images})}")
+        raise RefusedInput(
+            400, f"images of different shapes in one request: {sorted({tuple(i.shape) for i in images})}"
+        )
     columns = request.get("columns") or {}
     if not isinstance(columns, dict) or any(
         not isinstance(v, list) or len(v) != len(prompts) for v in columns.values()
     ):
-        raise Refused(400, "bad request: columns must map names to one value per prompt")
+        raise RefusedInput(400, "bad request: columns must map names to one value per prompt")
     columns = {
         key: [_column_value(value, limits, f"columns[{key!r}][{i}]") for i, value in enumerate(values)]
         for key, values in columns.items()
@@ -158,7 +97,7 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], torch.T
 def _column_value(value: Any, limits: ServerLimits, where: str) -> Any:
     """A column value from JSON: ``{"image": base64 PNG}`` back to a PIL image (size-checked)."""
     if isinstance(value, dict) and set(value) == {"image"}:
-        array = decode_checked(value["image"], "png", limits, where)
+        array = decode_image(value["image"], "png", limits.max_pixels, limits.max_frames, where)
         return Image.fromarray((array.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
     return value
 
@@ -184,12 +123,14 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     async def read_body(request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            raise Refused(413, f"a body of {declared} bytes (limit --max_body_mb {limits.max_body_bytes / 2**20:g})")
+            raise RefusedInput(
+                413, f"a body of {declared} bytes (limit --max_body_mb {limits.max_body_bytes / 2**20:g})"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limits.max_body_bytes:  # stop reading: never hold more than the limit
-                raise Refused(413, f"a body over {limits.max_body_bytes} bytes (limit --max_body_mb)")
+                raise RefusedInput(413, f"a body over {limits.max_body_bytes} bytes (limit --max_body_mb)")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -208,7 +149,7 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
             try:
                 body = await read_body(request)
                 prompts, images, columns = await run_in_threadpool(parse_request, body, limits)
-            except Refused as refused:
+            except RefusedInput as refused:
                 return refuse(refused.status, str(refused))
             if not prompts:
                 return JSONResponse({"rewards": []})

@@ -76,7 +76,6 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
                 f"{name} gives the first latent frame (Wan 2.2 TI2V image-to-video); the forward-process loss would "
                 "train it: not supported yet"
             )
-        self._grid = tuple(policy.sigmas.tolist())  # the rollout's σ grid, read once
         levels = policy.trained_denoiser_steps()
         if args.timestep_selection == "stratified":  # AWM: neither σ = 1 nor the last tenth of the grid
             levels = [level for level in levels if 1 <= level <= int(0.9 * policy.num_steps)]
@@ -99,7 +98,9 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         steps = self.policy.num_steps
         if self.args.rollout_solver == "ode":
             return RolloutPlan.deterministic(steps)
-        return RolloutPlan.deterministic(steps, post_window_sigmas=self._grid, post_window_solver="dpm_solver++")
+        return RolloutPlan.deterministic(
+            steps, post_window_sigmas=self.policy.sigma_values, post_window_solver="dpm_solver++"
+        )
 
     def _rollout_model(self) -> torch.nn.Module:
         return self.old_policy.model

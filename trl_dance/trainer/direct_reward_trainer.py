@@ -262,7 +262,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             latents = self.draft_latents(model, noise, cond, inputs["draft_k"])
             reward = self.item_rewards(self.decode(latents), inputs["prompts"], inputs["inversion"], None)
             loss = -reward.mean()
-            self.training_signal.add_items(self.args.world_size * len(reward))
+            self.training_signal.add_items(len(reward))
             self._record("draft/k", torch.tensor([float(inputs["draft_k"])], device=device))
         else:
             sigma_from, sigma_to, m = direct_align_levels(
@@ -274,7 +274,7 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
             reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
             loss = torch.relu(args.reward_margin - reward).mean()
             active = (reward.detach() < args.reward_margin).float()
-            self.training_signal.add_items(self.accelerator.gather(active.sum().reshape(1)).sum())
+            self.training_signal.add_items(active.sum())
             self._record("direct_align/hinge_active", active)
             self._record("direct_align/sigma", sigma_from)
         self._record("direct_reward/reward", reward.detach())

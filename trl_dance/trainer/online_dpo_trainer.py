@@ -63,7 +63,7 @@ class OnlineDiffusionDPOTrainer(OnlineDiffusionTrainer):
         args, group = self.args, self.args.num_generations
         rewards = self._rollout["rewards"].view(-1, group)
         best, worst, keep = best_and_worst(rewards, args.min_margin)
-        self.training_signal.add_items(self.accelerator.gather(keep.sum().reshape(1)).sum())
+        self.training_signal.add_items(keep.sum())
         offsets = torch.arange(len(best), device=best.device) * group
         self._rollout |= {
             "x0": rollout["final_latents"],

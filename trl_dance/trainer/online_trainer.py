@@ -215,8 +215,8 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         raise NotImplementedError
 
     def _signal_items(self, advantages: torch.Tensor) -> torch.Tensor | None:
-        """How many of the round's samples can carry a gradient, from all processes' advantages (``None``: the method
-        counts its items into ``training_signal`` itself, the same count on every process)."""
+        """How many of this process's samples can carry a gradient, from its advantages (``None``: the method counts
+        its items into ``training_signal`` itself, on every process)."""
         return (advantages != 0).sum() if self.args.beta == 0 else None
 
     def _idle_causes(self) -> tuple[str, str]:
@@ -375,8 +375,9 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
+        reduce = functools.partial(self.accelerator.reduce, reduction="sum")
         if self._generation_round > 0 and self.training_signal.end_round(
-            self._generation_round - 1, *self._idle_causes()
+            self._generation_round - 1, *self._idle_causes(), reduce
         ):
             self._metrics["idle_rounds"].append(torch.tensor(float(self.training_signal.idle_rounds)))
         prompts = [row["prompt"] for row in rows]
@@ -444,7 +445,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         all_advantages = self._advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
-        if (items := self._signal_items(all_advantages)) is not None:
+        if (items := self._signal_items(advantages)) is not None:
             self.training_signal.add_items(items)
         self._log_rollout_metrics(all_rewards, total, all_advantages, plan, calls / batch)
         self._log_rollout_media(rollout["images"], prompts, total[local], total)

@@ -185,10 +185,10 @@ class SPOTrainer(OnlineDiffusionTrainer):
         gap = scores.max(dim=2).values - scores.min(dim=2).values
         scale = args.score_scale
         if scale is None:  # SPO's preference model: its own logits; any other scorer: the round's mean gap
-            mean_gap = self.accelerator.gather(gap.flatten()).mean()
-            scale = 1.0 if isinstance(self.step_scorer, StepAwarePreferenceModel) else 1 / mean_gap.clamp_min(1e-30)
+            own_logits = isinstance(self.step_scorer, StepAwarePreferenceModel)  # the same on every process
+            scale = 1.0 if own_logits else 1 / self.accelerator.gather(gap.flatten()).mean().clamp_min(1e-30)
         keep = torch.tanh(scale * gap / 2) > args.pair_threshold  # SPO's softmax gap of the two
-        self.training_signal.add_items(self.accelerator.gather(keep.sum().reshape(1)).sum())
+        self.training_signal.add_items(keep.sum())
         chains, pools = scores.shape[:2]
         chain, pool = torch.arange(chains, device=scores.device)[:, None], torch.arange(pools, device=scores.device)
         candidates = rollout["candidates"]  # (B, S, k, ...)

@@ -8,6 +8,7 @@ gradient is zero). Weight decay would still move the weights, so without this ch
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +29,8 @@ class TrainingSignal:
         self._grad_norms: list[torch.Tensor | float] = []
 
     def add_items(self, count: torch.Tensor | int) -> None:
-        """Training items of the round that can contribute a gradient (a device scalar, never read here)."""
+        """This process's training items of the round that can contribute a gradient (a device scalar, never read
+        here; :meth:`end_round` sums them over processes once)."""
         self._items.append(torch.as_tensor(count).detach().float().reshape(()))
 
     def add_grad_norm(self, norm: torch.Tensor | float | None) -> None:
@@ -36,14 +38,17 @@ class TrainingSignal:
         if norm is not None:
             self._grad_norms.append(norm.detach().float().reshape(()) if torch.is_tensor(norm) else float(norm))
 
-    def end_round(self, round_index: int, no_items: str, zero_gradient: str) -> str | None:
-        """Close a round: the cause if it trained nothing (``no_items`` when no item could contribute, else
-        ``zero_gradient`` when every update's gradient was exactly zero), logged as a warning; ``None`` otherwise.
+    def end_round(
+        self, round_index: int, no_items: str, zero_gradient: str, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> str | None:
+        """Close a round: the cause if it trained nothing (``no_items`` when no item of any process could contribute,
+        else ``zero_gradient`` when every update's gradient was exactly zero), logged as a warning; ``None`` otherwise.
+        ``reduce`` sums a (1,) tensor over the processes (every process calls it when the method counts items).
 
         Raises:
             RuntimeError with the cause after ``max_idle_rounds`` such rounds in a row.
         """
-        items = torch.stack(self._items).sum().item() if self._items else None
+        items = reduce(torch.stack(self._items).sum().reshape(1)).item() if self._items else None
         norms = [float(n) for n in self._grad_norms]
         self._items, self._grad_norms = [], []
         cause = None
