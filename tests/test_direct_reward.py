@@ -9,7 +9,8 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dance import DirectRewardConfig, DirectRewardTrainer
-from trl_dance.direct_align import direct_align_levels, euler_step, recover_x0, renoise, semantic_relative_reward
+from trl_dance.direct_align import direct_align_levels, semantic_relative_reward
+from trl_dance.forward_process import add_noise, euler_step, flow_coefficients, recover_clean
 
 
 def _config(output_dir, **overrides):
@@ -39,11 +40,14 @@ def _trainer(tiny_model_dir, tmp_path, kind="flux", lora=True, reward="brightnes
 def test_closed_forms_and_srpo_noise_levels():
     x0, noise = torch.randn(3, 4, 2, 2, dtype=torch.float64), torch.randn(3, 4, 2, 2, dtype=torch.float64)
     sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64), torch.tensor([0.7, 0.6, 0.0])
-    noisy = renoise(x0, noise, sigma)
-    torch.testing.assert_close(recover_x0(noisy, noise, sigma), x0)  # the known noise gives x0 back exactly
+    noisy = add_noise(x0, noise, *flow_coefficients(sigma))
+    torch.testing.assert_close(noisy, sigma.view(-1, 1, 1, 1) * noise + (1 - sigma.view(-1, 1, 1, 1)) * x0)
+    # the known noise gives x0 back exactly
+    torch.testing.assert_close(recover_clean(noisy, noise, *flow_coefficients(sigma)), x0)
     # The exact velocity ε − x0 moves along the same line, toward less or more noise alike.
     torch.testing.assert_close(
-        euler_step(noisy, noise - x0, sigma, sigma_next.double()), renoise(x0, noise, sigma_next)
+        euler_step(noisy, noise - x0, sigma, sigma_next.double()),
+        add_noise(x0, noise, *flow_coefficients(sigma_next.double())),
     )
     # SRPO's indices: window of L = 1000, gap 101; denoise from L − (mid + gap) to L − mid; inversion from L − m to
     # L − (m + gap) with m = max(mid − gap, 1); the gap shortens near the ends.

@@ -1,8 +1,8 @@
 """Direct reward backpropagation (pure tensor math): SRPO's Direct-Align (arXiv 2509.06942) and its semantic-relative
 preference.
 
-Flow convention (diffusers'): ``x_σ = σ·ε + (1 − σ)·x0`` and the model predicts the velocity ``v ≈ ε − x0``, so an Euler
-step is ``x_σ' = x_σ + (σ' − σ)·v``. Diffusion (VP) models: ``x_t = √ᾱ_t·x0 + √(1 − ᾱ_t)·ε``.
+The noising, the model step and the recovery of x̂0 from the known ε are the policy's forward process
+(:mod:`trl_dance.forward_process`).
 """
 
 from __future__ import annotations
@@ -14,40 +14,6 @@ import torch
 # SRPO's control words (its `get_random_realism_adjective` / `get_random_cg_oily_adjective` lists), cycled by step.
 POSITIVE_CONTROL_WORDS = ("Natural-lighting", "Detail", "Detailed", "Real")
 NEGATIVE_CONTROL_WORDS = ("Concept art", "Painting", "Anime", "Flat", "Oil")
-
-
-def _expand(sigma: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return sigma.to(like).view(-1, *([1] * (like.ndim - 1)))
-
-
-def renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """``σ·ε + (1 − σ)·x0`` per sample: the clean latents moved back to noise level σ (B,) with a *known* ε."""
-    sigma = _expand(sigma, x0)
-    return sigma * noise + (1 - sigma) * x0
-
-
-def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
-    """``x_σ' = x_σ + (σ' − σ)·v``: toward less noise when σ' < σ (denoising), toward more when σ' > σ (inversion)."""
-    return latents + _expand(sigma_next - sigma, latents) * velocity
-
-
-def recover_x0(latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Direct-Align's analytic clean latents ``x̂0 = (x_σ − σ·ε)/(1 − σ)`` from the known noise ε, for σ (B,) < 1.
-    At σ = 0 it is ``x_σ`` itself."""
-    sigma = _expand(sigma, latents)
-    return (latents - sigma * noise) / (1 - sigma)
-
-
-def renoise_vp(x0: torch.Tensor, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
-    """``√ᾱ·x0 + √(1 − ᾱ)·ε`` per sample, ᾱ (B,): the VP counterpart of :func:`renoise`."""
-    alpha_bar = _expand(alpha_bar, x0)
-    return alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * noise
-
-
-def recover_x0_vp(latents: torch.Tensor, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
-    """``(x_t − √(1 − ᾱ)·ε)/√ᾱ``: the VP counterpart of :func:`recover_x0`."""
-    alpha_bar = _expand(alpha_bar, latents)
-    return (latents - (1 - alpha_bar).sqrt() * noise) / alpha_bar.sqrt()
 
 
 def shifted_sigmas(num_steps: int, shift: float) -> torch.Tensor:

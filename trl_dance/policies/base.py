@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from diffusers import DiffusionPipeline
 
+from ..forward_process import add_noise, recover_clean
 from ..sde import Reduction, SDEStepOutput
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,14 @@ class DiffusionPolicy(ABC):
 
     condition_columns: tuple[str, ...] = ()
     """Dataset columns the policy conditions on besides the prompt (image-to-video, editing: ``("image",)``)."""
+
+    prediction_type: str = "flow_prediction"
+    """What the denoiser predicts, in diffusers' names: ``"flow_prediction"`` (the velocity ε − x0), ``"epsilon"``,
+    ``"v_prediction"`` or ``"sample"``."""
+
+    batch_conditions: tuple[str, ...] = ()
+    """Per-sample conditioning that a training batch of real images supplies (SDXL: ``time_ids``, each image's size and
+    crop); preference collators produce them."""
 
     pipeline_tag: str | None = None
     """The Hub task of the trained model (model cards): ``"text-to-image"``/``"text-to-video"`` unless set."""
@@ -341,6 +350,62 @@ class DiffusionPolicy(ABC):
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
         ``noise_level`` (default ``settings.noise_level``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The forward process x_t = α_t·x0 + σ_t·ε at a time t ∈ [0, 1] (1: pure noise), for the losses that noise clean
+    # latents (Diffusion-DPO, DiffusionNFT, Direct-Align). One implementation per parametrisation
+    # (:class:`~trl_dance.policies.FlowMatchingPolicy`, :class:`~trl_dance.policies.StableDiffusionPolicy`); trainers
+    # call these and never the scheduler. See :mod:`trl_dance.forward_process`.
+
+    def noise_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(α_t, σ_t)``, each (B,) float32 on ``t``'s device, at times ``t`` (B,)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``x_t = α_t·x0 + σ_t·ε``: clean latents ``x0`` (B, ...) noised with ``noise`` (B, ...) to times ``t`` (B,)."""
+        return add_noise(x0, noise, *self.noise_coefficients(t))
+
+    def recover_clean(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``(x_t − σ_t·ε)/α_t``: the clean latents of ``latents`` (B, ...) at times ``t`` (B,) < 1 given their known
+        noise, the inverse of :meth:`add_noise`."""
+        return recover_clean(latents, noise, *self.noise_coefficients(t))
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(B, ...) what the denoiser is trained to output at :meth:`add_noise`'s ``x_t`` (flow: ε − x0; ε, v or x0 as
+        the model's ``prediction_type``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
+
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) the denoiser's timestep input at times ``t`` (B,), in the model's own units."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
+
+    def predict_at_time(
+        self, model: torch.nn.Module, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """:meth:`predict_at` at times ``t`` (B,) of the forward process."""
+        return self.predict_at(model, latents, self.timestep_at(t), cond)
+
+    def sample_training_times(
+        self,
+        count: int,
+        generator: torch.Generator | None,
+        device: torch.device | str,
+        weighting_scheme: str = "none",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        mode_scale: float = 1.29,
+    ) -> torch.Tensor:
+        """(count,) float32 times at which the model was trained, as its training script draws them: flow models
+        u from diffusers' ``compute_density_for_timestep_sampling(weighting_scheme, ...)`` read on the model's own
+        training grid; ε/v models a uniform training timestep (they ignore ``weighting_scheme``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
+
+    def deterministic_step(
+        self, model_output: torch.Tensor, latents: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor
+    ) -> torch.Tensor:
+        """One step of the deterministic sampler from times ``t`` to ``t_next`` (B,), either direction (flow: Euler;
+        ε/v: DDIM with η = 0), differentiable in ``model_output`` and ``latents``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
 
     def predicted_clean(
         self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.training_utils import compute_density_for_timestep_sampling
 
+from ..forward_process import euler_step, flow_coefficients
 from ..schedulers import flow_match_sigmas
 from ..sde import SDEStepOutput, dance_sigmas, flow_dpm_solver_step, flow_sde_step
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
@@ -31,11 +35,46 @@ class FlowMatchingPolicy(DiffusionPolicy):
         return {}
 
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
-        return self.timestep_from_sigma(self.sigma(step_index))
+        return self.timestep_at(self.sigma(step_index))
 
-    def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The denoiser's timestep input for noise level σ: ``σ · T_train`` (diffusers' flow-matching convention)."""
-        return sigma * self.pipeline.scheduler.config.num_train_timesteps
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        """The denoiser's timestep input at noise level σ = ``t``: ``σ · T_train`` (diffusers' flow-matching
+        convention)."""
+        return t * self.pipeline.scheduler.config.num_train_timesteps
+
+    # The forward process (σ = t): x_σ = (1 − σ)·x0 + σ·ε, target ε − x0.
+
+    def noise_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flow_coefficients(t)
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return noise - x0
+
+    def sample_training_times(
+        self,
+        count: int,
+        generator: torch.Generator | None,
+        device: torch.device | str,
+        weighting_scheme: str = "none",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        mode_scale: float = 1.29,
+    ) -> torch.Tensor:
+        """σ = :meth:`training_sigmas` at ⌊u·T_train⌋, u from diffusers' density (so the pipeline's shift applies)."""
+        u = compute_density_for_timestep_sampling(
+            weighting_scheme, count, logit_mean, logit_std, mode_scale, device, generator
+        )
+        grid = self._training_grid.to(u.device)
+        return grid[(u * len(grid)).long().clamp_max(len(grid) - 1)]
+
+    def deterministic_step(
+        self, model_output: torch.Tensor, latents: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor
+    ) -> torch.Tensor:
+        return euler_step(latents, model_output.to(latents.dtype), t, t_next)
+
+    @functools.cached_property
+    def _training_grid(self) -> torch.Tensor:
+        return self.training_sigmas()
 
     def training_sigmas(self) -> torch.Tensor:
         """(T_train,) float32 CPU: the noise levels the model was trained on, from 1 down to 1/T_train, shifted as
@@ -74,7 +113,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
     ) -> torch.Tensor:
         """The velocity at noise level ``sigma`` (a float, any value, not only the grid's), CFG-combined like
         :meth:`predict`."""
-        timestep = self.timestep_from_sigma(torch.full((latents.shape[0],), sigma, device=latents.device))
+        timestep = self.timestep_at(torch.full((latents.shape[0],), sigma, device=latents.device))
         return self.predict_at(model, latents, timestep, cond)
 
     def solve(

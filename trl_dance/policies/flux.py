@@ -72,8 +72,8 @@ class FluxPolicy(FlowMatchingPolicy):
         # FLUX.1 and FLUX.2 return (latents, ids), Kontext (latents, image latents, ids, image ids), Qwen-Image latents.
         return out[0] if isinstance(out, tuple) else out
 
-    def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
-        return sigma  # the FLUX transformer takes σ (= diffusers timestep / 1000)
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # the FLUX transformer takes σ (= diffusers timestep / 1000)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype

@@ -7,7 +7,8 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLP
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..schedulers import ddim_alpha_pairs
-from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, epsilon_and_x0
+from ..forward_process import per_sample, vp_coefficients
+from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, diffusion_target, epsilon_and_x0
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 
 
@@ -57,6 +58,44 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
         return self.timesteps.to(step_index.device)[step_index]
+
+    # The forward process at the training timestep round(t·(T − 1)): x_t = √ᾱ·x0 + √(1 − ᾱ)·ε.
+
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        return (t * (self.scheduler.config.num_train_timesteps - 1)).round().long()
+
+    def _alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.alphas_cumprod.to(t.device)[self.timestep_at(t)]
+
+    def noise_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vp_coefficients(self._alpha_bar(t))
+
+    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return diffusion_target(x0, noise, per_sample(self._alpha_bar(t), x0), self.prediction_type)
+
+    def sample_training_times(
+        self,
+        count: int,
+        generator: torch.Generator | None,
+        device: torch.device | str,
+        weighting_scheme: str = "none",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        mode_scale: float = 1.29,
+    ) -> torch.Tensor:
+        """A uniform training timestep in [0, T_train), as t = timestep / (T_train − 1) (DDPM's training)."""
+        steps = self.scheduler.config.num_train_timesteps
+        return torch.randint(0, steps, (count,), generator=generator, device=device) / (steps - 1)
+
+    def deterministic_step(
+        self, model_output: torch.Tensor, latents: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor
+    ) -> torch.Tensor:
+        step = ddim_sde_step(
+            model_output, latents, self._alpha_bar(t), self._alpha_bar(t_next), eta=0.0,
+            prediction_type=self.prediction_type, clip_sample_range=self.clip_sample_range, compute_log_prob=False,
+            noise=torch.zeros_like(latents),
+        )  # fmt: skip
+        return step.prev_sample
 
     def predicted_clean(
         self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
@@ -110,6 +149,7 @@ class StableDiffusionXLPolicy(StableDiffusionPolicy):
     generated samples, or per sample from ``cond["time_ids"]`` (B, 6) when given (Diffusion-DPO's crops)."""
 
     pipeline: StableDiffusionXLPipeline
+    batch_conditions = ("time_ids",)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

@@ -125,7 +125,7 @@ class WanPolicy(FlowMatchingPolicy):
     ) -> torch.Tensor:
         # Off the grid the expert is picked as the pipeline picks it, by the timestep against the boundary.
         frozen = self._frozen_expert_name
-        timestep = self.timestep_from_sigma(torch.full((latents.shape[0],), sigma, device=latents.device))
+        timestep = self.timestep_at(torch.full((latents.shape[0],), sigma, device=latents.device))
         if frozen is not None:
             boundary = self.pipeline.config.boundary_ratio * self.pipeline.scheduler.config.num_train_timesteps
             serving = (

@@ -6,7 +6,7 @@ import torch
 
 from ..advantages import extremes_per_group
 from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
-from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps
 from .dance_grpo_config import DanceGRPOConfig
 from .online_trainer import OnlineDiffusionTrainer, sampler_settings
@@ -47,7 +47,7 @@ class DanceGRPOTrainer(OnlineDiffusionTrainer):
             "post_window_step_ratio < 1 builds a compressed σ grid": args.post_window_step_ratio < 1,
         }
         for what, used in flow_only.items():
-            if used and not isinstance(policy, FlowMatchingPolicy):
+            if used and policy.prediction_type != "flow_prediction":
                 raise ValueError(
                     f"{what}, which {type(policy.pipeline).__name__}'s DDIM steps do not have; flow-matching models only"
                 )

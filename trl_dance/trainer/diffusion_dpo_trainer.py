@@ -13,7 +13,7 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from ..policies import SamplerSettings, StableDiffusionXLPolicy, make_policy
+from ..policies import SamplerSettings, make_policy
 from ..preference_data import (
     INDEX_KEY,
     IndexedRows,
@@ -224,8 +224,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         per_image = None if generators is None else [g for g in generators for _ in range(2)]
         latents = self.policy.encode_images(inputs["pixel_values"].flatten(0, 1), per_image)
         cond = {k: v.repeat_interleave(2, dim=0) for k, v in self.policy.encode_prompts(inputs["prompts"]).items()}
-        if isinstance(self.policy, StableDiffusionXLPolicy):
-            cond["time_ids"] = inputs["time_ids"].repeat_interleave(2, dim=0)
+        cond |= {key: inputs[key].repeat_interleave(2, dim=0) for key in self.policy.batch_conditions}
         if generators is None:
             draws = self.pairs.draw(latents[::2].shape, self._noise_generator, latents.device)
         else:

@@ -15,7 +15,7 @@ from ..losses import (
     nft_loss,
     optimality_probability,
 )
-from ..policies import DiffusionPolicy, FlowMatchingPolicy
+from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan
 from .diffusion_nft_config import DiffusionNFTConfig
 from .evaluation import policy_with
@@ -66,7 +66,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
 
     def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
         name = type(policy.pipeline).__name__
-        if not isinstance(policy, FlowMatchingPolicy):
+        if policy.prediction_type != "flow_prediction":
             raise ValueError(
                 f"DiffusionNFT trains velocity predictions of flow-matching models; {name} predicts "
                 f"{getattr(policy, 'prediction_type', 'noise')} (SD1.x/SDXL): use DanceGRPOTrainer or DiffusionDPOTrainer"
@@ -169,10 +169,9 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
             [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
         ).to(device)
         sigma = self.policy.sigmas[levels].to(device)
-        shape = (-1,) + (1,) * (x0.ndim - 1)
         cond_rows = rollout["prompt_index"][samples.to(device)]
         return {
-            "noisy": (1 - sigma.view(shape)) * x0 + sigma.view(shape) * noise,
+            "noisy": self.policy.add_noise(x0, noise, sigma),
             "noise": noise,
             "groups": torch.arange(len(seeds), device=device) // self.args.num_generations,  # DGPO: whole groups
             "x0": x0,
@@ -189,7 +188,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
         self._sync_old_policies()
         noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs["x0"]
         advantages = inputs["advantages"]
-        timestep = policy.timestep_from_sigma(sigma)
+        timestep = policy.timestep_at(sigma)
         velocity = policy.predict_at(model, noisy, timestep, cond)
         dims = tuple(range(1, velocity.ndim))
         reference = None

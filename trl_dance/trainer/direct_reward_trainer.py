@@ -15,21 +15,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..direct_align import (
-    direct_align_levels,
-    draw_positions,
-    euler_step,
-    recover_x0,
-    recover_x0_vp,
-    renoise,
-    renoise_vp,
-    semantic_relative_reward,
-    shifted_sigmas,
-)
-from ..policies import FlowMatchingPolicy
+from ..direct_align import direct_align_levels, draw_positions, semantic_relative_reward, shifted_sigmas
 from ..rewards import reward_name
 from ..sampling import RolloutPlan, deterministic_step
-from ..sde import ddim_sde_step
 from .direct_reward_config import DirectRewardConfig
 from .evaluation import policy_with
 from .online_trainer import OnlineDiffusionTrainer
@@ -182,34 +170,17 @@ class DirectRewardTrainer(OnlineDiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Loss
 
-    def _timestep(self, level: torch.Tensor) -> torch.Tensor:
-        """A VP model's integer timestep for the noise level s ∈ [0, 1]: round(s·(T_train − 1))."""
-        steps = self.policy.scheduler.config.num_train_timesteps
-        return (level * (steps - 1)).round().long()
-
     def renoise(self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
         """The clean latents at noise level ``level`` (B,) with their own ε."""
-        if isinstance(self.policy, FlowMatchingPolicy):
-            return renoise(x0, noise, level)
-        alphas = self.policy.scheduler.alphas_cumprod.to(x0.device)
-        return renoise_vp(x0, noise, alphas[self._timestep(level)])
+        return self.policy.add_noise(x0, noise, level)
 
     def clean_latents(self, model, latents: torch.Tensor, noise: torch.Tensor, level_from, level_to, cond):
         """Direct-Align's x̂0 (B, ...) from ``latents`` at noise level ``level_from`` (B,): one deterministic model step
         to ``level_to`` (B,) (flow: Euler; VP: DDIM η = 0), then the clean latents recovered with the known ε;
         differentiable in the model (and ``latents``)."""
         policy = self._train_policy
-        if isinstance(policy, FlowMatchingPolicy):
-            velocity = policy.predict_at(model, latents, policy.timestep_from_sigma(level_from), cond)
-            return recover_x0(euler_step(latents, velocity.to(latents.dtype), level_from, level_to), noise, level_to)
-        alphas = policy.scheduler.alphas_cumprod.to(latents.device)
-        t_from, t_to = self._timestep(level_from), self._timestep(level_to)
-        output = policy.predict_at(model, latents, t_from, cond)
-        step = ddim_sde_step(
-            output, latents, alphas[t_from], alphas[t_to], eta=0.0, prediction_type=policy.prediction_type,
-            clip_sample_range=policy.clip_sample_range, compute_log_prob=False, noise=torch.zeros_like(latents),
-        )  # fmt: skip
-        return recover_x0_vp(step.prev_sample, noise, alphas[t_to])
+        output = policy.predict_at_time(model, latents, level_from, cond)
+        return policy.recover_clean(policy.deterministic_step(output, latents, level_from, level_to), noise, level_to)
 
     def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
         """DRaFT-K: the sampler's first N − K deterministic steps without gradients from ε, its last K with (each

@@ -10,11 +10,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from ..losses import DPO_LOSS_TYPES, dpo_losses
-from ..policies import DiffusionPolicy, FlowMatchingPolicy
-from ..sde import diffusion_target
+from ..policies import DiffusionPolicy
 
 _SCHEMES = ("none", "logit_normal", "mode")
 
@@ -68,29 +66,22 @@ class DPOLossArguments:
 
 
 class PairDenoising:
-    """Noise, timesteps, targets and errors of preference pairs for one policy and one :class:`DPOLossArguments`.
-
-    Flow models: σ from the model's training grid (:meth:`FlowMatchingPolicy.training_sigmas`) at ⌊u·T_train⌋, u drawn
-    from ``weighting_scheme``'s density; target ε − x0. ε/v models: an integer timestep in [0, T_train); target ε or
-    v as the scheduler predicts.
-    """
+    """Noise, times, targets and errors of preference pairs for one policy and one :class:`DPOLossArguments`, through
+    the policy's forward process (:meth:`DiffusionPolicy.sample_training_times`, ``add_noise``, ``training_target``):
+    flow models σ on the model's training grid, drawn with ``weighting_scheme``'s density; ε/v models a uniform
+    training timestep."""
 
     def __init__(self, policy: DiffusionPolicy, args: DPOLossArguments):
         self.policy, self.args = policy, args
-        self.flow = isinstance(policy, FlowMatchingPolicy)
-        self._training_sigmas = policy.training_sigmas() if self.flow else None
 
     def draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per pair a noise (P, ...) and a time (P,): u in [0, 1) for flow models, an integer timestep otherwise."""
+        """Per pair a noise (P, ...) and a time (P,) of the forward process."""
         noise = torch.randn(shape, generator=generator, device=device)
         args = self.args
-        if self.flow:
-            u = compute_density_for_timestep_sampling(
-                args.weighting_scheme, shape[0], args.logit_mean, args.logit_std, args.mode_scale, device, generator
-            )
-            return noise, u
-        steps = self.policy.scheduler.config.num_train_timesteps
-        return noise, torch.randint(0, steps, (shape[0],), generator=generator, device=device)
+        time = self.policy.sample_training_times(
+            shape[0], generator, device, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale
+        )
+        return noise, time
 
     def draw_per_pair(self, shape: tuple[int, ...], generators: list[torch.Generator], device):
         """:meth:`draw` with pair ``b``'s noise and time from the CPU generator ``generators[b]`` (independent of
@@ -102,15 +93,12 @@ class PairDenoising:
         """The 2P noisy latents of ``latents`` (2P, ...) ordered w0, l0, w1, l1, ... (each pair's noise (P, ...) and
         time (P,) shared by its two samples), their target and the denoiser's timesteps."""
         noise, time = noise.repeat_interleave(2, dim=0), time.repeat_interleave(2)
-        shape = (-1,) + (1,) * (latents.ndim - 1)
-        if self.flow:
-            grid = self._training_sigmas.to(latents.device)
-            sigma = grid[(time * len(grid)).long().clamp_max(len(grid) - 1)]
-            noisy = (1 - sigma.view(shape)) * latents + sigma.view(shape) * noise
-            return noisy, noise - latents, self.policy.timestep_from_sigma(sigma)
-        alpha = self.policy.scheduler.alphas_cumprod.to(latents.device)[time].view(shape)
-        noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
-        return noisy, diffusion_target(latents, noise, alpha, self.policy.prediction_type), time
+        policy = self.policy
+        return (
+            policy.add_noise(latents, noise, time),
+            policy.training_target(latents, noise, time),
+            policy.timestep_at(time),
+        )
 
     def errors(self, trainer, model, latents: torch.Tensor, cond: dict, draws: tuple[torch.Tensor, torch.Tensor]):
         """Per-sample errors (2P,) float32 of the policy and of ``trainer``'s reference (None when no loss type needs

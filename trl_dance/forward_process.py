@@ -1,0 +1,46 @@
+"""The forward process x_t = α_t·x0 + σ_t·ε (pure tensor math): noising clean latents, recovering them from a known
+noise, and the step of a deterministic sampler between two times.
+
+Every family addresses it by a time t ∈ [0, 1] (1: pure noise), through its policy (:meth:`DiffusionPolicy.add_noise`
+and its neighbours), which picks the parametrisation:
+
+- flow matching (FLUX, SD3, Wan, ...): σ = t, ``(α, σ) = (1 − t, t)``, the model predicts the velocity ε − x0;
+- variance preserving (SD1.x/2.x, SDXL): the training timestep ``round(t·(T − 1))``, ``(α, σ) = (√ᾱ, √(1 − ᾱ))``, the
+  model predicts ε, v = α·ε − σ·x0 or x0 (:func:`trl_dance.sde.diffusion_target`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def per_sample(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (B,) as ``like``'s dtype and device, viewed (B, 1, ..., 1) to broadcast against it."""
+    return value.to(like).view(-1, *([1] * (like.ndim - 1)))
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``α·x0 + σ·ε`` per sample: (B, ...) ``x0`` and ``noise``, (B,) ``alpha`` and ``sigma``."""
+    return per_sample(alpha, x0) * x0 + per_sample(sigma, x0) * noise
+
+
+def recover_clean(latents: torch.Tensor, noise: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``(x_t − σ·ε)/α``: the clean latents of ``latents`` (B, ...) given their *known* noise (Direct-Align's analytic
+    x̂0), the inverse of :func:`add_noise`; (B,) ``alpha`` > 0."""
+    return (latents - per_sample(sigma, latents) * noise) / per_sample(alpha, latents)
+
+
+def flow_coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 − σ, σ)``: rectified flow's interpolation ``x_σ = (1 − σ)·x0 + σ·ε``."""
+    return 1 - sigma, sigma
+
+
+def vp_coefficients(alpha_bar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(√ᾱ, √(1 − ᾱ))``: the variance-preserving process at the cumulative product ᾱ_t."""
+    return alpha_bar.sqrt(), (1 - alpha_bar).sqrt()
+
+
+def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
+    """``x_σ' = x_σ + (σ' − σ)·v`` with (B,) σ, σ': toward less noise when σ' < σ (denoising), toward more when σ' > σ
+    (inversion). The exact velocity ε − x0 moves along :func:`add_noise`'s line."""
+    return latents + per_sample(sigma_next - sigma, latents) * velocity
