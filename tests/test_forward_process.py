@@ -16,7 +16,7 @@ def test_exact_prediction_moves_along_the_forward_process(kind):
     x0, noise = torch.randn(6, 4, 4, 4, generator=generator), torch.randn(6, 4, 4, 4, generator=generator)
     t = policy.sample_training_times(6, generator, "cpu")
     t_next = t * torch.rand(6, generator=generator)
-    assert t.dtype == torch.float32 and ((0 <= t) & (t <= 1)).all()
+    assert t.dtype == torch.float32 and ((t >= 0) & (t <= 1)).all()
     noisy = policy.add_noise(x0, noise, t)
     alpha, sigma = policy.noise_coefficients(t)
     torch.testing.assert_close(alpha**2 + sigma**2 if kind in ("sd", "sd2") else alpha + sigma, torch.ones(6))

@@ -24,7 +24,9 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, alpha: torch.Tensor, sigma:
     return per_sample(alpha, x0) * x0 + per_sample(sigma, x0) * noise
 
 
-def recover_clean(latents: torch.Tensor, noise: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+def recover_clean(
+    latents: torch.Tensor, noise: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor
+) -> torch.Tensor:
     """``(x_t − σ·ε)/α``: the clean latents of ``latents`` (B, ...) given their *known* noise (Direct-Align's analytic
     x̂0), the inverse of :func:`add_noise`; (B,) ``alpha`` > 0."""
     return (latents - per_sample(sigma, latents) * noise) / per_sample(alpha, latents)

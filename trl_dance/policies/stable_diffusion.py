@@ -6,8 +6,8 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..schedulers import ddim_alpha_pairs
 from ..forward_process import per_sample, vp_coefficients
+from ..schedulers import ddim_alpha_pairs
 from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, diffusion_target, epsilon_and_x0
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 
