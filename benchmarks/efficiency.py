@@ -42,12 +42,12 @@ from cli import add_model_arguments, emit, is_tiny, num_frames, resolution  # no
 
 from trl_dance import DanceGRPOTrainer, DiffusionNFTTrainer, DirectRewardTrainer  # noqa: E402
 from trl_dance.sampling import RolloutPlan  # noqa: E402
-from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer  # noqa: E402
+from trl_dance.trainer.rollout_trainer import RolloutTrainer  # noqa: E402
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
 
-def methods(steps: int, rounds: int) -> dict[str, tuple[type[OnlineDiffusionTrainer], dict]]:
+def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], dict]]:
     """Each method's trainer and settings for an N-step schedule. Windows keep their published sizes; ranges scale with N
         (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
         paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (DPM-Solver++ rollouts on the
@@ -107,7 +107,7 @@ class Evaluator(TrainerCallback):
     """After every ``every`` rounds (one optimizer update each): the deterministic-sampler reward on fixed prompts and
     noises, with the work and the training wall time (evaluation excluded) so far."""
 
-    def __init__(self, trainer: OnlineDiffusionTrainer, meter: WorkMeter, every: int, seeds: int):
+    def __init__(self, trainer: RolloutTrainer, meter: WorkMeter, every: int, seeds: int):
         self.trainer, self.meter, self.every = trainer, meter, every
         self.prompts = [p for p in PROMPTS for _ in range(seeds)]
         self.points: list[tuple[int, float, float]] = []  # (work, wall_s, reward)
@@ -133,7 +133,7 @@ class Evaluator(TrainerCallback):
 
 
 def run_method(
-    model: str, trainer_class: type[OnlineDiffusionTrainer], settings: dict, options, workdir: str
+    model: str, trainer_class: type[RolloutTrainer], settings: dict, options, workdir: str
 ) -> list[tuple[int, float, float]]:
     tiny = is_tiny(options.model)
     config = {

@@ -145,7 +145,7 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
     from diffusers import DiffusionPipeline
 
     from trl_dance.policies import make_policy
-    from trl_dance.trainer.online_trainer import sampler_settings
+    from trl_dance.trainer.rollout_trainer import sampler_settings
 
     settings = sampler_settings(trainer.args)
     batch = next(iter(cond.values())).shape[0]

@@ -8,7 +8,7 @@ from trl_dance.ai_feedback import build_preference_pairs
 from trl_dance.policies import SamplerSettings
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky"]
-SETTINGS = SamplerSettings(num_inference_steps=6, height=32, width=32, guidance_scale=1.0, noise_level=0.0)
+SETTINGS = SamplerSettings(num_inference_steps=6, height=32, width=32, guidance_scale=1.0, eta=0.0)
 
 
 def _brightness(image):

@@ -218,7 +218,7 @@ def test_ratio_normalization_closed_form():
     v_new = v_old + 0.05 * v
     sigma, sigma_next = torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0.8, 0.4, 0.1])
     for reduction in ("mean", "sum"):
-        kwargs = {"sde_type": "flow_grpo", "noise_level": 0.7, "reduction": reduction}
+        kwargs = {"sde_type": "flow_grpo", "eta": 0.7, "reduction": reduction}
         old = flow_sde_step(v_old, x, sigma, sigma_next, generator=g, **kwargs)
         new = flow_sde_step(v_new, x, sigma, sigma_next, prev_sample=old.prev_sample, **kwargs)
         at_old_mean = flow_sde_step(v_new, x, sigma, sigma_next, prev_sample=old.mean, **kwargs).log_prob

@@ -118,7 +118,7 @@ def test_a_noiseless_trainable_step_is_refused_once_at_construction(tiny_model_d
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir("flux"))
-    policy = make_policy(pipeline, SamplerSettings(num_inference_steps=4, height=32, width=32, noise_level=0.0))
+    policy = make_policy(pipeline, SamplerSettings(num_inference_steps=4, height=32, width=32, eta=0.0))
     with pytest.raises(ValueError, match=r"steps \[0, 1, 2\] of the 4-step schedule have zero standard deviation"):
         policy.check_schedule()
     # CPS's last step lands on sigma = 0 with zero noise; it is never trained, so the schedule is valid.

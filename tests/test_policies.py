@@ -98,7 +98,7 @@ def _assert_policy_reproduces_pipeline(
             height=32,
             width=32,
             guidance_scale=guidance,
-            noise_level=0.0,
+            eta=0.0,
             sigma_schedule="pipeline",
             max_sequence_length=16,
             negative_prompt=negative_prompt,

@@ -76,7 +76,7 @@ def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, 
     cond = policy.encode_prompts(PROMPTS[:2])
     with torch.no_grad():
         output = policy.predict(trainers[False].model, latents[:, last], index, cond)
-    expected = policy.step(output, latents[:, last], index, compute_log_prob=False, noise_level=0.0).prev_sample
+    expected = policy.step(output, latents[:, last], index, compute_log_prob=False, eta=0.0).prev_sample
     torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-5)
     if kind != "sd":
         sigma = policy.sigmas[last]

@@ -31,7 +31,7 @@ def test_flow_step_matches_float64_closed_form(sde_type):
     v, x = _inputs()
     sigma, sigma_next, eta = 0.7, 0.55, 0.3
     out = flow_sde_step(
-        v, x, sigma, sigma_next, sde_type=sde_type, noise_level=eta, generator=torch.Generator().manual_seed(1)
+        v, x, sigma, sigma_next, sde_type=sde_type, eta=eta, generator=torch.Generator().manual_seed(1)
     )
 
     v64, x64 = v.double(), x.double()
@@ -58,7 +58,7 @@ def test_sum_reduction_is_mean_times_elements():
 def test_cps_step_matches_closed_form():
     v, x = _inputs()
     sigma, sigma_next, a = 0.6, 0.4, 0.5
-    out = flow_sde_step(v, x, sigma, sigma_next, sde_type="cps", noise_level=a)
+    out = flow_sde_step(v, x, sigma, sigma_next, sde_type="cps", eta=a)
     x0 = x.double() - sigma * v.double()
     eps = x.double() + (1 - sigma) * v.double()
     std = sigma_next * math.sin(a * math.pi / 2)
@@ -92,7 +92,7 @@ def test_zero_noise_flow_step_equals_diffusers_euler(shift):
     for i in (0, 3, 7):
         scheduler._step_index = i
         expected = scheduler.step(v, scheduler.timesteps[i], x).prev_sample
-        out = flow_sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=0.0, compute_log_prob=False)
+        out = flow_sde_step(v, x, sigmas[i], sigmas[i + 1], eta=0.0, compute_log_prob=False)
         torch.testing.assert_close(out.prev_sample, expected, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(out.mean, expected, atol=1e-6, rtol=1e-6)
 
@@ -162,7 +162,7 @@ def test_ddim_eta_std_equals_diffusers_variance():
 def test_sample_statistics_match_mean_and_std(sde_type):
     v = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0)).expand(4000, -1, -1, -1)
     x = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(1)).expand(4000, -1, -1, -1)
-    out = flow_sde_step(v, x, 0.6, 0.4, sde_type=sde_type, noise_level=0.7, generator=torch.Generator().manual_seed(2))
+    out = flow_sde_step(v, x, 0.6, 0.4, sde_type=sde_type, eta=0.7, generator=torch.Generator().manual_seed(2))
     std = out.std[0]
     emp_mean = out.prev_sample.mean(0)
     emp_std = out.prev_sample.std(0)
@@ -192,7 +192,7 @@ def test_bf16_inputs_give_float32_outputs():
 
 def test_flow_grpo_at_sigma_one_is_finite_and_needs_sigma_max():
     v, x = _inputs()
-    out = flow_sde_step(v, x, 1.0, 0.9, sde_type="flow_grpo", noise_level=0.7, sigma_max=0.9)
+    out = flow_sde_step(v, x, 1.0, 0.9, sde_type="flow_grpo", eta=0.7, sigma_max=0.9)
     assert torch.isfinite(out.log_prob).all() and torch.isfinite(out.prev_sample).all()
     torch.testing.assert_close(out.std, torch.full((3,), 0.7 * math.sqrt(1 / 0.1) * math.sqrt(0.1)))
     with pytest.raises(ValueError, match="sigma_max"):
@@ -224,7 +224,7 @@ def test_per_sample_sigmas_equal_scalar_calls(sde_type):
 def test_zero_noise_log_prob_is_a_clear_error():
     v, x = _inputs()
     with pytest.raises(ValueError, match="zero standard deviation"):
-        flow_sde_step(v, x, 0.5, 0.4, noise_level=0.0)
+        flow_sde_step(v, x, 0.5, 0.4, eta=0.0)
     with pytest.raises(ValueError, match="zero standard deviation"):
         ddim_sde_step(v, x, 0.3, 0.5, eta=0.0)
     with pytest.raises(ValueError, match="sde_type"):
@@ -246,7 +246,7 @@ def test_patch_scheduler_flow_matches_function_and_keeps_step():
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     scheduler.set_timesteps(6)
     plain = scheduler.step
-    patch_scheduler(scheduler, sde_type="flow_grpo", noise_level=0.7)
+    patch_scheduler(scheduler, sde_type="flow_grpo", eta=0.7)
     assert scheduler.step == plain
     sigmas = flow_match_sigmas(scheduler)
     v, x = _inputs()
@@ -258,7 +258,7 @@ def test_patch_scheduler_flow_matches_function_and_keeps_step():
             sigmas[i],
             sigmas[i + 1],
             sde_type="flow_grpo",
-            noise_level=0.7,
+            eta=0.7,
             sigma_max=sigmas[1],
             prev_sample=out.prev_sample,
         )

@@ -36,7 +36,7 @@ def build_preference_pairs(
     """A preference dataset (``datasets.Dataset``: ``prompt``, ``chosen``, ``rejected`` PIL images, and the
     ``score_chosen`` / ``score_rejected`` weighted rewards) from ``num_images`` samples of each prompt.
 
-    Samples use the policy's deterministic sampler (``settings`` with ``noise_level`` 0 gives the pipeline's own ODE
+    Samples use the policy's deterministic sampler (``settings`` with ``eta`` 0 gives the pipeline's own ODE
     or DDIM sampler) from initial noise seeded by (``seed``, prompt index, sample index), so a dataset is reproducible
     and does not depend on ``batch_size``. A prompt whose best and worst scores differ by less than ``min_margin``
     gives no row (ties teach DPO nothing).

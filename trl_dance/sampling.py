@@ -201,7 +201,7 @@ def rollout(
         window = plan.sde_start <= i < plan.sde_end
         noisy = window or (i == plan.num_steps - 1 and plan.last_step_sde)
         result = policy.step(
-            output, latents, step_index, noise=noise[i], compute_log_prob=window, noise_level=None if noisy else 0.0
+            output, latents, step_index, noise=noise[i], compute_log_prob=window, eta=None if noisy else 0.0
         )
         if i == end - 1 and plan.post_window_solver == "dpm_solver++" and plan.post_window_sigmas is not None:
             # DPM-Solver++(2M)'s first step after the window is second order, from this step's x̂0.
@@ -237,7 +237,7 @@ def deterministic_step(
     step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
     output = policy.predict_step(model, latents, i, step_index, cond)
     zeros = torch.zeros_like(latents, dtype=torch.float32)
-    return policy.step(output, latents, step_index, noise=zeros, compute_log_prob=False, noise_level=0.0).prev_sample
+    return policy.step(output, latents, step_index, noise=zeros, compute_log_prob=False, eta=0.0).prev_sample
 
 
 __all__ = [
@@ -333,7 +333,7 @@ def pooled_rollout(
         if i not in pools:
             level = 0.0 if i == steps - 1 else None
             latents = policy.step(
-                output, latents, step_index, noise=noise[i, 0], compute_log_prob=False, noise_level=level
+                output, latents, step_index, noise=noise[i, 0], compute_log_prob=False, eta=level
             ).prev_sample
             output = None
             continue

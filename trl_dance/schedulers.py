@@ -62,7 +62,7 @@ def _step_indices(scheduler: FlowMatchEulerDiscreteScheduler, timestep: float | 
 def patch_scheduler(
     scheduler: FlowMatchEulerDiscreteScheduler | DDIMScheduler,
     sde_type: SDEType = "dance",
-    noise_level: float | None = None,
+    eta: float | None = None,
 ):
     """Give ``scheduler`` a stateless ``step_with_logprob(model_output, timestep, sample, prev_sample=None,
     generator=None) -> SDEStepOutput``; its ordinary ``step`` is left untouched.
@@ -71,13 +71,13 @@ def patch_scheduler(
         scheduler: a ``FlowMatchEulerDiscreteScheduler`` (velocity models) or ``DDIMScheduler`` (ε models), on which
             ``set_timesteps`` has been or will be called before stepping.
         sde_type: for flow-matching schedulers, ``"dance"``, ``"flow_grpo"`` or ``"cps"``; ignored for DDIM.
-        noise_level: η (dance), ``a`` (flow_grpo, cps) or DDIM's η; defaults to 0.3 for flow, 1.0 for DDIM.
+        eta: η (dance), ``a`` (flow_grpo, cps) or DDIM's η; defaults to 0.3 for flow, 1.0 for DDIM.
 
     Returns:
         The same scheduler instance.
     """
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        level = 0.3 if noise_level is None else noise_level
+        level = 0.3 if eta is None else eta
 
         def step_with_logprob(self, model_output, timestep, sample, prev_sample=None, generator=None) -> SDEStepOutput:
             sigmas = flow_match_sigmas(self)
@@ -91,14 +91,14 @@ def patch_scheduler(
                 sigmas[index].to(device).expand(sample.shape[0]),
                 sigmas[index + 1].to(device).expand(sample.shape[0]),
                 sde_type=sde_type,
-                noise_level=level,
+                eta=level,
                 prev_sample=prev_sample,
                 generator=generator,
                 sigma_max=float(sigmas[1]) if len(sigmas) > 2 else None,
             )
 
     elif isinstance(scheduler, DDIMScheduler):
-        level = 1.0 if noise_level is None else noise_level
+        level = 1.0 if eta is None else eta
 
         def step_with_logprob(self, model_output, timestep, sample, prev_sample=None, generator=None) -> SDEStepOutput:
             t = torch.as_tensor(timestep).reshape(-1)

@@ -97,12 +97,12 @@ def _gaussian_step(
     return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std.flatten())
 
 
-def _check_noise_level(noise_level: float, compute_log_prob: bool) -> None:
+def _check_eta(eta: float, compute_log_prob: bool) -> None:
     # Only the scalar is checked: testing the per-sample std would cost a host-device sync every step. A schedule's
     # zero-width steps (σ_next = σ, or CPS onto σ = 0) are found once by DiffusionPolicy.check_schedule.
-    if compute_log_prob and noise_level <= 0:
+    if compute_log_prob and eta <= 0:
         raise ValueError(
-            f"noise level {noise_level} gives the step zero standard deviation: its log-probability is undefined. "
+            f"noise level {eta} gives the step zero standard deviation: its log-probability is undefined. "
             "Use a positive noise level, or compute_log_prob=False for the deterministic step."
         )
 
@@ -114,7 +114,7 @@ def flow_sde_step(
     sigma_next: float | torch.Tensor,
     *,
     sde_type: SDEType = "dance",
-    noise_level: float = 0.3,
+    eta: float = 0.3,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     sigma_max: float | torch.Tensor | None = None,
@@ -128,10 +128,10 @@ def flow_sde_step(
         model_output: (B, ...) predicted velocity ``v ≈ ε − x0``.
         sample: (B, ...) current latent ``x_σ``.
         sigma, sigma_next: noise levels in [0, 1], ``sigma > sigma_next``; floats or (B,) tensors.
-        sde_type: ``"dance"`` (constant diffusion ``s = noise_level``, DanceGRPO), ``"flow_grpo"``
-            (``s = noise_level · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), or ``"cps"``
-            (coefficients-preserving sampling, ``std = σ_next · sin(noise_level · π/2)``, pseudo log-prob).
-        noise_level: η for ``dance``, ``a`` for ``flow_grpo`` and ``cps``. 0 gives the deterministic Euler step.
+        sde_type: ``"dance"`` (constant diffusion ``s = eta``, DanceGRPO), ``"flow_grpo"``
+            (``s = eta · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), or ``"cps"``
+            (coefficients-preserving sampling, ``std = σ_next · sin(eta · π/2)``, pseudo log-prob).
+        eta: η for ``dance``, ``a`` for ``flow_grpo`` and ``cps``. 0 gives the deterministic Euler step.
         prev_sample: if given, it is scored (detached) instead of sampling a new one.
         generator: random generator for the sampled noise.
         sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``.
@@ -143,7 +143,7 @@ def flow_sde_step(
     Returns:
         :class:`SDEStepOutput` with float32 tensors.
     """
-    _check_noise_level(noise_level, compute_log_prob)
+    _check_eta(eta, compute_log_prob)
     v = model_output.to(torch.float32)
     x = sample.to(torch.float32)
     s = _per_sample(sigma, x)
@@ -153,17 +153,17 @@ def flow_sde_step(
     eps_hat = x + (1 - s) * v
 
     if sde_type == "cps":
-        std = s_next * math.sin(noise_level * math.pi / 2)
+        std = s_next * math.sin(eta * math.pi / 2)
         mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
         return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, True, noise)
 
     if sde_type == "dance":
-        diffusion = torch.full_like(s, float(noise_level))
+        diffusion = torch.full_like(s, float(eta))
     elif sde_type == "flow_grpo":
         if sigma_max is None and bool((s >= 1).any()):
             raise ValueError("sde_type='flow_grpo' at sigma = 1 needs sigma_max, the next value of the sigma grid")
         s_tilde = torch.where(s >= 1, _per_sample(sigma_max if sigma_max is not None else 0.0, x), s)
-        diffusion = noise_level * torch.sqrt(s / (1 - s_tilde))
+        diffusion = eta * torch.sqrt(s / (1 - s_tilde))
     else:
         raise ValueError(f"sde_type must be 'dance', 'flow_grpo' or 'cps', got {sde_type!r}")
 
@@ -237,7 +237,7 @@ def ddim_sde_step(
             ``DDIMScheduler.step`` does; the transition stays Gaussian, its mean a function of the clamped x̂0.
         prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
     """
-    _check_noise_level(eta, compute_log_prob)
+    _check_eta(eta, compute_log_prob)
     x = sample.to(torch.promote_types(sample.dtype, torch.float32))  # float32 (float64 stays, for gradient checks)
     a_t = _per_sample(alpha_prod_t, x)
     a_prev = _per_sample(alpha_prod_t_prev, x)

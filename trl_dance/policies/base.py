@@ -33,7 +33,7 @@ class SamplerSettings:
     height: int = 720
     width: int = 720
     guidance_scale: float = 3.5
-    noise_level: float = 0.3
+    eta: float = 0.3
     sde_type: Literal["dance", "flow_grpo", "cps"] = "dance"
     sigma_schedule: Literal["dance", "pipeline"] = "dance"
     shift: float = 3.0
@@ -346,10 +346,10 @@ class DiffusionPolicy(ABC):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
-        noise_level: float | None = None,
+        eta: float | None = None,
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
-        ``noise_level`` (default ``settings.noise_level``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
+        ``eta`` (default ``settings.eta``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
 
     # ------------------------------------------------------------------------------------------------------------
     # The forward process x_t = α_t·x0 + σ_t·ε at a time t ∈ [0, 1] (1: pure noise), for the losses that noise clean
@@ -444,7 +444,7 @@ class DiffusionPolicy(ABC):
                 steps = trainable[std <= 0].tolist()
                 raise ValueError(
                     f"steps {steps} of the {self.num_steps}-step schedule have zero standard deviation (noise level "
-                    f"{self.settings.noise_level}, sde_type {self.settings.sde_type!r}): their log-probability is "
+                    f"{self.settings.eta}, sde_type {self.settings.sde_type!r}): their log-probability is "
                     "undefined. Use a positive noise level or a schedule without repeated sigmas."
                 )
 

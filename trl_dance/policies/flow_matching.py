@@ -157,7 +157,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
-        noise_level: float | None = None,
+        eta: float | None = None,
     ) -> SDEStepOutput:
         sigmas = self.sigmas.to(latents.device)
         return flow_sde_step(
@@ -166,7 +166,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigmas[step_index],
             sigmas[step_index + 1],
             sde_type=self.settings.sde_type,
-            noise_level=self.settings.noise_level if noise_level is None else noise_level,
+            eta=self.settings.eta if eta is None else eta,
             prev_sample=prev_sample,
             generator=generator,
             sigma_max=sigmas[1],

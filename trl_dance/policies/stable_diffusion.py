@@ -16,7 +16,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.StableDiffusionPipeline`; latents are (B, 4, H/8, W/8).
 
     Steps follow a ``DDIMScheduler`` built from the pipeline's scheduler config (whatever scheduler it ships: PNDM for
-    SD1.5, Euler for SDXL), with ``noise_level`` as DDIM's η (1.0 in DDPO), and start from DDIM's unit-variance noise.
+    SD1.5, Euler for SDXL), with ``eta`` as DDIM's η (1.0 in DDPO), and start from DDIM's unit-variance noise.
     The UNet's ``prediction_type`` (ε; v for SD 2.x 768; x0) is read from that config and converted in every step. With
     ``guidance_scale > 1`` the output used in sampling and in the loss is the CFG combination of both branches.
     """
@@ -113,7 +113,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
-        noise_level: float | None = None,
+        eta: float | None = None,
     ) -> SDEStepOutput:
         device = latents.device
         return ddim_sde_step(
@@ -121,7 +121,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             latents,
             self.alpha_prod_t.to(device)[step_index],
             self.alpha_prod_t_prev.to(device)[step_index],
-            eta=self.settings.noise_level if noise_level is None else noise_level,
+            eta=self.settings.eta if eta is None else eta,
             prediction_type=self.prediction_type,
             clip_sample_range=self.clip_sample_range,
             prev_sample=prev_sample,

@@ -223,12 +223,12 @@ class WanImageToVideoPolicy(WanPolicy):
         generator: torch.Generator | None = None,
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
-        noise_level: float | None = None,
+        eta: float | None = None,
     ) -> SDEStepOutput:
         # (check_schedule probes the noise with (B, 1) latents, which have no frames.)
         if not self._first_frame_given or latents.ndim != 5:
             return super().step(
-                model_output, latents, step_index, prev_sample, generator, compute_log_prob, noise, noise_level
+                model_output, latents, step_index, prev_sample, generator, compute_log_prob, noise, eta
             )
         # The first latent frame is replaced by the image's in every model input and in the output: it carries
         # over unchanged, and only the other frames are drawn and scored.
@@ -240,7 +240,7 @@ class WanImageToVideoPolicy(WanPolicy):
             generator,
             compute_log_prob,
             None if noise is None else noise[:, :, 1:],
-            noise_level,
+            eta,
         )
         first = latents[:, :, :1].float()
         return SDEStepOutput(

@@ -22,8 +22,8 @@ from trl import ModelConfig, get_peft_config
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.data import load_prompt_dataset
 from trl_dance.recipe_args import finish, model_init_kwargs, parse_recipe_args, recipe_parser
-from trl_dance.trainer.online_config import OnlineDiffusionConfig
-from trl_dance.trainer.online_trainer import OnlineDiffusionTrainer
+from trl_dance.trainer.rollout_config import RolloutConfig
+from trl_dance.trainer.rollout_trainer import RolloutTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
@@ -49,10 +49,10 @@ class ScriptArguments:
 
 def main(
     script_args: ScriptArguments,
-    training_args: OnlineDiffusionConfig,
+    training_args: RolloutConfig,
     model_args: ModelConfig,
-    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
-) -> OnlineDiffusionTrainer:
+    trainer_class: type[RolloutTrainer] = DanceGRPOTrainer,
+) -> RolloutTrainer:
     dataset = load_prompt_dataset(
         script_args.prompts_file,
         script_args.dataset_name,
@@ -105,15 +105,15 @@ def main(
     return trainer
 
 
-def make_parser(prog: str | None = None, config_class: type[OnlineDiffusionConfig] = DanceGRPOConfig):
+def make_parser(prog: str | None = None, config_class: type[RolloutConfig] = DanceGRPOConfig):
     """The script's parser (``trl-dance`` separates the launcher's options with it)."""
     return recipe_parser((ScriptArguments, config_class, ModelConfig), prog)
 
 
 def cli(
-    config_class: type[OnlineDiffusionConfig] = DanceGRPOConfig,
-    trainer_class: type[OnlineDiffusionTrainer] = DanceGRPOTrainer,
-) -> OnlineDiffusionTrainer:
+    config_class: type[RolloutConfig] = DanceGRPOConfig,
+    trainer_class: type[RolloutTrainer] = DanceGRPOTrainer,
+) -> RolloutTrainer:
     """Parse the command line (and --config YAML) into ``config_class`` and run :func:`main` with ``trainer_class``."""
     return main(*parse_recipe_args((ScriptArguments, config_class, ModelConfig)), trainer_class=trainer_class)
 

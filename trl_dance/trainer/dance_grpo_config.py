@@ -3,19 +3,17 @@
 import math
 from dataclasses import dataclass, field
 
-from .online_config import OnlineDiffusionConfig, _choice
-
-_SDE_TYPES = ("dance", "flow_grpo", "cps")
+from .rollout_config import RolloutConfig, SDEArguments, _choice
 
 
 @dataclass
-class DanceGRPOConfig(OnlineDiffusionConfig):
+class DanceGRPOConfig(SDEArguments, RolloutConfig):
     r"""
     Configuration for [`DanceGRPOTrainer`]: GRPO on the denoising chain of diffusion / rectified-flow models.
 
     Defaults follow the DanceGRPO FLUX.1-dev recipe (16 steps, shift 3, η 0.3, 12 generations per prompt, clip
     range 1e-4, 60% of the first N−1 steps trained, guidance embedding 3.5, 720×720, no KL). Generation, reward,
-    advantage and model fields: [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`]; field names follow
+    advantage and model fields: [`~trl_dance.trainer.rollout_config.RolloutConfig`]; field names follow
     [`trl.GRPOConfig`] where the meaning is the same.
 
     Units. One *sample* is one generated image or video (a trajectory of N steps). One *transition* is one of its
@@ -95,9 +93,6 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "Transitions (denoising steps) per micro-batch per process."}
     )
-    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
-    eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
-    log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
     last_step_sde: bool = field(
         default=False,
         metadata={
@@ -150,8 +145,7 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
     )
 
     def _check_method(self) -> None:
-        _choice("sde_type", self.sde_type, _SDE_TYPES)
-        _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        self._check_sde("a deterministic step has no log-probability")
         _choice("kl_scaling", self.kl_scaling, ("gaussian", "flow_grpo"))
         _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
@@ -160,8 +154,6 @@ class DanceGRPOConfig(OnlineDiffusionConfig):
             self.timestep_fraction = 0.6 if self.sde_window_size is None else 1.0
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
-        if self.eta <= 0:
-            raise ValueError(f"eta must be > 0: a deterministic step has no log-probability, got {self.eta}")
         if not self.epsilon > 0 or not math.isfinite(self.epsilon):
             raise ValueError(f"epsilon must be > 0, got {self.epsilon}")
         self._check_cheaper_rollouts()

@@ -9,10 +9,10 @@ from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps
 from .dance_grpo_config import DanceGRPOConfig
-from .online_trainer import OnlineDiffusionTrainer, sampler_settings
+from .rollout_trainer import RolloutTrainer, sampler_settings
 
 
-class DanceGRPOTrainer(OnlineDiffusionTrainer):
+class DanceGRPOTrainer(RolloutTrainer):
     """GRPO for diffusion models (DanceGRPO, arXiv:2505.07818), with TRL's Trainer machinery.
 
     Each round, every process denoises its share of ``generation_batch_size`` samples with the policy's SDE
@@ -24,7 +24,7 @@ class DanceGRPOTrainer(OnlineDiffusionTrainer):
 
     With ``sde_window_size`` only a window of steps is stochastic, stored and trained (Flow-GRPO-Fast, MixGRPO), the
     others being deterministic (see :mod:`trl_dance.sampling`). The arguments are those of
-    :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
+    :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`.
     """
 
     _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers"]

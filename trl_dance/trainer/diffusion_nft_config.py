@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..losses import AWM_WEIGHTINGS
-from .online_config import OnlineDiffusionConfig, _choice
+from .rollout_config import RolloutConfig, _choice
 
 LOSS_TYPES = ("nft", "awm", "dgpo")
 DECAYS = ("linear", "delayed", "none")
@@ -18,7 +18,7 @@ LOSS_DEFAULTS = {
 
 
 @dataclass
-class DiffusionNFTConfig(OnlineDiffusionConfig):
+class DiffusionNFTConfig(RolloutConfig):
     r"""
     Configuration for [`DiffusionNFTTrainer`]: reinforcement learning on the forward (noising) process.
 
@@ -28,7 +28,7 @@ class DiffusionNFTConfig(OnlineDiffusionConfig):
     10 noise levels per sample, lr 3e-4 for LoRA, the linear old-policy decay, one optimizer update per round.
     `loss_type="awm"` and `"dgpo"` take their own papers' defaults where this config leaves a field unset (`None`);
     see each field. Generation, reward, advantage and model fields:
-    [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`].
+    [`~trl_dance.trainer.rollout_config.RolloutConfig`].
 
     Units. Rollouts store one clean latent per sample. Each sample gives ``K = max(1, ⌊N · timestep_fraction⌋)``
     *training items*: the sample re-noised, with fresh noise, to K distinct noise levels of the rollout's grid.

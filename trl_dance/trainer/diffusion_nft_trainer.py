@@ -20,10 +20,10 @@ from ..sampling import RolloutPlan
 from .diffusion_nft_config import DiffusionNFTConfig
 from .evaluation import policy_with
 from .old_policy import OldPolicy, nft_decay
-from .online_trainer import OnlineDiffusionTrainer
+from .rollout_trainer import RolloutTrainer
 
 
-class DiffusionNFTTrainer(OnlineDiffusionTrainer):
+class DiffusionNFTTrainer(RolloutTrainer):
     """DiffusionNFT (Zheng et al., arXiv:2509.16117), with AWM and DGPO as ``loss_type``, on TRL's Trainer machinery.
 
     Each round, the *old* policy (a soft-updated copy of the trained parameters, see
@@ -37,7 +37,7 @@ class DiffusionNFTTrainer(OnlineDiffusionTrainer):
     :class:`~trl_dance.DiffusionNFTConfig`).
 
     Flow-matching pipelines (FLUX, SD3, Wan text-to-video and Wan 2.1 image-to-video). The arguments are those of
-    :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
+    :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`.
     """
 
     _tag_names = ["trl", "trl-dance", "diffusion-nft", "diffusers"]

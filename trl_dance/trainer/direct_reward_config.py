@@ -2,15 +2,16 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..direct_align import NEGATIVE_CONTROL_WORDS, POSITIVE_CONTROL_WORDS
-from .online_config import OnlineDiffusionConfig, _choice
+from .rollout_config import RolloutConfig, _choice
 
 METHODS = ("direct_align", "draft")
 
 
 @dataclass
-class DirectRewardConfig(OnlineDiffusionConfig):
+class DirectRewardConfig(RolloutConfig):
     r"""
     Configuration for [`DirectRewardTrainer`]: training on the gradient of a differentiable reward.
 
@@ -18,7 +19,7 @@ class DirectRewardConfig(OnlineDiffusionConfig):
     with `eta` > 0 DanceGRPO's SDE as SRPO samples; their rewards are logged as `reward`, `rewards/<name>/mean`); then
     each sample gives training items whose loss
     backpropagates a reward through the VAE decoder into the denoiser. Generation, reward and model fields:
-    [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`] (`num_generations` may be 1: no groups are formed).
+    [`~trl_dance.trainer.rollout_config.RolloutConfig`] (`num_generations` may be 1: no groups are formed).
     Defaults follow SRPO's FLUX.1-dev recipe (lr 5e-6, grad-norm clip 0.1, weight decay 1e-4, 25 deterministic rollout
     steps with shift 3 at guidance 1); SRPO trains the Direct-Align forwards at FLUX's guidance 3.5, which
     `srpo_flux.yaml` sets with `train_guidance_scale` (a default of 3.5 would turn CFG on for SD models).
@@ -132,6 +133,9 @@ class DirectRewardConfig(OnlineDiffusionConfig):
             raise ValueError(f"reward_scales must be positive numbers, one per reward, got {self.reward_scales}")
         if not math.isfinite(self.reward_margin):
             raise ValueError(f"reward_margin must be finite, got {self.reward_margin}")
+
+    def sde_settings(self) -> dict[str, Any]:
+        return {"eta": self.eta}  # SRPO's rollouts: DanceGRPO's SDE at eta (0: the deterministic sampler)
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size

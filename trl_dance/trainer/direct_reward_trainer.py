@@ -20,7 +20,7 @@ from ..rewards import reward_name
 from ..sampling import RolloutPlan, deterministic_step
 from .direct_reward_config import DirectRewardConfig
 from .evaluation import policy_with
-from .online_trainer import OnlineDiffusionTrainer
+from .rollout_trainer import RolloutTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ PUBLISHED_SCALES = {"hpsv2": 1.0, "pickscore": 1 / 20, "clip_score": 1 / 20, "br
 DERIVED_SPREAD = 0.02  # a derived scale puts the first round's reward spread at HPS v2.1's
 
 
-class DirectRewardTrainer(OnlineDiffusionTrainer):
+class DirectRewardTrainer(RolloutTrainer):
     """Reward-gradient fine-tuning: SRPO's Direct-Align (arXiv 2509.06942) and DRaFT-K (arXiv 2309.17400) / AlignProp
     (arXiv 2310.03739), for flow-matching (FLUX, SD3, Wan) and ε/v-prediction (SD1.x/2.x, SDXL) pipelines; for the
     latter a noise level s ∈ [0, 1] of Direct-Align's table is the timestep s·(T_train − 1). Constructor as

@@ -2,12 +2,12 @@
 
 from dataclasses import dataclass, field
 
-from .online_config import OnlineDiffusionConfig
 from .pair_denoising import DPOLossArguments
+from .rollout_config import RolloutConfig
 
 
 @dataclass
-class OnlineDiffusionDPOConfig(DPOLossArguments, OnlineDiffusionConfig):
+class OnlineDiffusionDPOConfig(DPOLossArguments, RolloutConfig):
     r"""
     Configuration for [`OnlineDiffusionDPOTrainer`]: Diffusion-DPO on pairs regenerated from the current policy and
     ranked by reward functions (learning from AI feedback, Diffusion-DPO §5.3; TRL's `OnlineDPOTrainer` for diffusion).
@@ -30,7 +30,7 @@ class OnlineDiffusionDPOConfig(DPOLossArguments, OnlineDiffusionConfig):
             trained (its loss is masked; the fraction kept is logged as `pairs/kept`).
         share_initial_noise (`str`, defaults to `"none"`): Deterministic rollouts from a shared start would give
             identical samples: must be `"none"`.
-        Generation, reward and model fields: [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`].
+        Generation, reward and model fields: [`~trl_dance.trainer.rollout_config.RolloutConfig`].
     """
 
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate."})

@@ -9,13 +9,13 @@ import torch
 from ..ai_feedback import best_and_worst
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan
-from .online_config import OnlineDiffusionConfig
 from .online_dpo_config import OnlineDiffusionDPOConfig
-from .online_trainer import OnlineDiffusionTrainer
 from .pair_denoising import PairDenoising, reward_metrics
+from .rollout_config import RolloutConfig
+from .rollout_trainer import RolloutTrainer
 
 
-class OnlineDiffusionDPOTrainer(OnlineDiffusionTrainer):
+class OnlineDiffusionDPOTrainer(RolloutTrainer):
     """Online Diffusion-DPO (learning from AI feedback, arXiv:2311.12908 §5.3), TRL's ``OnlineDPOTrainer`` for
     diffusion models, on the shared rollout engine.
 
@@ -24,7 +24,7 @@ class OnlineDiffusionDPOTrainer(OnlineDiffusionTrainer):
     (:class:`~trl_dance.trainer.pair_denoising.PairDenoising`: both latents noised with one noise and one time)
     trains on the round's pairs for ``num_iterations`` passes. Every family the engine samples (SD1.x/SDXL, SD3,
     FLUX, Qwen-Image, Wan, ...). The arguments are those of
-    :class:`~trl_dance.trainer.online_trainer.OnlineDiffusionTrainer`.
+    :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`.
     """
 
     _tag_names = ["trl", "trl-dance", "online-dpo", "diffusion-dpo", "diffusers"]
@@ -41,7 +41,7 @@ class OnlineDiffusionDPOTrainer(OnlineDiffusionTrainer):
         self.pairs = PairDenoising(policy, args)
 
     @staticmethod
-    def _needs_reference(args: OnlineDiffusionConfig) -> bool:
+    def _needs_reference(args: RolloutConfig) -> bool:
         return args.needs_reference
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:

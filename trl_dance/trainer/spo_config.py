@@ -3,19 +3,17 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from .online_config import OnlineDiffusionConfig, _choice
-
-_SDE_TYPES = ("dance", "flow_grpo", "cps")
+from .rollout_config import RolloutConfig, SDEArguments, _choice
 
 
 @dataclass
-class SPOConfig(OnlineDiffusionConfig):
+class SPOConfig(SDEArguments, RolloutConfig):
     r"""
     Configuration for [`SPOTrainer`]: Step-aware Preference Optimization (Liang et al., arXiv:2406.04314).
 
     Defaults follow SPO's SD1.5 recipe (20 DDIM steps with η = 1 and CFG 5, pools of 4 candidates from step 4 on,
     pair threshold 0.3, β 10, ratio clip 0.1, LoRA lr 6e-5). Generation, reward and model fields:
-    [`~trl_dance.trainer.online_config.OnlineDiffusionConfig`] (`num_generations` is 1: SPO has no groups).
+    [`~trl_dance.trainer.rollout_config.RolloutConfig`] (`num_generations` is 1: SPO has no groups).
 
     Units. Each prompt of a round is one chain; each of its pool steps gives one candidate pair, so a process holds
     ``generation_batch_size / num_processes × pool steps`` pairs per round, ``per_device_train_batch_size`` of them per
@@ -59,7 +57,7 @@ class SPOConfig(OnlineDiffusionConfig):
             the LoRA-disabled base (a frozen copy for full fine-tuning).
     """
 
-    _VALID_DICT_FIELDS = [*OnlineDiffusionConfig._VALID_DICT_FIELDS, "step_aware_model_kwargs"]
+    _VALID_DICT_FIELDS = [*RolloutConfig._VALID_DICT_FIELDS, "step_aware_model_kwargs"]
     min_generations = 1  # a chain per prompt, no group statistics
 
     learning_rate: float = field(default=6e-5, metadata={"help": "AdamW learning rate (SPO SD1.5 LoRA: 6e-5)."})
@@ -68,9 +66,7 @@ class SPOConfig(OnlineDiffusionConfig):
     guidance_scale: float = field(default=5.0, metadata={"help": "CFG scale in sampling and loss (SPO: 5)."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Pairs per micro-batch per process."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer update."})
-    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(_SDE_TYPES)})
     eta: float = field(default=1.0, metadata={"help": "Noise level of the stochastic step (DDIM η; > 0)."})
-    log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
     share_initial_noise: str = field(
         default="none", metadata={"help": "none: every chain its own initial noise.", "choices": ["none"]}
     )
@@ -91,8 +87,7 @@ class SPOConfig(OnlineDiffusionConfig):
     epsilon: float = field(default=0.1, metadata={"help": "Clip range of the per-step ratios."})
 
     def _check_method(self) -> None:
-        _choice("sde_type", self.sde_type, _SDE_TYPES)
-        _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        self._check_sde("candidates of a deterministic step are identical")
         _choice("share_initial_noise", self.share_initial_noise, ("none",))
         if self.pool_size < 2:
             raise ValueError(f"pool_size must be >= 2: a pool of {self.pool_size} candidate(s) forms no pair")
@@ -101,8 +96,6 @@ class SPOConfig(OnlineDiffusionConfig):
                 f"pool_start_step must be in [0, {self.num_inference_steps - 1}) (pools are on the first N − 1 steps), "
                 f"got {self.pool_start_step}"
             )
-        if self.eta <= 0:
-            raise ValueError(f"eta must be > 0: candidates of a deterministic step are identical, got {self.eta}")
         if not 0 <= self.pair_threshold < 1:
             raise ValueError(f"pair_threshold is a softmax gap in [0, 1), got {self.pair_threshold}")
         if (self.score_scale is not None and self.score_scale <= 0) or self.beta <= 0 or not 0 < self.epsilon < 1:

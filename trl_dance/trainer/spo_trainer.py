@@ -17,7 +17,7 @@ from ..policies import DiffusionPolicy
 from ..rewards import RewardFunc, score_images, weighted_reward_sum
 from ..rewards.step_aware import StepAwarePreferenceModel
 from ..sampling import RolloutPlan, StepScorer, pooled_rollout
-from .online_trainer import OnlineDiffusionTrainer
+from .rollout_trainer import RolloutTrainer
 from .spo_config import SPOConfig
 
 
@@ -33,7 +33,7 @@ class RewardStepScorer:
         return weighted_reward_sum(scores, self.weights, prompts)
 
 
-class SPOTrainer(OnlineDiffusionTrainer):
+class SPOTrainer(RolloutTrainer):
     """Step-aware Preference Optimization (Liang et al., arXiv:2406.04314, CVPR 2025) on TRL's Trainer machinery.
 
     Each round, every prompt's chain is denoised with the policy's stochastic step; at each pool step, ``pool_size``

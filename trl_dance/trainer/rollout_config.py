@@ -14,7 +14,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_the
 
 
 @dataclass
-class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
+class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -338,10 +338,38 @@ class OnlineDiffusionConfig(EvaluationArguments, EMAArguments, FrozenComponentsA
                     f"multiple of num_generations × {self.world_size}"
                 )
 
+    def sde_settings(self) -> dict[str, Any]:
+        """The policy's SDE settings this config sets (none: the sampler's defaults; rollouts without log-probabilities
+        step deterministically)."""
+        return {}
+
     @property
     def per_device_generation_batch_size(self) -> int:
         """Samples each process generates per round."""
         return self.generation_batch_size // self.world_size
+
+
+SDE_TYPES = ("dance", "flow_grpo", "cps")
+
+
+@dataclass
+class SDEArguments:
+    """The stochastic step of the methods that train on its log-probabilities (documented in
+    :class:`~trl_dance.DanceGRPOConfig`); the policy's sampler reads these names unchanged (:meth:`sde_settings`)."""
+
+    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(SDE_TYPES)})
+    eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
+    log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
+
+    def _check_sde(self, zero_eta: str) -> None:
+        """Raise on an unknown choice or ``eta <= 0`` (``zero_eta`` says why a method needs noise)."""
+        _choice("sde_type", self.sde_type, SDE_TYPES)
+        _choice("log_prob_reduction", self.log_prob_reduction, ("mean", "sum"))
+        if not (self.eta > 0 and math.isfinite(self.eta)):
+            raise ValueError(f"eta must be > 0: {zero_eta}, got {self.eta}")
+
+    def sde_settings(self) -> dict[str, Any]:
+        return {"sde_type": self.sde_type, "eta": self.eta, "log_prob_reduction": self.log_prob_reduction}
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The engine of the online RL trainers: rollouts from the policy, rewards, advantages, rounds of micro-batches.
 
-A subclass says how a round is sampled (:meth:`OnlineDiffusionTrainer.rollout_plan`), what it keeps of the rollout and
-how it splits it into micro-batches (:meth:`OnlineDiffusionTrainer._plan_round`), and the loss of one micro-batch.
+A subclass says how a round is sampled (:meth:`RolloutTrainer.rollout_plan`), what it keeps of the rollout and
+how it splits it into micro-batches (:meth:`RolloutTrainer._plan_round`), and the loss of one micro-batch.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
-from .online_config import OnlineDiffusionConfig
 from .reward_metrics import RewardMetricLog
+from .rollout_config import RolloutConfig
 from .training_signal import TrainingSignal
 
 
@@ -39,9 +39,8 @@ def _identity(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def sampler_settings(args: OnlineDiffusionConfig) -> SamplerSettings:
-    """The policy's sampler settings from a config (the SDE fields where the config has them, as GRPO's does)."""
-    sde = {"noise_level": "eta", "sde_type": "sde_type", "log_prob_reduction": "log_prob_reduction"}
+def sampler_settings(args: RolloutConfig) -> SamplerSettings:
+    """The policy's sampler settings from a config (with the SDE's where the method samples with one)."""
     return SamplerSettings(
         num_inference_steps=args.num_inference_steps,
         height=args.height,
@@ -54,7 +53,7 @@ def sampler_settings(args: OnlineDiffusionConfig) -> SamplerSettings:
         negative_prompt=args.negative_prompt,
         guidance_scale_2=args.guidance_scale_2,
         train_expert=args.train_expert,
-        **{name: getattr(args, field) for name, field in sde.items() if hasattr(args, field)},
+        **args.sde_settings(),
     )
 
 
@@ -73,7 +72,7 @@ def _fingerprint(value: Any) -> Any:
     return value
 
 
-class OnlineDiffusionTrainer(DiffusionTrainer):
+class RolloutTrainer(DiffusionTrainer):
     """Rounds of rollouts and training for a diffusers pipeline (see the module docstring).
 
     Args:
@@ -93,13 +92,13 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
             whole denoiser. Last, as in ``trl.GRPOTrainer``.
     """
 
-    config_class: type[OnlineDiffusionConfig] = OnlineDiffusionConfig
+    config_class: type[RolloutConfig] = RolloutConfig
 
     def __init__(
         self,
         model: str | DiffusionPipeline,
         reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
-        args: OnlineDiffusionConfig | None = None,
+        args: RolloutConfig | None = None,
         train_dataset: Dataset | None = None,
         eval_dataset: Dataset | None = None,
         callbacks: list[TrainerCallback] | None = None,
@@ -182,7 +181,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
 
-    def _check_policy(self, policy: DiffusionPolicy, args: OnlineDiffusionConfig) -> None:
+    def _check_policy(self, policy: DiffusionPolicy, args: RolloutConfig) -> None:
         """Construction checks that need the policy (the trainable steps, the model family)."""
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
@@ -190,7 +189,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         raise NotImplementedError
 
     @staticmethod
-    def _needs_reference(args: OnlineDiffusionConfig) -> bool:
+    def _needs_reference(args: RolloutConfig) -> bool:
         """Whether the loss calls the reference model (the KL term)."""
         return args.beta > 0
 
@@ -233,7 +232,7 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
     # Construction checks
 
     @classmethod
-    def _check_dataset(cls, dataset: Dataset | None, args: OnlineDiffusionConfig) -> None:
+    def _check_dataset(cls, dataset: Dataset | None, args: RolloutConfig) -> None:
         if dataset is None:
             raise ValueError(f"{cls.__name__} needs a train_dataset with a 'prompt' column")
         if not isinstance(dataset, (Dataset, IterableDataset)):
@@ -595,4 +594,4 @@ class OnlineDiffusionTrainer(DiffusionTrainer):
         self._rollout = None
 
 
-__all__ = ["OnlineDiffusionTrainer", "sampler_settings"]
+__all__ = ["RolloutTrainer", "sampler_settings"]
