@@ -116,3 +116,39 @@ def test_installed_cli_trains_and_evaluates_outside_the_repository(tmp_path):
     by_model = {name: sorted((r["sample"], r["brightness"]) for r in dataset if r["model"] == name) for name in names}
     assert by_model["tiny-flux-transformer"] == by_model["base"] and rows[4].endswith("| 0.500 |")
     assert by_model["run"] != by_model["base"]  # the trained LoRA was applied
+
+
+def test_one_method_table_feeds_exports_commands_and_the_script(tmp_path):
+    """Every row of the method table is exported (lazily and for type checkers), is a ``trl-dance`` subcommand, and
+    the one training script finds it from --command, the YAML's ``command:`` or the recipe file's name."""
+    import ast
+
+    import trl_dance
+    from trl_dance.cli import _usage
+    from trl_dance.methods import METHODS, get_method
+    from trl_dance.scripts.train import resolve_method
+
+    with open(trl_dance.__file__, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    checked = next(
+        node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    )
+    typed = {alias.name for node in checked.body for alias in node.names}
+    for method in METHODS.values():
+        config, trainer = method.config_class, method.trainer_class
+        assert getattr(trl_dance, config.__name__) is config and getattr(trl_dance, trainer.__name__) is trainer
+        assert {config.__name__, trainer.__name__} <= typed & set(trl_dance.__all__)
+        assert f"  {method.name} " in _usage()
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("command: nft\nlearning_rate: 1.0e-4\n")
+    assert resolve_method(["--config", str(recipe)], "recipes/train.py").name == "nft"
+    assert resolve_method(["--command", "spo"], "recipes/train.py").name == "spo"
+    assert resolve_method([], "recipes/ddpo_sd.py").name == "grpo"
+    assert resolve_method([], "recipes/online_dpo.py") is get_method("online-dpo")
+    assert resolve_method([], "/x/recipes/dpo_sdxl.py").name == "dpo"
+    with pytest.raises(ValueError, match="is a 'nft' recipe .*trl-dance nft"):
+        resolve_method(["--command", "grpo", "--config", str(recipe)], "train.py")
+    with pytest.raises(ValueError, match="which method"):
+        resolve_method([], "recipes/train.py")
+    with pytest.raises(ValueError, match="unknown method 'ppo': one of grpo, nft"):
+        get_method("ppo")

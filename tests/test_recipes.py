@@ -7,23 +7,10 @@ import pytest
 import yaml
 from PIL import Image
 
-from trl_dance import (
-    DanceGRPOConfig,
-    DiffusionDPOConfig,
-    DiffusionNFTConfig,
-    DirectRewardConfig,
-    OnlineDiffusionDPOConfig,
-    SPOConfig,
-)
+from trl_dance import DanceGRPOConfig, DiffusionDPOConfig
+from trl_dance.methods import get_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _recipe_module(name: str):
-    """The script ``trl-dance <name>`` and ``recipes/<name>.py`` run: ``trl_dance.scripts.<name>``."""
-    import importlib
-
-    return importlib.import_module(f"trl_dance.scripts.{name}")
 
 
 def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.CompletedProcess:
@@ -96,15 +83,8 @@ def test_shipped_configs_are_valid(name, tmp_path):
         "sample_prompts",
         "sample_steps",
     }
-    classes = {
-        "dpo": DiffusionDPOConfig,
-        "nft": DiffusionNFTConfig,
-        "srpo": DirectRewardConfig,
-        "spo": SPOConfig,
-        "online": OnlineDiffusionDPOConfig,
-    }
-    config_class = classes.get(name.split("_")[0], DanceGRPOConfig)
-    training = {k: v for k, v in values.items() if k not in script_and_model_keys}
+    config_class = get_method(values["command"]).config_class  # every shipped recipe names its command
+    training = {k: v for k, v in values.items() if k not in {*script_and_model_keys, "command"}}
     # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.
     if not values.get("use_cpu") and "generation_batch_size" in training:
         training["generation_batch_size"] //= 8
@@ -228,9 +208,8 @@ def test_push_to_hub_uploads_the_lora_card_and_samples(tiny_model_dir, tmp_path,
 
     import transformers.trainer
     from safetensors.torch import load_file
-    from trl import ModelConfig, TrlParser
 
-    recipe = _recipe_module("grpo")
+    from trl_dance.scripts import train
 
     uploads = []
 
@@ -250,7 +229,7 @@ def test_push_to_hub_uploads_the_lora_card_and_samples(tiny_model_dir, tmp_path,
         "--model_name_or_path", tiny_model_dir("flux"), "--output_dir", str(output_dir), "--max_steps", "1",
         "--num_sample_images", "2", "--push_to_hub", "true", "--hub_model_id", "me/tiny-flux-grpo",
     ]  # fmt: skip
-    recipe.main(*TrlParser((recipe.ScriptArguments, DanceGRPOConfig, ModelConfig)).parse_args_and_config(argv))
+    train.main(argv)
 
     # As in TRL's recipes: save_model pushes ("Model save"), then the final push adds the dataset and samples.
     upload = uploads[-1]
@@ -274,26 +253,27 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise(given, exp
     code = "import trl_dance, torch, os; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == expected
-    with open(os.path.join(ROOT, "trl_dance", "scripts", "grpo.py")) as handle:
+    with open(os.path.join(ROOT, "trl_dance", "scripts", "train.py")) as handle:
         recipe = handle.read()
     assert recipe.index('os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")') < recipe.index("from trl import")
 
 
 def test_recipe_arguments_name_config_refuse_unused_model_fields_and_import_rewards_from_cwd(tmp_path, monkeypatch):
-    from trl import ModelConfig
 
     from trl_dance.recipe_args import USAGE, parse_recipe_args
     from trl_dance.rewards import get_reward_function
+    from trl_dance.scripts import train
 
     config = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
     assert USAGE.startswith("%(prog)s --config FILE.yaml")
-    types = (_recipe_module("grpo").ScriptArguments, DanceGRPOConfig, ModelConfig)
+    types = train._types(get_method("grpo"))
     with pytest.raises(ValueError, match="do not use load_in_4bit=True .* remove them"):
         parse_recipe_args(types, ["--config", config, "--load_in_4bit", "true"])
     (tmp_path / "my_rewards.py").write_text("def redness(prompts, images, **kw):\n    return [1.0] * len(prompts)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    _, training, model = parse_recipe_args(types, ["--config", config])
+    command, _, training, model = parse_recipe_args(types, ["--config", config])
+    assert command.command == "grpo"
     assert model.model_name_or_path == "outputs/tiny-flux" and training.num_generations == 4
     assert get_reward_function("my_rewards:redness")(["a"], None) == [1.0]
 

@@ -12,22 +12,13 @@ from typing import TYPE_CHECKING
 # trl_dance is imported before torch (the recipes set it before any import); a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0.dev0"
+from .methods import exports
+from .version import __version__
 
-# Public names, imported on first use so `import trl_dance` stays cheap (as in trl).
+# Public names, imported on first use so `import trl_dance` stays cheap (as in trl): every method's config and
+# trainer (trl_dance/methods.py), and the tools below.
 _LAZY = {
-    "DanceGRPOConfig": "trl_dance.trainer.dance_grpo_config",
-    "DanceGRPOTrainer": "trl_dance.trainer.dance_grpo_trainer",
-    "DiffusionDPOConfig": "trl_dance.trainer.diffusion_dpo_config",
-    "DiffusionDPOTrainer": "trl_dance.trainer.diffusion_dpo_trainer",
-    "DiffusionNFTConfig": "trl_dance.trainer.diffusion_nft_config",
-    "DiffusionNFTTrainer": "trl_dance.trainer.diffusion_nft_trainer",
-    "DirectRewardConfig": "trl_dance.trainer.direct_reward_config",
-    "DirectRewardTrainer": "trl_dance.trainer.direct_reward_trainer",
-    "OnlineDiffusionDPOConfig": "trl_dance.trainer.online_dpo_config",
-    "OnlineDiffusionDPOTrainer": "trl_dance.trainer.online_dpo_trainer",
-    "SPOConfig": "trl_dance.trainer.spo_config",
-    "SPOTrainer": "trl_dance.trainer.spo_trainer",
+    **exports(),
     "SDEStepOutput": "trl_dance.sde",
     "flow_sde_step": "trl_dance.sde",
     "ddim_sde_step": "trl_dance.sde",
@@ -37,29 +28,9 @@ _LAZY = {
     "register_policy": "trl_dance.policies",
 }
 
-__all__ = [
-    "DanceGRPOConfig",
-    "DanceGRPOTrainer",
-    "DiffusionDPOConfig",
-    "DiffusionDPOTrainer",
-    "DiffusionNFTConfig",
-    "DiffusionNFTTrainer",
-    "DirectRewardConfig",
-    "DirectRewardTrainer",
-    "OnlineDiffusionDPOConfig",
-    "OnlineDiffusionDPOTrainer",
-    "SDEStepOutput",
-    "SPOConfig",
-    "SPOTrainer",
-    "dance_sigmas",
-    "ddim_sde_step",
-    "flow_sde_step",
-    "get_reward_function",
-    "patch_scheduler",
-    "register_policy",
-]
+__all__ = sorted(_LAZY) + ["__version__"]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for editors and type checkers; tests/test_cli.py checks it lists every method of the table
     from .policies import register_policy
     from .rewards import get_reward_function
     from .schedulers import patch_scheduler

@@ -10,9 +10,10 @@
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
 
-The training commands work as TRL's CLI does: options the script does not know (``--num_processes 8``,
-``--accelerate_config zero2``) go to ``accelerate launch``, which runs the script shipped in ``trl_dance/scripts/``;
-``--accelerate_config`` names a config shipped in ``trl_dance/accelerate_configs/`` or a file.
+The training commands (one per row of :data:`trl_dance.methods.METHODS`) work as TRL's CLI does: options the script
+does not know (``--num_processes 8``, ``--accelerate_config zero2``) go to ``accelerate launch``, which runs
+``trl_dance/scripts/train.py --command NAME``; ``--accelerate_config`` names a config shipped in
+``trl_dance/accelerate_configs/`` or a file.
 """
 
 from __future__ import annotations
@@ -22,14 +23,8 @@ import importlib.resources
 import os
 import sys
 
-TRAINING_SCRIPTS = {
-    "grpo": ("trl_dance.scripts.grpo", "DanceGRPO / Flow-GRPO / MixGRPO / DDPO"),
-    "nft": ("trl_dance.scripts.nft", "DiffusionNFT / AWM / DGPO (flow-matching models)"),
-    "dpo": ("trl_dance.scripts.dpo", "Diffusion-DPO on image and video preference pairs"),
-    "online-dpo": ("trl_dance.scripts.online_dpo", "online Diffusion-DPO on pairs ranked by rewards (AI feedback)"),
-    "spo": ("trl_dance.scripts.spo", "SPO: step-aware preference optimization on candidate pools"),
-    "direct": ("trl_dance.scripts.direct", "SRPO's Direct-Align / DRaFT-K / AlignProp (differentiable rewards)"),
-}
+from .methods import METHODS
+
 OTHER_COMMANDS = {
     "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
     "serve-reward": ("trl_dance.rewards.server", "serve a reward over HTTP for remote scoring (reward_funcs: [URL])"),
@@ -78,20 +73,24 @@ def launch_training(command: str, argv: list[str]) -> None:
     """Split ``argv`` into the script's options and the launcher's, then ``accelerate launch`` the script."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    module = importlib.import_module(TRAINING_SCRIPTS[command][0])
-    parser = module.make_parser(prog=f"trl-dance {command}")
+    from .scripts import train
+
+    train.resolve_method(["--command", command, *argv])  # a YAML recipe of another method: say which command runs it
+    parser = train.make_parser(command, prog=f"trl-dance {command}")
     # -h exits here. Options neither the script nor the YAML file knows are the launcher's.
     *_, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _without(argv, cli_remaining)
-    launch_command(launch_command_parser().parse_args([*launch_args, module.__file__, *script_args]))
+    script = [train.__file__, "--command", command, *script_args]
+    launch_command(launch_command_parser().parse_args([*launch_args, *script]))
 
 
 def _usage() -> str:
-    commands = {**TRAINING_SCRIPTS, **OTHER_COMMANDS}
-    lines = [f"  {name:<14}{help_text}" for name, (_, help_text) in commands.items()]
+    commands = {name: method.help for name, method in METHODS.items()}
+    commands |= {name: help_text for name, (_, help_text) in OTHER_COMMANDS.items()}
+    lines = [f"  {name:<14}{help_text}" for name, help_text in commands.items()]
     return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
 
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     command, rest = argv[0], argv[1:]
-    if command in TRAINING_SCRIPTS:
+    if command in METHODS:
         launch_training(command, rest)
     elif command in OTHER_COMMANDS:
         importlib.import_module(OTHER_COMMANDS[command][0]).main(rest)

@@ -8,6 +8,7 @@ passed in to :meth:`DiffusionPolicy.predict` so the trainer can call it through 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class DiffusionPolicy(ABC):
     is_video: bool = False
     """True for video families: :meth:`decode` returns (B, F, 3, H, W) and ``settings.num_frames`` applies."""
 
+    default_num_frames: int | None = None
+    """Video families: the frame count used when ``settings.num_frames`` is None (see :meth:`_with_num_frames`)."""
+
     condition_columns: tuple[str, ...] = ()
     """Dataset columns the policy conditions on besides the prompt (image-to-video, editing: ``("image",)``)."""
 
@@ -100,6 +104,18 @@ class DiffusionPolicy(ABC):
         for name, size in (("height", settings.height), ("width", settings.width)):
             if size % (2 * vae_scale):
                 raise ValueError(f"{name}={size} must be a multiple of {2 * vae_scale} for {type(pipeline).__name__}")
+
+    def _with_num_frames(self, pipeline: DiffusionPipeline, settings: SamplerSettings) -> SamplerSettings:
+        """Video families, before ``__init__``: ``settings`` with ``num_frames`` defaulted to
+        :attr:`default_num_frames`, checked to be 1 + a multiple of the VAE's temporal factor."""
+        if settings.num_frames is None:
+            settings = dataclasses.replace(settings, num_frames=self.default_num_frames)
+        temporal = pipeline.vae_scale_factor_temporal
+        if settings.num_frames < 1 or (settings.num_frames - 1) % temporal:
+            raise ValueError(
+                f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
+            )
+        return settings
 
     @property
     def denoiser(self) -> torch.nn.Module:

@@ -3,8 +3,6 @@ causal 3D VAE): text-to-video, and text-to-image as one-frame videos (DanceGRPO'
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 from diffusers import HunyuanVideoPipeline
@@ -30,13 +28,7 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
     """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
 
     def __init__(self, pipeline: HunyuanVideoPipeline, settings: SamplerSettings):
-        if settings.num_frames is None:
-            settings = dataclasses.replace(settings, num_frames=self.default_num_frames)
-        temporal = pipeline.vae_scale_factor_temporal
-        if settings.num_frames < 1 or (settings.num_frames - 1) % temporal:
-            raise ValueError(
-                f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
-            )
+        settings = self._with_num_frames(pipeline, settings)
         super().__init__(pipeline, settings)
 
     @property

@@ -3,8 +3,6 @@ loss."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
@@ -46,13 +44,8 @@ class WanPolicy(FlowMatchingPolicy):
             )
         # An instance attribute: the trained expert is the pipeline component the trainer trains and saves.
         self.denoiser_name = "transformer_2" if settings.train_expert == "low_noise" else "transformer"
-        if settings.num_frames is None:
-            settings = dataclasses.replace(settings, num_frames=self.default_num_frames)
+        settings = self._with_num_frames(pipeline, settings)
         temporal = pipeline.vae_scale_factor_temporal
-        if settings.num_frames < 1 or (settings.num_frames - 1) % temporal:
-            raise ValueError(
-                f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
-            )
         # The transformer's rotary tables cover rope_max_seq_len patches per axis (1024 in Wan; less in small models).
         config = pipeline.transformer.config
         patches = (

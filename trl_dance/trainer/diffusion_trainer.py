@@ -264,7 +264,7 @@ class DiffusionTrainer(_BaseTrainer):
             return
         from huggingface_hub import ModelCard, ModelCardData
 
-        from .. import __version__
+        from ..version import __version__
 
         folder = output_dir or self.args.output_dir
         # The dataset and tags given to push_to_hub stay on the cards of later saves.

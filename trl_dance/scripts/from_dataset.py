@@ -1,7 +1,5 @@
-"""Diffusion-DPO with trl-dance on image preference pairs, for SD1.x/2.x, SDXL, SD3 and FLUX.
-
-    trl-dance dpo --config recipes/configs/dpo_sdxl.yaml [--accelerate_config ddp|zero2|zero3|fsdp2]
-    accelerate launch recipes/dpo.py --config recipes/configs/dpo_sdxl.yaml      # the same script
+"""The job of the methods that learn from a dataset of images (Diffusion-DPO on preference pairs): the dataset in, a
+trained LoRA or denoiser out. Run through :mod:`trl_dance.scripts.train`.
 
 Data: a Hub dataset or local folder (dataset_name) in TRL's preference format (prompt, chosen, rejected images) or
 Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Writes the LoRA
@@ -9,17 +7,14 @@ Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Wri
 """
 
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
-
 from dataclasses import dataclass, field
 
 import torch
 from trl import ModelConfig, get_peft_config
 
-from trl_dance import DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.data import load_any_dataset
-from trl_dance.recipe_args import finish, model_init_kwargs, parse_recipe_args, recipe_parser
+from trl_dance.recipe_args import finish, model_init_kwargs
+from trl_dance.trainer.diffusion_trainer import DiffusionTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
 
@@ -42,8 +37,8 @@ class ScriptArguments:
 
 
 def main(
-    script_args: ScriptArguments, training_args: DiffusionDPOConfig, model_args: ModelConfig
-) -> DiffusionDPOTrainer:
+    script_args: ScriptArguments, training_args, model_args: ModelConfig, trainer_class: type[DiffusionTrainer]
+) -> DiffusionTrainer:
     if script_args.dataset_name is None:
         raise ValueError("--dataset_name is required")
     # Arrow-backed and memory-mapped (a large dataset such as Pick-a-Pic is not loaded into memory), or streamed.
@@ -61,7 +56,7 @@ def main(
             script_args.dataset_name, script_args.dataset_config, script_args.dataset_test_split
         )
     model_init_kwargs(training_args, model_args)
-    trainer = DiffusionDPOTrainer(
+    trainer = trainer_class(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset,
@@ -96,7 +91,7 @@ def main(
     return trainer
 
 
-def _samples(trainer: DiffusionDPOTrainer, script_args: ScriptArguments):
+def _samples(trainer: DiffusionTrainer, script_args: ScriptArguments):
     """The pipeline's own samples of ``sample_prompts`` with the current denoiser (its LoRA, if any, on), fixed seeds;
     (B, 3, H, W) in [0, 1] (videos: (B, F, 3, H, W) of the trained clip length), or None without prompts."""
     if not script_args.sample_prompts:
@@ -114,16 +109,3 @@ def _samples(trainer: DiffusionDPOTrainer, script_args: ScriptArguments):
             **video,
         )
     return (output.frames if video else output.images).float().cpu()
-
-
-def make_parser(prog: str | None = None):
-    """The script's parser (``trl-dance`` separates the launcher's options with it)."""
-    return recipe_parser((ScriptArguments, DiffusionDPOConfig, ModelConfig), prog)
-
-
-def cli() -> DiffusionDPOTrainer:
-    return main(*parse_recipe_args((ScriptArguments, DiffusionDPOConfig, ModelConfig)))
-
-
-if __name__ == "__main__":
-    cli()

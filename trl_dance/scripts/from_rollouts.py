@@ -1,27 +1,17 @@
-"""DanceGRPO (and DDPO) with trl-dance, for any supported pipeline: FLUX, SD3, SD1.x/2.x, SDXL, Wan (video).
+"""The job of the methods that learn from their own rollouts (GRPO, NFT, online DPO, SPO, Direct-Align): prompts in,
+samples scored by ``reward_funcs``, a trained LoRA or denoiser out. Run through :mod:`trl_dance.scripts.train`.
 
-    trl-dance grpo --config recipes/configs/grpo_flux.yaml [--accelerate_config ddp|zero2|zero3|fsdp2]
-    accelerate launch recipes/grpo.py --config recipes/configs/grpo_flux.yaml      # the same script
-
-The online trainers share this script: ``trl-dance nft`` runs it with DiffusionNFTConfig / DiffusionNFTTrainer.
-
-Any field of DanceGRPOConfig, trl.ModelConfig (model_name_or_path, use_peft, lora_*) or ScriptArguments below can
-be given in the YAML file or on the command line. Writes to output_dir: the LoRA (pytorch_lora_weights.safetensors,
-for Pipeline.load_lora_weights) or the full denoiser, reward_curve.png, and samples.png (top row: before training,
-bottom row: after, same seeds).
+Writes to output_dir: the LoRA (pytorch_lora_weights.safetensors, for Pipeline.load_lora_weights) or the full
+denoiser, reward_curve.png, and samples.png (top row: before training, bottom row: after, same seeds).
 """
 
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
-
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 from trl_dance.data import load_prompt_dataset
-from trl_dance.recipe_args import finish, model_init_kwargs, parse_recipe_args, recipe_parser
+from trl_dance.recipe_args import finish, model_init_kwargs
 from trl_dance.trainer.rollout_config import RolloutConfig
 from trl_dance.trainer.rollout_trainer import RolloutTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
@@ -51,7 +41,7 @@ def main(
     script_args: ScriptArguments,
     training_args: RolloutConfig,
     model_args: ModelConfig,
-    trainer_class: type[RolloutTrainer] = DanceGRPOTrainer,
+    trainer_class: type[RolloutTrainer],
 ) -> RolloutTrainer:
     dataset = load_prompt_dataset(
         script_args.prompts_file,
@@ -103,20 +93,3 @@ def main(
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     finish(trainer)
     return trainer
-
-
-def make_parser(prog: str | None = None, config_class: type[RolloutConfig] = DanceGRPOConfig):
-    """The script's parser (``trl-dance`` separates the launcher's options with it)."""
-    return recipe_parser((ScriptArguments, config_class, ModelConfig), prog)
-
-
-def cli(
-    config_class: type[RolloutConfig] = DanceGRPOConfig,
-    trainer_class: type[RolloutTrainer] = DanceGRPOTrainer,
-) -> RolloutTrainer:
-    """Parse the command line (and --config YAML) into ``config_class`` and run :func:`main` with ``trainer_class``."""
-    return main(*parse_recipe_args((ScriptArguments, config_class, ModelConfig)), trainer_class=trainer_class)
-
-
-if __name__ == "__main__":
-    cli()
