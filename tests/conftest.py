@@ -144,10 +144,9 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
     ``load_lora_weights``, predicts what the trained model predicts (to 1e-5), and training changed the prediction."""
     from diffusers import DiffusionPipeline
 
-    from trl_dance.policies import make_policy
-    from trl_dance.trainer.rollout_trainer import sampler_settings
+    from trl_dance.policies import SamplerSettings, make_policy
 
-    settings = sampler_settings(trainer.args)
+    settings = SamplerSettings.from_config(trainer.args)
     batch = next(iter(cond.values())).shape[0]
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(batch)])
     steps = torch.tensor([0, 3] * (batch // 2) + [1] * (batch % 2))

@@ -98,12 +98,11 @@ def test_shipped_configs_are_valid(name, tmp_path):
         assert issubclass(getattr(diffusers, values["pipeline_class"]), diffusers.DiffusionPipeline)
     if "train_expert" in values:
         # The tiny two-expert Wan has Wan 2.2's boundary (0.875 of 1000): the same steps fall to each expert.
-        from trl_dance.policies import make_policy
+        from trl_dance.policies import SamplerSettings, make_policy
         from trl_dance.testing import tiny_wan22_pipeline
-        from trl_dance.trainer.dance_grpo_trainer import sampler_settings
 
         # Which steps each expert serves depends on the schedule only: the tiny transformer at a tiny size.
-        settings = dataclasses.replace(sampler_settings(config), height=32, width=32, num_frames=5)
+        settings = dataclasses.replace(SamplerSettings.from_config(config), height=32, width=32, num_frames=5)
         policy = make_policy(tiny_wan22_pipeline(), settings)
         assert config.timesteps_per_sample <= len(policy.trainable_steps())
 

@@ -45,6 +45,29 @@ class SamplerSettings:
     guidance_scale_2: float | None = None
     train_expert: Literal["high_noise", "low_noise"] = "high_noise"
 
+    @classmethod
+    def from_config(cls, args) -> SamplerSettings:
+        """The settings of a rollout trainer's config: its fields of the same names, and the SDE's where the method
+        samples with one (``args.sde_settings()``)."""
+        names = [name for name in cls.__dataclass_fields__ if name not in ("eta", "sde_type", "log_prob_reduction")]
+        return cls(**{name: getattr(args, name) for name in names}, **args.sde_settings())
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``tensor`` unchanged, its gradient multiplied by ``scale`` in the backward pass."""
+    return _ScaleGradient.apply(tensor, scale) if tensor.requires_grad else tensor
+
 
 def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """Float32, or float64 for a float64 model (gradient checks): predictions are combined and stepped in it."""
@@ -93,6 +116,8 @@ class DiffusionPolicy(ABC):
         self.offload_frozen_expert = False
         self._sampling_depth = 0
         self._warned_long_prompts = False
+        # Context parallelism: a group's ranks each get their slice's gradient; the trainer sets the group size here.
+        self.gradient_scale = 1.0
         if settings.num_frames is not None and not self.is_video:
             raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
         if settings.negative_prompt is not None and not self.use_cfg:
@@ -304,16 +329,28 @@ class DiffusionPolicy(ABC):
         """:meth:`predict` at explicit model timesteps (B,), in the units of :meth:`model_timestep`, with the trained
         denoiser's CFG scale unless ``guidance_scale`` is given."""
         if not self.use_cfg:
-            return _at_least_float32(self._forward(model, latents, timestep, cond))
+            return self._call(model, latents, timestep, cond)
         scale = self.guidance_scale if guidance_scale is None else guidance_scale
         negative = self._negative_cond(latents.shape[0])
         # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches.
         both = {key: torch.cat([negative.get(key, cond[key]), cond[key]]) for key in cond}
-        output = _at_least_float32(
-            self._forward(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
-        )
+        output = self._call(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         uncond, text = output.chunk(2)
         return self.combine_guidance(uncond, text, scale)
+
+    def _call(self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning):
+        """:meth:`_forward` in at least float32, its gradient scaled by :attr:`gradient_scale`."""
+        output = _at_least_float32(self._forward(model, latents, timestep, cond))
+        return output if self.gradient_scale == 1 else scale_gradient(output, self.gradient_scale)
+
+    def context_parallel_lengths(self) -> dict[str, int]:
+        """The token counts per sample the denoiser's context-parallel plan splits, by what they are (they must divide
+        by the group size); a family without a plan in trl-dance raises."""
+        raise NotImplementedError(f"{type(self).__name__} does not support context parallelism")
+
+    def context_parallel_hint(self) -> str:
+        """What to change for :meth:`context_parallel_lengths` to divide (for errors)."""
+        return "height/width"
 
     def combine_guidance(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         """CFG's combination of the two branches' outputs (B, ...): ``u + w (c − u)``; a family whose pipeline

@@ -105,6 +105,15 @@ class FluxPolicy(FlowMatchingPolicy):
         batch, channels, height, width = latents.shape
         return self.pipeline._pack_latents(latents, batch, channels, height, width)
 
+    def context_parallel_lengths(self) -> dict[str, int]:
+        # diffusers' FLUX plan splits the joint sequence's image tokens (with Kontext's source tokens) and text tokens.
+        h, w = self._latent_hw
+        image = (h // 2) * (w // 2) * (2 if self.condition_columns else 1)
+        return {"image tokens": image, "text tokens": self.settings.max_sequence_length}
+
+    def context_parallel_hint(self) -> str:
+        return "height/width or max_sequence_length"
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         unpacked = self.pipeline._unpack_latents(
             latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
@@ -156,6 +165,9 @@ class Flux2Policy(FluxPolicy):
     embedded guidance, and the pipeline's empirical schedule shift ``compute_empirical_mu``. No CFG (FLUX.2 [dev] is
     guidance-distilled); the prompt embeddings are padded to ``max_sequence_length`` as the pipeline pads them.
     """
+
+    def context_parallel_lengths(self) -> dict[str, int]:
+        raise NotImplementedError("FLUX.2 under context parallelism is not verified against one process yet")
 
     def __init__(self, pipeline, settings):
         super().__init__(pipeline, settings)

@@ -113,6 +113,19 @@ class WanPolicy(FlowMatchingPolicy):
             self.frozen_expert, latents, self.model_timestep(step_index), cond, guidance_scale=scale
         )
 
+    def context_parallel_lengths(self) -> dict[str, int]:
+        # diffusers' Wan plan splits the video tokens only (the text is attended to whole, by cross-attention).
+        settings, pipeline, patch = self.settings, self.pipeline, self.denoiser.config.patch_size
+        frames = (settings.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1
+        spatial = pipeline.vae_scale_factor_spatial
+        tokens = (
+            (frames // patch[0]) * (settings.height // spatial // patch[1]) * (settings.width // spatial // patch[2])
+        )
+        return {"video tokens": tokens}
+
+    def context_parallel_hint(self) -> str:
+        return "num_frames/height/width"
+
     def predict_at_sigma(
         self, model: torch.nn.Module, latents: torch.Tensor, sigma: float, cond: Conditioning
     ) -> torch.Tensor:

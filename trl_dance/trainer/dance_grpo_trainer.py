@@ -9,7 +9,7 @@ from ..losses import clipped_fraction, clipped_surrogate, normalized_log_ratio
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps
 from .dance_grpo_config import DanceGRPOConfig
-from .rollout_trainer import RolloutTrainer, sampler_settings
+from .rollout_trainer import RolloutTrainer
 
 
 class DanceGRPOTrainer(RolloutTrainer):
@@ -215,4 +215,4 @@ class DanceGRPOTrainer(RolloutTrainer):
         return text + (", branched from a shared prefix" if args.branching else "")
 
 
-__all__ = ["DanceGRPOTrainer", "sampler_settings"]
+__all__ = ["DanceGRPOTrainer"]

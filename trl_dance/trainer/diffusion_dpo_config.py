@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import _BaseConfig
+from .context_parallel import ContextParallelArguments
 from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
@@ -11,7 +12,14 @@ from .pair_denoising import DPOLossArguments
 
 
 @dataclass
-class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, DPOLossArguments, _BaseConfig):
+class DiffusionDPOConfig(
+    ContextParallelArguments,
+    EvaluationArguments,
+    EMAArguments,
+    FrozenComponentsArguments,
+    DPOLossArguments,
+    _BaseConfig,
+):
     r"""
     Configuration for [`DiffusionDPOTrainer`]: Diffusion-DPO (Wallace et al., 2023) on image preference pairs.
 
@@ -100,6 +108,7 @@ class DiffusionDPOConfig(EvaluationArguments, EMAArguments, FrozenComponentsArgu
     def __post_init__(self):
         super().__post_init__()
         self._check_frozen_components()
+        self._check_context_parallel()
         self._check_ema()
         self._check_evaluation()
         self._check_dpo_loss()

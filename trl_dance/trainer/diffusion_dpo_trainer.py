@@ -23,6 +23,7 @@ from ..preference_data import (
     preference_format,
 )
 from ..sampling import mix_seed
+from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_trainer import DiffusionTrainer, load_pipeline
 from .evaluation import evaluation_policy, pipeline_call_defaults
@@ -78,6 +79,8 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         args = self._resolve_args(model, args, DiffusionDPOConfig, "DiffusionDPO")
         if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
+        if isinstance(train_dataset, IterableDataset) and args.context_parallel_size > 1:
+            raise ValueError(STREAMING_WITH_CONTEXT_PARALLEL)
         if args.eval_strategy != "no" and eval_dataset is None and not args.eval_prompts:
             strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
             raise ValueError(f"eval_strategy={strategy!r} needs an eval_dataset or eval_prompts")
@@ -114,7 +117,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             args.random_crop,
             args.random_flip,
             args.proportion_empty_prompts,
-            seed=args.seed + 7919 * args.process_index,
+            seed=args.seed + 7919 * (args.process_index // args.context_parallel_size),  # per data-parallel rank
             num_frames=self._clip_frames,
         )
         super().__init__(
@@ -131,7 +134,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
             optimizers=optimizers,
         )
         self._noise_generator = torch.Generator(device=self.accelerator.device).manual_seed(
-            args.seed + 7919 * (self.accelerator.process_index + 1)
+            args.seed + 7919 * (self.data_parallel.rank + 1)
         )
         self.pairs = PairDenoising(policy, args)
         self._eval_policy = None  # built at the first evaluation with eval_prompts
@@ -212,6 +215,18 @@ class DiffusionDPOTrainer(DiffusionTrainer):
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
         self._noise_generator.set_state(state["noise_generator"])
 
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        dp = self.data_parallel
+        if dp.group == 1:
+            return sampler
+        # The ranks of a context-parallel group read the same pairs: one seeded order, each block handed to the group.
+        order = torch.utils.data.RandomSampler(
+            dataset if dataset is not None else self.train_dataset,
+            generator=torch.Generator().manual_seed(self.args.seed),
+        )
+        return GroupReplicatedSampler(order, self.args.per_device_train_batch_size, dp.size, dp.group)
+
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "chosen", "rejected", "caption", "jpg_0", "jpg_1", "label_0"]
@@ -277,20 +292,20 @@ class DiffusionDPOTrainer(DiffusionTrainer):
                 )
             rows = [{"prompt": prompt} for prompt in args.eval_prompts]
             images = torch.cat([images for _, images in self._eval_samples(self._eval_policy, rows)])
-            images = self.accelerator.gather(images)[: len(rows)].cpu()
+            images = self.data_parallel.gather(images)[: len(rows)].cpu()
             self._log_eval_images(images, args.eval_prompts, None, metric_key_prefix)
         self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
         return metrics
 
     def _evaluate_pairs(self, dataset) -> dict[str, float]:
         """The eval loss and reward metrics over all pairs of ``dataset``, split over the processes."""
-        args, accelerator = self.args, self.accelerator
+        args = self.args
         collator = PreferenceCollator(
             args.resolution, random_crop=False, random_flip=False, num_frames=self._clip_frames
         )
         indices = list(range(len(dataset)))
         stats = []
-        with accelerator.split_between_processes(indices, apply_padding=True) as mine:
+        with self.data_parallel.split(indices) as mine:
             for start in range(0, len(mine), args.per_device_eval_batch_size):
                 rows = mine[start : start + args.per_device_eval_batch_size]
                 batch = collator([{**dataset[i], INDEX_KEY: i} for i in rows])
@@ -304,7 +319,7 @@ class DiffusionDPOTrainer(DiffusionTrainer):
                     errors, ref_errors, _ = self._pair_errors(self.model, self._prepare_inputs(batch), generators)
                     losses, chosen, rejected, correct = self.pairs.losses(errors, ref_errors, batch["weights"])
                 stats.append(torch.stack([losses, chosen, rejected, correct], dim=1))
-        stats = accelerator.gather(torch.cat(stats))[: len(dataset)]  # (n, 4), padding dropped
+        stats = self.data_parallel.gather(torch.cat(stats))[: len(dataset)]  # (n, 4), padding dropped
         metrics = {"loss": stats[:, 0].mean().item()}
         if self.needs_reference:
             named = reward_metrics(stats[:, 1], stats[:, 2], stats[:, 3])

@@ -32,6 +32,7 @@ from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
+from .context_parallel import DataParallel, check_context_parallel, enable_context_parallel
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
 
@@ -189,6 +190,7 @@ class DiffusionTrainer(_BaseTrainer):
 
         super().__init__(model=denoiser, args=args, **trainer_kwargs)
         use_diffusers_callbacks(self.callback_handler)
+        self.data_parallel = DataParallel(self.accelerator, args.context_parallel_size)
         if args.frozen_dtype is not None:
             for module in policy.frozen_modules():
                 module.to(getattr(torch, args.frozen_dtype))
@@ -196,6 +198,13 @@ class DiffusionTrainer(_BaseTrainer):
         policy.to(self.accelerator.device)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
+        if args.context_parallel_size > 1:
+            check_context_parallel(policy, args.context_parallel_size, args.context_parallel_type)
+            copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
+            enable_context_parallel(
+                [denoiser, *copies], args.context_parallel_size, args.context_parallel_type, self.accelerator.device
+            )
+            policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
         self._toggle_cache: tuple = (None, None)
         self._loss_finite: torch.Tensor | None = None  # all micro-step losses since the last log were finite
@@ -350,7 +359,7 @@ class DiffusionTrainer(_BaseTrainer):
         plan = RolloutPlan.deterministic(policy.num_steps)
         ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
         indices = list(range(len(rows)))
-        with ema, self.accelerator.split_between_processes(indices, apply_padding=True) as mine:
+        with ema, self.data_parallel.split(indices) as mine:
             for start in range(0, len(mine), args.per_device_eval_batch_size):
                 chunk = [rows[i] for i in mine[start : start + args.per_device_eval_batch_size]]
                 columns = {name: [row[name] for row in chunk] for name in policy.condition_columns}

@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
+from .context_parallel import ContextParallelArguments
 from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
@@ -14,7 +15,9 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_the
 
 
 @dataclass
-class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig):
+class RolloutConfig(
+    ContextParallelArguments, EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig
+):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -235,6 +238,7 @@ class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments
     def __post_init__(self):
         super().__post_init__()
         self._check_frozen_components()
+        self._check_context_parallel()
         self._check_ema()
         self._check_evaluation()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
@@ -274,7 +278,7 @@ class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments
         if self.rollout_batch_size is not None and self.rollout_batch_size < 1:
             raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
 
-        num_processes = self.world_size
+        num_processes = self.data_parallel_size  # a context-parallel group is one virtual process
         if self.generation_batch_size is None:
             self.generation_batch_size = self.num_generations * num_processes
         if self.generation_batch_size % self.num_generations:
@@ -285,7 +289,7 @@ class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments
         if self.generation_batch_size % num_processes:
             raise ValueError(
                 f"generation_batch_size ({self.generation_batch_size}) must be divisible by the number of processes "
-                f"({num_processes})"
+                f"({num_processes}" + (" data-parallel groups)" if self.context_parallel_size > 1 else ")")
             )
         self._check_method()
         items, description = self._round_items()
@@ -334,8 +338,8 @@ class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments
             if value % self.num_generations:
                 raise ValueError(
                     f"{what} whole groups: {name} ({value}) must be a multiple of num_generations "
-                    f"({self.num_generations}); with {self.world_size} processes, generation_batch_size must be a "
-                    f"multiple of num_generations × {self.world_size}"
+                    f"({self.num_generations}); with {self.data_parallel_size} processes, generation_batch_size must be "
+                    f"a multiple of num_generations × {self.data_parallel_size}"
                 )
 
     def sde_settings(self) -> dict[str, Any]:
@@ -346,7 +350,7 @@ class RolloutConfig(EvaluationArguments, EMAArguments, FrozenComponentsArguments
     @property
     def per_device_generation_batch_size(self) -> int:
         """Samples each process generates per round."""
-        return self.generation_batch_size // self.world_size
+        return self.generation_batch_size // self.data_parallel_size
 
 
 SDE_TYPES = ("dance", "flow_grpo", "cps")

@@ -13,7 +13,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
@@ -27,6 +26,7 @@ from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
+from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
@@ -37,24 +37,6 @@ from .training_signal import TrainingSignal
 
 def _identity(rows: list[dict]) -> list[dict]:
     return rows
-
-
-def sampler_settings(args: RolloutConfig) -> SamplerSettings:
-    """The policy's sampler settings from a config (with the SDE's where the method samples with one)."""
-    return SamplerSettings(
-        num_inference_steps=args.num_inference_steps,
-        height=args.height,
-        width=args.width,
-        guidance_scale=args.guidance_scale,
-        sigma_schedule=args.sigma_schedule,
-        shift=args.shift,
-        max_sequence_length=args.max_sequence_length,
-        num_frames=args.num_frames,
-        negative_prompt=args.negative_prompt,
-        guidance_scale_2=args.guidance_scale_2,
-        train_expert=args.train_expert,
-        **args.sde_settings(),
-    )
 
 
 _GROUP = "__group__"  # an evaluation row's group (its prompt's index), for group-wise rewards
@@ -114,7 +96,7 @@ class RolloutTrainer(DiffusionTrainer):
             raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_funcs)} reward functions")
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         groupwise = [reward_name(f) for f in self.reward_funcs if getattr(f, "groupwise", False)]
-        local = args.generation_batch_size // args.world_size
+        local = args.per_device_generation_batch_size
         if groupwise and (local % args.num_generations or (args.rollout_batch_size or local) % args.num_generations):
             raise ValueError(
                 f"group-wise rewards {groupwise} score whole groups: each process's samples per round ({local}) and "
@@ -136,7 +118,7 @@ class RolloutTrainer(DiffusionTrainer):
             args.accelerator_config.dispatch_batches = False
             args.dataloader_num_workers = 0
 
-        policy = make_policy(load_pipeline(model, args, args.pipeline_class), sampler_settings(args))
+        policy = make_policy(load_pipeline(model, args, args.pipeline_class), SamplerSettings.from_config(args))
         if args.offload_frozen_expert and policy.frozen_expert is None:
             raise ValueError(
                 f"offload_frozen_expert applies to two-expert pipelines (Wan 2.2 A14B); {type(policy.pipeline).__name__} "
@@ -171,7 +153,7 @@ class RolloutTrainer(DiffusionTrainer):
         self._rollout: dict[str, Any] | None = None
         self._microbatches: list[Any] = []
         # Per process: which items are trained and the micro-batch order. Sampling noise is seeded per sample.
-        self._cpu_generator = torch.Generator().manual_seed(mix_seed(args.seed, self.accelerator.process_index))
+        self._cpu_generator = torch.Generator().manual_seed(mix_seed(args.seed, self.data_parallel.rank))
         self._reward_executor = ThreadPoolExecutor(1, "reward") if args.reward_worker_thread else None
         self._next_media_step = 0
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
@@ -244,6 +226,8 @@ class RolloutTrainer(DiffusionTrainer):
         if isinstance(dataset, IterableDataset):
             if args.max_steps <= 0:
                 raise ValueError("a streaming (Iterable) train_dataset has no length: set max_steps > 0")
+            if args.context_parallel_size > 1:
+                raise ValueError(STREAMING_WITH_CONTEXT_PARALLEL)
             return
         prompts_per_round = args.generation_batch_size // args.num_generations
         if len(dataset) < prompts_per_round:
@@ -280,9 +264,9 @@ class RolloutTrainer(DiffusionTrainer):
 
     def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler:
         # Every process draws the same global order (same seed); accelerate gives process p the p-th slice of each
-        # global generation batch. Groups are contiguous and may span processes: rewards are gathered before the
-        # advantages are computed.
-        return EpochSeededRepeatSampler(
+        # global generation batch (with context parallelism, the ranks of a group the same slice). Groups are
+        # contiguous and may span processes: rewards are gathered before the advantages are computed.
+        sampler = EpochSeededRepeatSampler(
             data_source=dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size // self.args.num_generations,
@@ -291,6 +275,10 @@ class RolloutTrainer(DiffusionTrainer):
             seed=self.args.seed,
             epoch=self._resume_epoch,
         )
+        if self.data_parallel.group == 1:
+            return sampler
+        dp = self.data_parallel
+        return GroupReplicatedSampler(sampler, self.args.per_device_generation_batch_size, dp.size, dp.group)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -393,7 +381,7 @@ class RolloutTrainer(DiffusionTrainer):
             [row["prompt"] for row in firsts], **{name: [row[name] for row in firsts] for name in conditions}
         )
 
-        first_index = self.accelerator.process_index * batch  # of this process's samples in the global batch
+        first_index = self.data_parallel.rank * batch  # of this process's samples in the global batch
         generators = sample_generators(args.seed, self._generation_round, first_index, batch)
         plan = self.rollout_plan()
         groups = None
@@ -431,15 +419,17 @@ class RolloutTrainer(DiffusionTrainer):
                     ],
                     self._reward_extra(),
                 )
+                if not self.data_parallel.is_group_leader:  # its group's first rank scores the same samples
+                    score = functools.partial(torch.zeros, len(prompts[part]), len(self.reward_funcs), device=device)
                 scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
         calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
-        all_rewards = self.accelerator.gather(rewards)  # (num_processes · B, F), in global sample order
+        all_rewards = self.data_parallel.gather(rewards)  # (num_processes · B, F), in global sample order
         for name, value in self.reward_metrics.flush(self.accelerator).items():
             self._metrics[name].append(torch.tensor(value))
         if all_rewards.isnan().all(dim=1).any():  # every process sees it: name the prompt (a collective, so here)
-            weighted_reward_sum(all_rewards, self.reward_weights, gather_object(prompts))
+            weighted_reward_sum(all_rewards, self.reward_weights, self.data_parallel.gather_object(prompts))
         total = weighted_reward_sum(all_rewards, self.reward_weights)
         all_advantages = self._advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
@@ -472,7 +462,7 @@ class RolloutTrainer(DiffusionTrainer):
             )
         if self.stat_tracker is not None:
             # Every process updates an identical tracker with the same global (prompt, reward) list.
-            return self.stat_tracker(gather_object(prompts), total, clip=args.adv_clip_max)
+            return self.stat_tracker(self.data_parallel.gather_object(prompts), total, clip=args.adv_clip_max)
         return group_advantages(
             total, args.num_generations, args.scale_rewards, args.advantage_epsilon, args.adv_clip_max
         )
@@ -507,7 +497,7 @@ class RolloutTrainer(DiffusionTrainer):
                 score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames, groups, extra)
             )
             first = (images.cpu(), prompts) if first is None else first
-        all_scores = self.accelerator.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
+        all_scores = self.data_parallel.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
         total = weighted_reward_sum(all_scores, self.reward_weights, [row["prompt"] for row in rows])
         metrics = {
             f"{metric_key_prefix}_reward": total.mean().item(),
@@ -594,4 +584,4 @@ class RolloutTrainer(DiffusionTrainer):
         self._rollout = None
 
 
-__all__ = ["RolloutTrainer", "sampler_settings"]
+__all__ = ["RolloutTrainer"]
