@@ -51,3 +51,38 @@ def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, t
         assert torch.equal(first["after"][name], second["after"][name]), name
         error = (first["after"][name] - one["after"][name]).abs().max().item()
         assert error <= 1e-3 * moved, (name, error, moved)
+
+
+def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
+    from trl_dance import DanceGRPOConfig
+    from trl_dance.policies import SamplerSettings, make_policy
+    from trl_dance.testing import TINY_PIPELINES
+    from trl_dance.trainer.context_parallel import check_context_parallel
+
+    values = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", "num_generations": 2}
+    with pytest.raises(ValueError, match=r"context_parallel_size \(2\) must divide the number of processes \(1\)"):
+        DanceGRPOConfig(**values, context_parallel_size=2)
+    with pytest.raises(ValueError, match="ring.*activation_checkpointing.*CheckpointError"):
+        DanceGRPOConfig(**values, context_parallel_size=2, context_parallel_type="ring", activation_checkpointing=True)
+    with pytest.raises(ValueError, match="context_parallel_type must be one of"):
+        DanceGRPOConfig(**values, context_parallel_type="zigzag")
+
+    def policy(kind, **settings):
+        values = {"num_inference_steps": 2, "height": 32, "width": 32, "max_sequence_length": 16, **settings}
+        return make_policy(TINY_PIPELINES[kind](0), SamplerSettings(**values))
+
+    with pytest.raises(ValueError, match="UNet2DConditionModel .* has no context-parallel plan"):
+        check_context_parallel(policy("sd"), 2, "ulysses")
+    with pytest.raises(
+        ValueError, match=r"image tokens: 81 tokens per sample do not split over context_parallel_size"
+    ):
+        check_context_parallel(policy("flux", height=36, width=36), 2, "ulysses")  # the tiny VAE scales by 2
+    with pytest.raises(
+        ValueError, match=r"splits the 2 attention heads of WanTransformer3DModel over context_parallel_size \(4\)"
+    ):
+        check_context_parallel(policy("wan", num_frames=5), 4, "ulysses")
+    with pytest.raises(ValueError, match="video tokens: 192 tokens .* num_frames/height/width"):
+        check_context_parallel(policy("wan", num_frames=5), 5, "ring")
+    with pytest.raises(ValueError, match="Qwen-Image under context parallelism is not verified"):
+        check_context_parallel(policy("qwen-image"), 2, "ulysses")
+    check_context_parallel(policy("wan", num_frames=5), 2, "ulysses")  # 192 video tokens, 2 heads: splits

@@ -32,7 +32,20 @@ STREAMING_WITH_CONTEXT_PARALLEL = (
 
 @dataclass
 class ContextParallelArguments:
-    """The context-parallel fields of every trainer's config (documented in :class:`~trl_dance.DanceGRPOConfig`)."""
+    r"""
+    The context-parallel fields of every trainer's config.
+
+    Parameters:
+        context_parallel_size (`int`, defaults to `1`): C, the processes that split one sample's token sequence; the
+            processes form (num_processes / C) data-parallel groups of C, each a *virtual process* (the batch sizes
+            per process count per group). Needs a transformer with a diffusers context-parallel plan (Wan 2.1/2.2,
+            FLUX.1, FLUX.1 Kontext) and a token count divisible by C (checked with the sizes that would fit), DDP
+            (not DeepSpeed or FSDP yet) and a map-style dataset.
+        context_parallel_type (`str`, defaults to `"ulysses"`): `"ulysses"`: an all-to-all over attention heads (the
+            head count must divide by C; the `native` attention backend runs it on any device); `"ring"`: keys and
+            values passed around the group (needs an attention backend returning the log-sum-exp, e.g. flash
+            attention on GPUs; not with activation checkpointing).
+    """
 
     context_parallel_size: int = field(
         default=1, metadata={"help": "Processes that split one sample's sequence (1: none)."}

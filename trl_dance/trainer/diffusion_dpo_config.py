@@ -66,6 +66,8 @@ class DiffusionDPOConfig(
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
         use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
+        context_parallel_size, context_parallel_type: split each sample's token sequence over groups of processes
+            (videos at full size), see [`~trl_dance.trainer.context_parallel.ContextParallelArguments`].
 
         > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
 

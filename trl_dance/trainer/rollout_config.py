@@ -119,6 +119,8 @@ class RolloutConfig(
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see
             [`~trl_dance.trainer.frozen_components.FrozenComponentsArguments`].
         use_ema, ema_decay: an EMA of the trained parameters, see [`~trl_dance.trainer.ema.EMAArguments`].
+        context_parallel_size, context_parallel_type: split each sample's token sequence over groups of processes
+            (videos at full size), see [`~trl_dance.trainer.context_parallel.ContextParallelArguments`].
     """
 
     min_generations = 2  # group statistics need two samples; a method without advantages lowers it
