@@ -25,13 +25,13 @@ model_dir, kind, result_dir, size, method, lora = sys.argv[1:7]
 torch.set_num_threads(1)
 peft = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]) if lora == "lora" else None
 video = {"num_frames": 5} if kind.startswith("wan") else {}
+# SGD, so that the weights compare the gradients: gradients of order 1e-9 sit at Adam's ε (1e-8), where its step turns
+# float summation-order differences (1e-7 relative) into 5e-3 of the step. The learning rates move them ~1e-2.
 if method == "dpo":  # pairs of the tiny model's own samples, brighter over darker
     args = DiffusionDPOConfig(
         output_dir=os.path.join(result_dir, "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         disable_tqdm=True, resolution=32, max_sequence_length=16, per_device_train_batch_size=2, max_steps=2,
         learning_rate=1e-2, logging_steps=1, seed=3, context_parallel_size=int(size), beta=100.0, **video,
-        # SGD: full fine-tuning's many gradients of order 1e-9 sit at Adam's ε (1e-8), where its step turns float
-        # summation-order differences (1e-7 relative) into 5e-3 of the step; SGD shows the gradients agree.
         optim="sgd",
     )  # fmt: skip
     trainer = DiffusionDPOTrainer(
@@ -40,12 +40,12 @@ if method == "dpo":  # pairs of the tiny model's own samples, brighter over dark
 common = dict(
     output_dir=os.path.join(result_dir, "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
     disable_tqdm=True, num_generations=2, generation_batch_size=2, num_inference_steps=4, height=32, width=32,
-    max_sequence_length=16, max_steps=4 if method == "grpo" else 2, learning_rate=1e-2, logging_steps=1, seed=3,
+    max_sequence_length=16, max_steps=2, learning_rate={"grpo": 100.0}.get(method, 1.0), optim="sgd", logging_steps=1, seed=3,
     context_parallel_size=int(size), activation_checkpointing=kind.startswith("wan"),
     **video,
 )  # fmt: skip
 if method == "grpo":
-    args = DanceGRPOConfig(**common, per_device_train_batch_size=3, timestep_fraction=1.0, eta=1.0, epsilon=0.5)
+    args = DanceGRPOConfig(**common, per_device_train_batch_size=2, timestep_fraction=0.6, eta=1.0, epsilon=0.5)
     trainer_class = DanceGRPOTrainer
 elif method == "nft":
     args = DiffusionNFTConfig(**common, per_device_train_batch_size=2, timestep_fraction=0.5)

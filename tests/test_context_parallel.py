@@ -28,12 +28,13 @@ def _launch(processes: int, model_dir: str, kind: str, folder, method: str, lora
 
 @pytest.mark.parametrize(
     ("kind", "method", "lora"),
-    [("wan", "grpo", "lora"), ("flux", "grpo", "full"), ("wan", "nft", "lora"), ("wan", "dpo", "full")],
+    # Wan 2.2 A14B's layout (two experts, both split), FLUX full fine-tuning, Wan 2.1 under NFT and DPO.
+    [("wan22", "grpo", "lora"), ("flux", "grpo", "full"), ("wan", "nft", "lora"), ("wan", "dpo", "full")],
 )
 def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, tmp_path, kind, method, lora):
     """Both ranks of the group hold bit-identical rollouts; they equal one process's, and after two optimizer updates
     the weights equal one process's within 1e-3 of how far they moved (Wan with activation checkpointing)."""
-    port = 29600 + 10 * ["wan", "flux"].index(kind) + ["grpo", "nft", "dpo"].index(method)
+    port = 29600 + 10 * ["wan", "flux", "wan22"].index(kind) + ["grpo", "nft", "dpo"].index(method)
     (one,) = _launch(1, tiny_model_dir(kind), kind, tmp_path / "one", method, lora, port)
     first, second = _launch(2, tiny_model_dir(kind), kind, tmp_path / "two", method, lora, port + 50)
     assert (one["world"], first["world"]) == (1, 2)
@@ -47,10 +48,12 @@ def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, t
             torch.testing.assert_close(b["log_probs"], a["log_probs"], atol=1e-5, rtol=1e-5)
     moved = max((one["after"][n] - one["before"][n]).abs().max().item() for n in one["before"])
     assert moved > 1e-4
+    errors = {}
     for name in one["before"]:
         assert torch.equal(first["after"][name], second["after"][name]), name
-        error = (first["after"][name] - one["after"][name]).abs().max().item()
-        assert error <= 1e-3 * moved, (name, error, moved)
+        errors[name] = (first["after"][name] - one["after"][name]).abs().max().item()
+    print(f"{kind} {method} {lora}: weights moved {moved:.3g}, largest difference {max(errors.values()):.3g}")
+    assert max(errors.values()) <= 1e-3 * moved, (max(errors, key=errors.get), errors, moved)
 
 
 def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
