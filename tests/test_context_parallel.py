@@ -12,31 +12,75 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "context_parallel_run.py")
 
 
-def _launch(processes: int, model_dir: str, kind: str, folder, method: str, lora: str, port: int) -> list[dict]:
+def _launch(
+    processes: int, model_dir: str, kind: str, folder, method: str, lora: str, port: int, machines: int = 1
+) -> list[dict]:
+    """Run the script on ``processes`` CPU processes: one machine, or ``machines`` "machines" on this host (one
+    ``accelerate launch --machine_rank r`` each, as a multi-node job starts them), all in one context-parallel group."""
     folder.mkdir()
-    launcher = ["--multi_gpu", "--num_processes", "2"] if processes == 2 else ["--num_processes", "1"]
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_machines", "1", "--mixed_precision",
-        "no", "--dynamo_backend", "no", "--main_process_port", str(port), SCRIPT, model_dir, kind, str(folder),
-        str(processes), method, lora,
-    ]  # fmt: skip
+    if processes == 1:
+        launchers = [["--num_processes", "1", "--num_machines", "1"]]
+    elif machines == 1:
+        launchers = [["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1"]]
+    else:
+        launchers = [
+            ["--multi_gpu", "--num_processes", str(processes), "--num_machines", str(machines), "--machine_rank",
+             str(rank), "--main_process_ip", "127.0.0.1"]
+            for rank in range(machines)
+        ]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    running = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                *launcher,
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                "--main_process_port",
+                str(port),
+                SCRIPT,
+                model_dir,
+                kind,
+                str(folder),
+                str(processes),
+                method,
+                lora,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for launcher in launchers
+    ]
+    for process in running:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-4000:]
     return [torch.load(folder / f"rank{r}.pt") for r in range(processes)]
 
 
 @pytest.mark.parametrize(
-    ("kind", "method", "lora"),
-    # Wan 2.2 A14B's layout (two experts, both split), FLUX full fine-tuning, Wan 2.1 under NFT and DPO.
-    [("wan22", "grpo", "lora"), ("flux", "grpo", "full"), ("wan", "nft", "lora"), ("wan", "dpo", "full")],
+    ("kind", "method", "lora", "machines"),
+    # Wan 2.2 A14B's layout (two experts, both split), FLUX full fine-tuning across two "machines", Wan 2.1 under NFT
+    # and DPO.
+    [
+        ("wan22", "grpo", "lora", 1),
+        ("flux", "grpo", "full", 2),
+        ("wan", "nft", "lora", 1),
+        ("wan", "dpo", "full", 1),
+    ],
 )
-def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, tmp_path, kind, method, lora):
+def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, tmp_path, kind, method, lora, machines):
     """Both ranks of the group hold bit-identical rollouts; they equal one process's, and after two optimizer updates
     the weights equal one process's within 1e-3 of how far they moved (Wan with activation checkpointing)."""
     port = 29600 + 10 * ["wan", "flux", "wan22"].index(kind) + ["grpo", "nft", "dpo"].index(method)
     (one,) = _launch(1, tiny_model_dir(kind), kind, tmp_path / "one", method, lora, port)
-    first, second = _launch(2, tiny_model_dir(kind), kind, tmp_path / "two", method, lora, port + 50)
+    first, second = _launch(2, tiny_model_dir(kind), kind, tmp_path / "two", method, lora, port + 50, machines)
     assert (one["world"], first["world"]) == (1, 2)
     assert [2 * n for n in first["tokens"]] == one["tokens"] == [2 * n for n in second["tokens"]]  # really split
     assert len(one["rounds"]) == len(first["rounds"]) == (0 if method == "dpo" else 2)
