@@ -133,3 +133,17 @@ def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
     with pytest.raises(ValueError, match="Qwen-Image under context parallelism is not verified"):
         check_context_parallel(policy("qwen-image"), 2, "ulysses")
     check_context_parallel(policy("wan", num_frames=5), 2, "ulysses")  # 192 video tokens, 2 heads: splits
+
+
+def test_memory_table_of_wan_14b_at_81_frames():
+    """The computed table the README shows: 32,760 tokens; LoRA's activations with checkpointing fall with the group
+    size, and full fine-tuning's 224 GB of float32 state needs sharding whatever the split."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from context_parallel_memory import table, wan14b_tokens
+
+    assert wan14b_tokens(81, 480, 832) == 21 * 30 * 52 == 32_760
+    rows = table(81, 480, 832, 64)
+    lora = [row for row in rows if row.startswith("| LoRA")]
+    totals = [float(row.split("|")[-2].split()[0]) for row in lora]
+    assert len(lora) == 4 and totals == sorted(totals, reverse=True) and totals[2] < 80 < totals[0] + 10
+    assert all("224.0 GB" in row for row in rows if row.startswith("| full"))

@@ -85,9 +85,11 @@ def test_shipped_configs_are_valid(name, tmp_path):
     }
     config_class = get_method(values["command"]).config_class  # every shipped recipe names its command
     training = {k: v for k, v in values.items() if k not in {*script_and_model_keys, "command"}}
-    # Validate the 8-GPU recipes as if on one process: a process's share of the generation batch stays the same.
+    # Validate the 8-GPU recipes as if on one process: a process's (or context-parallel group's) share of the
+    # generation batch stays the same.
+    groups = 8 // training.pop("context_parallel_size", 1)
     if not values.get("use_cpu") and "generation_batch_size" in training:
-        training["generation_batch_size"] //= 8
+        training["generation_batch_size"] //= groups
     training.update(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none")
     config = config_class(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
