@@ -11,7 +11,23 @@ and its neighbours), which picks the parametrisation:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class TimeDensity:
+    """How training times are drawn (diffusers' ``compute_density_for_timestep_sampling``): u ~ U(0, 1) (``"none"``),
+    sigmoid(N(logit_mean, logit_std)) (``"logit_normal"``) or the SD3 paper's ``"mode"`` density."""
+
+    scheme: str = "none"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+
+
+UNIFORM = TimeDensity()
 
 
 def per_sample(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

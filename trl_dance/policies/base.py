@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from diffusers import DiffusionPipeline
 
-from ..forward_process import add_noise, recover_clean
+from ..forward_process import UNIFORM, TimeDensity, add_noise, recover_clean
 from ..sde import Reduction, SDEStepOutput
 
 logger = logging.getLogger(__name__)
@@ -443,14 +443,11 @@ class DiffusionPolicy(ABC):
         count: int,
         generator: torch.Generator | None,
         device: torch.device | str,
-        weighting_scheme: str = "none",
-        logit_mean: float = 0.0,
-        logit_std: float = 1.0,
-        mode_scale: float = 1.29,
+        density: TimeDensity = UNIFORM,
     ) -> torch.Tensor:
         """(count,) float32 times at which the model was trained, as its training script draws them: flow models
-        u from diffusers' ``compute_density_for_timestep_sampling(weighting_scheme, ...)`` read on the model's own
-        training grid; ε/v models a uniform training timestep (they ignore ``weighting_scheme``)."""
+        u from ``density`` read on the model's own training grid; ε/v models a uniform training timestep (they ignore
+        ``density``)."""
         raise NotImplementedError(f"{type(self).__name__} does not define its forward process")
 
     def deterministic_step(

@@ -8,7 +8,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
-from ..forward_process import euler_step, flow_coefficients
+from ..forward_process import UNIFORM, TimeDensity, euler_step, flow_coefficients
 from ..schedulers import flow_match_sigmas
 from ..sde import SDEStepOutput, dance_sigmas, flow_dpm_solver_step, flow_sde_step
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
@@ -55,14 +55,12 @@ class FlowMatchingPolicy(DiffusionPolicy):
         count: int,
         generator: torch.Generator | None,
         device: torch.device | str,
-        weighting_scheme: str = "none",
-        logit_mean: float = 0.0,
-        logit_std: float = 1.0,
-        mode_scale: float = 1.29,
+        density: TimeDensity = UNIFORM,
     ) -> torch.Tensor:
         """σ = :meth:`training_sigmas` at ⌊u·T_train⌋, u from diffusers' density (so the pipeline's shift applies)."""
+        d = density
         u = compute_density_for_timestep_sampling(
-            weighting_scheme, count, logit_mean, logit_std, mode_scale, device, generator
+            d.scheme, count, d.logit_mean, d.logit_std, d.mode_scale, device, generator
         )
         grid = self._training_grid.to(u.device)
         return grid[(u * len(grid)).long().clamp_max(len(grid) - 1)]

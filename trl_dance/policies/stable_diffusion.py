@@ -6,7 +6,7 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..forward_process import per_sample, vp_coefficients
+from ..forward_process import UNIFORM, TimeDensity, per_sample, vp_coefficients
 from ..schedulers import ddim_alpha_pairs
 from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, diffusion_target, epsilon_and_x0
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
@@ -78,10 +78,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         count: int,
         generator: torch.Generator | None,
         device: torch.device | str,
-        weighting_scheme: str = "none",
-        logit_mean: float = 0.0,
-        logit_std: float = 1.0,
-        mode_scale: float = 1.29,
+        density: TimeDensity = UNIFORM,
     ) -> torch.Tensor:
         """A uniform training timestep in [0, T_train), as t = timestep / (T_train − 1) (DDPM's training)."""
         steps = self.scheduler.config.num_train_timesteps

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..forward_process import TimeDensity
 from ..losses import DPO_LOSS_TYPES, dpo_losses
 from ..policies import DiffusionPolicy
 
@@ -73,15 +74,12 @@ class PairDenoising:
 
     def __init__(self, policy: DiffusionPolicy, args: DPOLossArguments):
         self.policy, self.args = policy, args
+        self.density = TimeDensity(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale)
 
     def draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per pair a noise (P, ...) and a time (P,) of the forward process."""
         noise = torch.randn(shape, generator=generator, device=device)
-        args = self.args
-        time = self.policy.sample_training_times(
-            shape[0], generator, device, args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale
-        )
-        return noise, time
+        return noise, self.policy.sample_training_times(shape[0], generator, device, self.density)
 
     def draw_per_pair(self, shape: tuple[int, ...], generators: list[torch.Generator], device):
         """:meth:`draw` with pair ``b``'s noise and time from the CPU generator ``generators[b]`` (independent of
