@@ -24,7 +24,7 @@ from trl_dance.testing import tiny_preference_dataset
 model_dir, kind, result_dir, size, method, lora = sys.argv[1:7]
 torch.set_num_threads(1)
 peft = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]) if lora == "lora" else None
-video = {"num_frames": 5} if kind.startswith("wan") else {}
+video = {"num_frames": 5} if kind.startswith(("wan", "hunyuan")) else {}
 # SGD, so that the weights compare the gradients: gradients of order 1e-9 sit at Adam's ε (1e-8), where its step turns
 # float summation-order differences (1e-7 relative) into 5e-3 of the step. The learning rates move them ~1e-2.
 if method == "dpo":  # pairs of the tiny model's own samples, brighter over darker

@@ -70,6 +70,7 @@ def _launch(
     # and DPO.
     [
         ("wan22", "grpo", "lora", 1),
+        ("hunyuan-video", "grpo", "lora", 1),  # its plan is ours; the prompts are padded (masked) to 16 tokens
         ("flux", "grpo", "full", 2),
         ("wan", "nft", "lora", 1),
         ("wan", "dpo", "full", 1),
@@ -78,7 +79,7 @@ def _launch(
 def test_two_ranks_splitting_the_sequence_train_as_one_process(tiny_model_dir, tmp_path, kind, method, lora, machines):
     """Both ranks of the group hold bit-identical rollouts; they equal one process's, and after two optimizer updates
     the weights equal one process's within 1e-3 of how far they moved (Wan with activation checkpointing)."""
-    port = 29600 + 10 * ["wan", "flux", "wan22"].index(kind) + ["grpo", "nft", "dpo"].index(method)
+    port = 29600 + 10 * ["wan", "flux", "wan22", "hunyuan-video"].index(kind) + ["grpo", "nft", "dpo"].index(method)
     (one,) = _launch(1, tiny_model_dir(kind), kind, tmp_path / "one", method, lora, port)
     first, second = _launch(2, tiny_model_dir(kind), kind, tmp_path / "two", method, lora, port + 50, machines)
     assert (one["world"], first["world"]) == (1, 2)

@@ -352,6 +352,13 @@ class DiffusionPolicy(ABC):
         """What to change for :meth:`context_parallel_lengths` to divide (for errors)."""
         return "height/width"
 
+    def context_parallel_plan(self) -> dict | None:
+        """The diffusers context-parallel plan of the denoiser (None: the model class's own ``_cp_plan``)."""
+        return None
+
+    def prepare_context_parallel(self, model: torch.nn.Module, size: int) -> None:  # noqa: B027 (optional hook)
+        """Anything a family's plan cannot express, done to each split ``model`` after ``enable_parallelism``."""
+
     def combine_guidance(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         """CFG's combination of the two branches' outputs (B, ...): ``u + w (c − u)``; a family whose pipeline
         rescales it (Qwen-Image) overrides this."""

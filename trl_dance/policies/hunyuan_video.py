@@ -68,6 +68,53 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
         """The transformer's ``hidden_states`` for the policy's latents."""
         return latents
 
+    # Context parallelism: diffusers ships no plan for HunyuanVideo; this one splits the video tokens after the patch
+    # embedding, the text after the token refiner (which attends over the whole prompt first), the RoPE rows of the
+    # video tokens, and gathers after proj_out; each block's key mask is rebuilt for the gathered sequence.
+
+    def context_parallel_lengths(self) -> dict[str, int]:
+        config, pipeline, settings = self.denoiser.config, self.pipeline, self.settings
+        frames = ((settings.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1) // config.patch_size_t
+        spatial = pipeline.vae_scale_factor_spatial * config.patch_size
+        video = frames * (settings.height // spatial) * (settings.width // spatial)
+        return {"video tokens": video, "text tokens": settings.max_sequence_length}
+
+    def context_parallel_hint(self) -> str:
+        return "num_frames/height/width or max_sequence_length"
+
+    def context_parallel_plan(self) -> dict:
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        def split(dim: int, dims: int):
+            return ContextParallelInput(split_dim=dim, expected_dims=dims, split_output=True)
+
+        return {
+            "x_embedder": {0: split(1, 3)},
+            "context_embedder": {0: split(1, 3)},
+            "rope": {0: split(0, 2), 1: split(0, 2)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def prepare_context_parallel(self, model: torch.nn.Module, size: int) -> None:
+        """Rebuild every block's key mask for the sequence attention sees: under Ulysses each rank's (video, text)
+        slices are gathered rank after rank, so the mask is [1…1, text mask slice r] for r = 0…C − 1 (the transformer
+        builds it from its local lengths, which would mask the wrong keys: 1e-2 off with no error)."""
+        prompt_masks: list[torch.Tensor] = []
+
+        def capture(module, args, kwargs):
+            prompt_masks[:] = [kwargs["encoder_attention_mask"].bool()]  # (B, T) of the whole prompt
+
+        def rebuild(module, args, kwargs):
+            video, text = args[0].shape[1], args[1].shape[1]
+            mask = prompt_masks[0]
+            visible = torch.ones(mask.shape[0], video, dtype=torch.bool, device=mask.device)
+            parts = [part for r in range(size) for part in (visible, mask[:, r * text : (r + 1) * text])]
+            return (*args[:3], torch.cat(parts, dim=1)[:, None, None, :], *args[4:]), kwargs
+
+        model.register_forward_pre_hook(capture, with_kwargs=True)
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.register_forward_pre_hook(rebuild, with_kwargs=True)
+
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
         guidance = torch.full((latents.shape[0],), self.embedded_guidance * 1000.0, device=latents.device)

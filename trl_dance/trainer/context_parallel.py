@@ -38,8 +38,8 @@ class ContextParallelArguments:
     Parameters:
         context_parallel_size (`int`, defaults to `1`): C, the processes that split one sample's token sequence; the
             processes form (num_processes / C) data-parallel groups of C, each a *virtual process* (the batch sizes
-            per process count per group). Needs a transformer with a diffusers context-parallel plan (Wan 2.1/2.2,
-            FLUX.1, FLUX.1 Kontext) and a token count divisible by C (checked with the sizes that would fit), DDP
+            per process count per group). Needs a transformer with a context-parallel plan (Wan 2.1/2.2, FLUX.1,
+            FLUX.1 Kontext: diffusers'; HunyuanVideo: trl-dance's) and a token count divisible by C (checked with the sizes that would fit), DDP
             (not DeepSpeed or FSDP yet) and a map-style dataset.
         context_parallel_type (`str`, defaults to `"ulysses"`): `"ulysses"`: an all-to-all over attention heads (the
             head count must divide by C; the `native` attention backend runs it on any device); `"ring"`: keys and
@@ -168,10 +168,10 @@ def check_context_parallel(policy, size: int, kind: str) -> None:
     """Raise ``ValueError``, before any model work, if ``policy``'s denoiser cannot split its sequence over ``size``
     ranks: no diffusers plan for the family, heads (Ulysses) or split token counts not divisible by ``size``."""
     denoiser, name = policy.denoiser, type(policy.denoiser).__name__
-    if getattr(type(denoiser), "_cp_plan", None) is None:
+    if policy.context_parallel_plan() is None and getattr(type(denoiser), "_cp_plan", None) is None:
         raise ValueError(
             f"{name} ({type(policy.pipeline).__name__}) has no context-parallel plan in diffusers; context parallelism "
-            "runs on Wan 2.1/2.2, FLUX.1/Kontext and Qwen-Image transformers: set context_parallel_size 1"
+            "runs on Wan 2.1/2.2, HunyuanVideo and FLUX.1/Kontext transformers: set context_parallel_size 1"
         )
     heads = denoiser.config.get("num_attention_heads")
     if kind == "ulysses" and heads is not None and heads % size:
@@ -192,9 +192,10 @@ def check_context_parallel(policy, size: int, kind: str) -> None:
             )
 
 
-def enable_context_parallel(models: list[torch.nn.Module], size: int, kind: str, device: torch.device) -> None:
+def enable_context_parallel(policy, models: list[torch.nn.Module], size: int, kind: str, device: torch.device) -> None:
     """Split the sequence of every model in ``models`` (the trained denoiser, a frozen expert, a reference copy) over
-    context-parallel groups of ``size`` ranks with diffusers' plan, on a ("dp", "ring", "ulysses") mesh."""
+    context-parallel groups of ``size`` ranks with the policy's plan (default diffusers'), on a ("dp", "ring",
+    "ulysses") mesh."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -206,4 +207,7 @@ def enable_context_parallel(models: list[torch.nn.Module], size: int, kind: str,
     count = torch.accelerator.device_count() if device.type != "cpu" else 1
     with mock.patch.object(torch.accelerator, "device_count", lambda: count):
         for model in models:
-            model.enable_parallelism(config=ContextParallelConfig(mesh=mesh, **degrees))
+            model.enable_parallelism(
+                config=ContextParallelConfig(mesh=mesh, **degrees), cp_plan=policy.context_parallel_plan()
+            )
+            policy.prepare_context_parallel(model, size)

@@ -202,7 +202,11 @@ class DiffusionTrainer(_BaseTrainer):
             check_context_parallel(policy, args.context_parallel_size, args.context_parallel_type)
             copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
             enable_context_parallel(
-                [denoiser, *copies], args.context_parallel_size, args.context_parallel_type, self.accelerator.device
+                policy,
+                [denoiser, *copies],
+                args.context_parallel_size,
+                args.context_parallel_type,
+                self.accelerator.device,
             )
             policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
