@@ -1,7 +1,9 @@
-"""Run by tests/test_context_parallel.py under `accelerate launch` (1 or 2 CPU processes): a few rounds of a tiny
-trainer with `context_parallel_size` = argv[4] (all processes in one group), recording each round's rollout latents
-and log-probabilities and the trained weights of this rank to argv[3]/rank<r>.pt. Ends with a barrier and os._exit(0):
-a 2-D mesh with a size-1 dimension makes about a third of clean gloo exits abort after the results are written."""
+"""Run by tests/test_context_parallel.py under `accelerate launch` (1 or 2 CPU processes): for each case
+"KIND:METHOD:LORA:MODEL_DIR" in argv[3:], a few optimizer updates of a tiny trainer with `context_parallel_size` =
+argv[2] (all processes in one group), recording each round's rollout latents and log-probabilities, the trained
+weights and the token count the output projection sees on this rank to argv[1]/<case>-rank<r>.pt. Several cases share
+one launch (a launch costs more than a tiny case). Ends with a barrier and os._exit(0): a 2-D mesh with a size-1
+dimension makes about a third of clean gloo exits abort after the results are written."""
 
 import os
 import sys
@@ -21,64 +23,75 @@ from trl_dance import (
 )
 from trl_dance.testing import tiny_preference_dataset
 
-model_dir, kind, result_dir, size, method, lora = sys.argv[1:7]
+result_dir, size, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 torch.set_num_threads(1)
-peft = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]) if lora == "lora" else None
-video = {"num_frames": 5} if kind.startswith(("wan", "hunyuan")) else {}
-# SGD, so that the weights compare the gradients: gradients of order 1e-9 sit at Adam's ε (1e-8), where its step turns
-# float summation-order differences (1e-7 relative) into 5e-3 of the step. The learning rates move them ~1e-2.
-if method == "dpo":  # pairs of the tiny model's own samples, brighter over darker
-    args = DiffusionDPOConfig(
-        output_dir=os.path.join(result_dir, "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        disable_tqdm=True, resolution=32, max_sequence_length=16, per_device_train_batch_size=2, max_steps=2,
-        learning_rate=1e-2, logging_steps=1, seed=3, context_parallel_size=int(size), beta=100.0, **video,
-        optim="sgd",
-    )  # fmt: skip
-    trainer = DiffusionDPOTrainer(
-        model_dir, args=args, train_dataset=tiny_preference_dataset(kind, 4), peft_config=peft
+
+
+def build(kind: str, method: str, lora: str, model_dir: str, output_dir: str):
+    """The case's trainer. SGD, so that the weights compare the gradients: gradients of order 1e-9 sit at Adam's ε
+    (1e-8), where its step turns float summation-order differences (1e-7 relative) into 5e-3 of the step. The
+    learning rates move the weights by 1e-3 to 1."""
+    peft = (
+        LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]) if lora == "lora" else None
     )
-common = dict(
-    output_dir=os.path.join(result_dir, "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-    disable_tqdm=True, num_generations=2, generation_batch_size=2, num_inference_steps=4, height=32, width=32,
-    max_sequence_length=16, max_steps=2, learning_rate={"grpo": 100.0}.get(method, 1.0), optim="sgd", logging_steps=1, seed=3,
-    context_parallel_size=int(size), activation_checkpointing=kind.startswith("wan"),
-    **video,
-)  # fmt: skip
-if method == "grpo":
-    args = DanceGRPOConfig(**common, per_device_train_batch_size=2, timestep_fraction=0.6, eta=1.0, epsilon=0.5)
-    trainer_class = DanceGRPOTrainer
-elif method == "nft":
-    args = DiffusionNFTConfig(**common, per_device_train_batch_size=2, timestep_fraction=0.5)
-    trainer_class = DiffusionNFTTrainer
-if method != "dpo":
-    dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
-    trainer = trainer_class(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=peft)
-rounds, original = [], getattr(trainer, "_plan_round", None)
+    video = {"num_frames": 5} if kind.startswith(("wan", "hunyuan")) else {}
+    base = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+        max_sequence_length=16, max_steps=2, optim="sgd", logging_steps=1, seed=3, context_parallel_size=size,
+        **video,
+    )  # fmt: skip
+    if method == "dpo":  # pairs of the tiny model's own samples, brighter over darker
+        args = DiffusionDPOConfig(**base, resolution=32, per_device_train_batch_size=2, learning_rate=1e-2, beta=100.0)
+        return DiffusionDPOTrainer(
+            model_dir, args=args, train_dataset=tiny_preference_dataset(kind, 4), peft_config=peft
+        )
+    online = {
+        "num_generations": 2, "generation_batch_size": 2, "num_inference_steps": 4, "height": 32, "width": 32,
+        "activation_checkpointing": kind.startswith("wan"),
+    }  # fmt: skip
+    if method == "grpo":
+        args = DanceGRPOConfig(
+            **base, **online, learning_rate=100.0, per_device_train_batch_size=2, timestep_fraction=0.6, eta=1.0,
+            epsilon=0.5,
+        )  # fmt: skip
+        trainer_class = DanceGRPOTrainer
+    else:
+        args = DiffusionNFTConfig(
+            **base, **online, learning_rate=1.0, per_device_train_batch_size=2, timestep_fraction=0.5
+        )
+        trainer_class = DiffusionNFTTrainer
+    prompts = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+    return trainer_class(model_dir, "brightness", args=args, train_dataset=prompts, peft_config=peft)
 
 
-def recording(rollout, plan, advantages):
-    rounds.append({"latents": rollout["latents"].clone(), "log_probs": rollout.get("log_probs"),
-                   "advantages": advantages.clone()})  # fmt: skip
-    return original(rollout, plan, advantages)
+for case in cases:
+    kind, method, lora, model_dir = case.split(":", 3)
+    name = f"{kind}-{method}-{lora}"
+    trainer = build(kind, method, lora, model_dir, os.path.join(result_dir, name))
+    rounds = []
+    if method != "dpo":
+        original = trainer._plan_round
 
+        def recording(rollout, plan, advantages, original=original, rounds=rounds):
+            rounds.append({"latents": rollout["latents"].clone(), "log_probs": rollout.get("log_probs"),
+                           "advantages": advantages.clone()})  # fmt: skip
+            return original(rollout, plan, advantages)
 
-trainer._plan_round = recording
-# The tokens the output projection sees (diffusers gathers after it): half the sequence on each rank when split.
-block = trainer.model.proj_out
-lengths = []
-block.register_forward_pre_hook(
-    lambda module, args, kwargs: lengths.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
-    with_kwargs=True,
-)
-before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
-trainer.train()
-after = {name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-rank = trainer.accelerator.process_index
-torch.save(
-    {"rounds": rounds, "before": before, "after": {name: after[name] for name in before},
-     "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths))},
-    os.path.join(result_dir, f"rank{rank}.pt"),
-)  # fmt: skip
+        trainer._plan_round = recording
+    # The tokens the output projection sees (diffusers gathers after it): half the sequence on each rank when split.
+    lengths = []
+    trainer.model.proj_out.register_forward_pre_hook(
+        lambda module, args, lengths=lengths: lengths.append(args[0].shape[1])
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    rank = trainer.accelerator.process_index
+    torch.save(
+        {"rounds": rounds, "before": before, "after": {n: after[n].detach().clone() for n in before},
+         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths))},
+        os.path.join(result_dir, f"{name}-rank{rank}.pt"),
+    )  # fmt: skip
 if dist.is_initialized():
     dist.barrier()
 sys.stdout.flush()
