@@ -26,6 +26,19 @@ def clipped_fraction(
     return (((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + high) & (advantages > 0))).float()
 
 
+def dppo_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-DPPO's objective, negated: ``−A·ρ·keep`` per transition (B,), and ``keep`` (B,) as 0/1 floats.
+
+    ``keep`` is 0 where the transition left the trust region (``kl`` ≥ ``threshold``, the exact KL of the old and new
+    step Gaussians) *in the direction its advantage pushes* (ρ > 1 with A > 0, or ρ < 1 with A < 0): there the gradient
+    stops, as PPO's clip stops it outside [1 − ε, 1 + ε]; a step back toward the old policy keeps its gradient."""
+    further = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))
+    keep = (~((kl >= threshold) & further)).to(ratio.dtype)
+    return -advantages * ratio * keep, keep
+
+
 def normalized_log_ratio(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,

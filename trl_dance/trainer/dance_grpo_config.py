@@ -63,6 +63,15 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
 
         > Optimization
 
+        trust_region (`str`, defaults to `"clip"`): How updates stay near the rollout policy. `"clip"`: PPO's ratio clip
+            with `epsilon`. `"dppo"`: Flow-DPPO's (arXiv 2606.11025) exact trust region: per transition the KL of the
+            two step Gaussians, mean((μ_old − μ_θ)²)/(2·std²) over the latent, with μ_old stored at rollout; the
+            loss is mean(−A·ρ·keep) with keep = 0 only where that KL ≥ `dppo_kl_threshold` *and* the update went
+            further the advantage's way (ρ > 1 with A > 0, or ρ < 1 with A < 0). Meant for several updates per round
+            (`gradient_accumulation_steps` < a round's micro-batches, or `num_iterations` > 1), where ratio clipping
+            degrades. Composes with windows, branching, `ratio_normalization` (ρ) and `step_reweighting`.
+        dppo_kl_threshold (`float`, defaults to `1e-6`): τ of `trust_region="dppo"` (Flow-DPPO's default), in nats
+            per latent element.
         epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio (its lower bound, 1 − epsilon).
         epsilon_high (`float` or `None`, defaults to `None`): Upper clip bound 1 + epsilon_high (asymmetric clip, as in
             TRL); `None`: `epsilon`.
@@ -124,6 +133,10 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
     epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (None: epsilon)."})
     ratio_normalization: bool = field(default=False, metadata={"help": "GRPO-Guard ratio normalisation."})
+    trust_region: str = field(
+        default="clip", metadata={"help": "clip (PPO) | dppo (Flow-DPPO's KL mask).", "choices": ["clip", "dppo"]}
+    )
+    dppo_kl_threshold: float = field(default=1e-6, metadata={"help": "Flow-DPPO's KL threshold τ (nats/element)."})
     step_reweighting: bool = field(default=False, metadata={"help": "GRPO-Guard 1/Δσ step reweighting."})
     kl_scaling: str = field(
         default="gaussian",
@@ -150,6 +163,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
         _choice("timestep_selection", self.timestep_selection, ("random", "first", "last"))
+        _choice("trust_region", self.trust_region, ("clip", "dppo"))
+        if not (self.dppo_kl_threshold > 0 and math.isfinite(self.dppo_kl_threshold)):
+            raise ValueError(f"dppo_kl_threshold must be a positive number, got {self.dppo_kl_threshold}")
         if self.timestep_fraction is None:
             self.timestep_fraction = 0.6 if self.sde_window_size is None else 1.0
         if not 0 < self.timestep_fraction <= 1:
