@@ -142,6 +142,8 @@ def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
         check_context_parallel(policy("wan", num_frames=5), 4, "ulysses")
     with pytest.raises(ValueError, match="video tokens: 192 tokens .* num_frames/height/width"):
         check_context_parallel(policy("wan", num_frames=5), 5, "ring")
+    with pytest.raises(ValueError, match="'ring' with HunyuanVideoTransformer3DModel: its attention masks the padded"):
+        check_context_parallel(policy("hunyuan-video", num_frames=5), 2, "ring")
     with pytest.raises(ValueError, match="Qwen-Image under context parallelism is not verified"):
         check_context_parallel(policy("qwen-image"), 2, "ulysses")
     check_context_parallel(policy("wan", num_frames=5), 2, "ulysses")  # 192 video tokens, 2 heads: splits

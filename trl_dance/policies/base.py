@@ -352,6 +352,10 @@ class DiffusionPolicy(ABC):
         """What to change for :meth:`context_parallel_lengths` to divide (for errors)."""
         return "height/width"
 
+    masks_text: bool = False
+    """Whether the denoiser's attention masks padded text tokens (HunyuanVideo, Qwen-Image): ring attention reuses each
+    rank's key mask for the other ranks' keys, so context parallelism must be Ulysses."""
+
     def context_parallel_plan(self) -> dict | None:
         """The diffusers context-parallel plan of the denoiser (None: the model class's own ``_cp_plan``)."""
         return None

@@ -24,6 +24,7 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
 
     supports_cfg = False
     is_video = True
+    masks_text = True
     default_num_frames = 129
     """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
 

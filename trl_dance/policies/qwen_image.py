@@ -21,6 +21,8 @@ class QwenImagePolicy(FluxPolicy):
     different batches stacks.
     """
 
+    masks_text = True
+
     def context_parallel_lengths(self) -> dict[str, int]:
         raise NotImplementedError(
             "Qwen-Image under context parallelism is not verified yet (its padded text needs a joint attention mask "

@@ -173,6 +173,11 @@ def check_context_parallel(policy, size: int, kind: str) -> None:
             f"{name} ({type(policy.pipeline).__name__}) has no context-parallel plan in diffusers; context parallelism "
             "runs on Wan 2.1/2.2, HunyuanVideo and FLUX.1/Kontext transformers: set context_parallel_size 1"
         )
+    if kind == "ring" and policy.masks_text:
+        raise ValueError(
+            f"context_parallel_type='ring' with {name}: its attention masks the padded prompt tokens, and diffusers' "
+            "ring attention applies each rank's key mask to the other ranks' keys (silently wrong): use 'ulysses'"
+        )
     heads = denoiser.config.get("num_attention_heads")
     if kind == "ulysses" and heads is not None and heads % size:
         raise ValueError(
