@@ -20,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_accelerate_config_names_and_files(tmp_path):
     shipped = accelerate_configs()
-    assert sorted(shipped) == ["ddp", "fsdp2", "zero2", "zero3"] and all(map(os.path.isfile, shipped.values()))
+    assert sorted(shipped) == ["ddp", "fsdp2", "multinode", "zero2", "zero3"] and all(
+        map(os.path.isfile, shipped.values())
+    )
     assert resolve_accelerate_config(["--num_processes", "2", "--accelerate_config", "zero2"]) == [
         "--config_file", shipped["zero2"], "--num_processes", "2",
     ]  # fmt: skip
@@ -28,7 +30,7 @@ def test_accelerate_config_names_and_files(tmp_path):
     own.write_text("distributed_type: NO\n")
     assert resolve_accelerate_config(["--accelerate_config", str(own)]) == ["--config_file", str(own)]
     with pytest.raises(
-        ValueError, match=r"'zero4' is neither a file nor a shipped config \(ddp, fsdp2, zero2, zero3\)"
+        ValueError, match=r"'zero4' is neither a file nor a shipped config \(ddp, fsdp2, multinode, zero2, zero3\)"
     ):
         resolve_accelerate_config(["--accelerate_config", "zero4"])
     assert main(["unknown"]) == 2 and main([]) == 0

@@ -1,6 +1,6 @@
 """The ``trl-dance`` command.
 
-    trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|PATH] [accelerate launch options]
+    trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|multinode|PATH] [accelerate launch options]
     trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
     trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
     trl-dance online-dpo --config FILE.yaml [...]    online Diffusion-DPO from AI feedback
@@ -33,7 +33,7 @@ OTHER_COMMANDS = {
 
 
 def accelerate_configs() -> dict[str, str]:
-    """The shipped accelerate configs by name (ddp, zero2, zero3, fsdp2) and their paths."""
+    """The shipped accelerate configs by name (ddp, zero2, zero3, fsdp2, multinode) and their paths."""
     folder = importlib.resources.files("trl_dance") / "accelerate_configs"
     return {entry.name.removesuffix(".yaml"): str(entry) for entry in folder.iterdir() if entry.name.endswith(".yaml")}
 
