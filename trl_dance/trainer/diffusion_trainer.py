@@ -164,6 +164,8 @@ class DiffusionTrainer(_BaseTrainer):
     ):
         self.policy = policy
         denoiser = policy.denoiser
+        if args.context_parallel_size > 1:  # before any model work: the family's plan, heads and token counts
+            check_context_parallel(policy, args.context_parallel_size, args.context_parallel_type)
         # The Trainer seeds in its __init__; seeding here too makes the adapter's random initialisation reproducible.
         set_seed(args.seed)
         if peft_config is not None:
@@ -199,7 +201,6 @@ class DiffusionTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         if args.context_parallel_size > 1:
-            check_context_parallel(policy, args.context_parallel_size, args.context_parallel_type)
             copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
             enable_context_parallel(
                 policy,
