@@ -85,11 +85,14 @@ for case in cases:
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
-    after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    after = {  # FSDP2 holds each parameter as a shard of a DTensor
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p
+        for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+    }
     rank = trainer.accelerator.process_index
     torch.save(
         {"rounds": rounds, "before": before, "after": {n: after[n].detach().clone() for n in before},
-         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths))},
+         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "fsdp": trainer.is_fsdp_enabled},
         os.path.join(result_dir, f"{name}-rank{rank}.pt"),
     )  # fmt: skip
 if dist.is_initialized():

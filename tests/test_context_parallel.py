@@ -23,9 +23,12 @@ CASES = [
 PORT = int(os.environ.get("TRL_DANCE_TEST_PORT", "29600"))
 
 
-def _launch(processes: int, folder, cases: list[tuple[str, str, str, str]], port: int, machines: int = 1) -> dict:
+def _launch(
+    processes: int, folder, cases: list[tuple[str, str, str, str]], port: int, machines: int = 1, fsdp: bool = False
+) -> dict:
     """Run the script on ``processes`` CPU processes: one machine, or ``machines`` "machines" on this host (one
-    ``accelerate launch --machine_rank r`` each, as a multi-node job starts them), all in one context-parallel group.
+    ``accelerate launch --machine_rank r`` each, as a multi-node job starts them), all in one context-parallel group;
+    with ``fsdp``, under the shipped FSDP2 config (tests/fsdp_on_cpu.py lifts accelerate's accelerator-only check).
     Returns each case's per-rank results."""
     folder.mkdir()
     if processes == 1:
@@ -39,7 +42,12 @@ def _launch(processes: int, folder, cases: list[tuple[str, str, str, str]], port
             for rank in range(machines)
         ]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if fsdp:
+        config = os.path.join(ROOT, "trl_dance", "accelerate_configs", "fsdp2.yaml")
+        launchers = [["--config_file", config, "--num_processes", str(processes)]]
+        env.pop("ACCELERATE_USE_CPU")
     specs = [":".join(case) for case in cases]
+    shim = [os.path.join(ROOT, "tests", "fsdp_on_cpu.py")] if fsdp else []
     running = [
         subprocess.Popen(
             [
@@ -53,6 +61,7 @@ def _launch(processes: int, folder, cases: list[tuple[str, str, str, str]], port
                 "no",
                 "--main_process_port",
                 str(port),
+                *shim,
                 SCRIPT,
                 str(folder),
                 str(processes),
@@ -110,6 +119,12 @@ def test_two_machines_splitting_the_sequence_train_as_one_process(tiny_model_dir
     one = _launch(1, tmp_path / "one", cases, PORT + 2)
     two = _launch(2, tmp_path / "two", cases, PORT + 3, machines=2)
     _assert_same_training(CASES[-1], one[CASES[-1]][0], *two[CASES[-1]])
+
+
+def test_fsdp2_with_context_parallelism_is_refused(tiny_model_dir, tmp_path):
+    case = ("wan", "grpo", "full")
+    with pytest.raises(AssertionError, match="FSDP with context parallelism is not supported yet"):
+        _launch(2, tmp_path / "two", [(*case, tiny_model_dir("wan"))], PORT + 5, fsdp=True)
 
 
 def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):

@@ -32,7 +32,12 @@ from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
-from .context_parallel import DataParallel, check_context_parallel, enable_context_parallel
+from .context_parallel import (
+    SHARDING_WITH_CONTEXT_PARALLEL,
+    DataParallel,
+    check_context_parallel,
+    enable_context_parallel,
+)
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
 
@@ -201,6 +206,10 @@ class DiffusionTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         if args.context_parallel_size > 1:
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+                raise ValueError(
+                    SHARDING_WITH_CONTEXT_PARALLEL.format("DeepSpeed" if self.is_deepspeed_enabled else "FSDP")
+                )
             copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
             enable_context_parallel(
                 policy,
