@@ -39,8 +39,8 @@ class ContextParallelArguments:
         context_parallel_size (`int`, defaults to `1`): C, the processes that split one sample's token sequence; the
             processes form (num_processes / C) data-parallel groups of C, each a *virtual process* (the batch sizes
             per process count per group). Needs a transformer with a context-parallel plan (Wan 2.1/2.2, FLUX.1,
-            FLUX.1 Kontext: diffusers'; HunyuanVideo: trl-dance's) and a token count divisible by C (checked with the sizes that would fit), DDP
-            (not DeepSpeed or FSDP yet) and a map-style dataset.
+            FLUX.1 Kontext: diffusers'; HunyuanVideo: trl-dance's), a token count divisible by C (checked, naming
+            sizes that would fit), DDP (not DeepSpeed or FSDP yet) and a map-style dataset.
         context_parallel_type (`str`, defaults to `"ulysses"`): `"ulysses"`: an all-to-all over attention heads (the
             head count must divide by C; the `native` attention backend runs it on any device); `"ring"`: keys and
             values passed around the group (needs an attention backend returning the log-sum-exp, e.g. flash
