@@ -24,10 +24,9 @@ class QwenImagePolicy(FluxPolicy):
     masks_text = True
 
     def context_parallel_lengths(self) -> dict[str, int]:
-        raise NotImplementedError(
-            "Qwen-Image under context parallelism is not verified yet (its padded text needs a joint attention mask "
-            "across the split)"
-        )
+        # diffusers' plan splits image and text tokens and each block's text mask (checked against one process).
+        h, w = self._latent_hw
+        return {"image tokens": (h // 2) * (w // 2), "text tokens": self.settings.max_sequence_length}
 
     supports_cfg = True
 
