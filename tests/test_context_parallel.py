@@ -18,6 +18,7 @@ CASES = [
     ("hunyuan-video", "grpo", "lora"),  # its plan is ours; the prompts are padded (masked) to 16 tokens
     ("wan", "nft", "lora"),
     ("qwen-image", "grpo", "lora"),  # diffusers' plan, prompts padded under its joint mask
+    ("flux2", "grpo", "lora"),
     ("wan", "dpo", "full"),
     ("flux", "grpo", "full"),  # across two launched "machines" (its own test)
 ]
@@ -160,8 +161,6 @@ def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
         check_context_parallel(policy("wan", num_frames=5), 5, "ring")
     with pytest.raises(ValueError, match="'ring' with HunyuanVideoTransformer3DModel: its attention masks the padded"):
         check_context_parallel(policy("hunyuan-video", num_frames=5), 2, "ring")
-    with pytest.raises(ValueError, match="FLUX.2 under context parallelism is not verified"):
-        check_context_parallel(policy("flux2"), 2, "ulysses")
     check_context_parallel(policy("wan", num_frames=5), 2, "ulysses")  # 192 video tokens, 2 heads: splits
 
 

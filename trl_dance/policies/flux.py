@@ -166,9 +166,6 @@ class Flux2Policy(FluxPolicy):
     guidance-distilled); the prompt embeddings are padded to ``max_sequence_length`` as the pipeline pads them.
     """
 
-    def context_parallel_lengths(self) -> dict[str, int]:
-        raise NotImplementedError("FLUX.2 under context parallelism is not verified against one process yet")
-
     def __init__(self, pipeline, settings):
         super().__init__(pipeline, settings)
         self._ids: dict[tuple, torch.Tensor] = {}

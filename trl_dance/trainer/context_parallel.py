@@ -39,8 +39,8 @@ class ContextParallelArguments:
         context_parallel_size (`int`, defaults to `1`): C, the processes that split one sample's token sequence; the
             processes form (num_processes / C) data-parallel groups of C, each a *virtual process* (the batch sizes
             per process count per group). Needs a transformer with a context-parallel plan (Wan 2.1/2.2, FLUX.1,
-            FLUX.1 Kontext, Qwen-Image: diffusers'; HunyuanVideo: trl-dance's), a token count divisible by C (checked, naming
-            sizes that would fit), DDP (not DeepSpeed or FSDP yet) and a map-style dataset.
+            FLUX.1 Kontext, FLUX.2, Qwen-Image: diffusers'; HunyuanVideo: trl-dance's), a token count divisible by C
+            (checked, naming sizes that would fit), DDP (not DeepSpeed or FSDP yet) and a map-style dataset.
         context_parallel_type (`str`, defaults to `"ulysses"`): `"ulysses"`: an all-to-all over attention heads (the
             head count must divide by C; the `native` attention backend runs it on any device); `"ring"`: keys and
             values passed around the group (needs an attention backend returning the log-sum-exp, e.g. flash
@@ -173,7 +173,8 @@ def check_context_parallel(policy, size: int, kind: str) -> None:
     if policy.context_parallel_plan() is None and getattr(type(denoiser), "_cp_plan", None) is None:
         raise ValueError(
             f"{name} ({type(policy.pipeline).__name__}) has no context-parallel plan in diffusers; context parallelism "
-            "runs on Wan 2.1/2.2, HunyuanVideo, FLUX.1/Kontext and Qwen-Image transformers: set context_parallel_size 1"
+            "runs on Wan 2.1/2.2, HunyuanVideo, FLUX.1/Kontext, FLUX.2 and Qwen-Image transformers: set "
+            "context_parallel_size 1"
         )
     if kind == "ring" and policy.masks_text:
         raise ValueError(
