@@ -100,7 +100,9 @@ def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(t
     direction = torch.randn(weight.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
     def loss():
-        clean = trainer.clean_latents(model, trainer.renoise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond)
+        clean = trainer.clean_latents(
+            model, trainer.policy.add_noise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond
+        )
         reward = trainer.item_rewards(trainer.decode(clean), PROMPTS[:2], inversion, position)
         return torch.relu(2.0 - reward).sum()
 

@@ -104,6 +104,10 @@ class DiffusionPolicy(ABC):
     """Per-sample conditioning that a training batch of real images supplies (SDXL: ``time_ids``, each image's size and
     crop); preference collators produce them."""
 
+    masks_text: bool = False
+    """Whether the denoiser's attention masks padded text tokens (HunyuanVideo, Qwen-Image): ring attention reuses each
+    rank's key mask for the other ranks' keys, so context parallelism must be Ulysses."""
+
     pipeline_tag: str | None = None
     """The Hub task of the trained model (model cards): ``"text-to-image"``/``"text-to-video"`` unless set."""
 
@@ -351,10 +355,6 @@ class DiffusionPolicy(ABC):
     def context_parallel_hint(self) -> str:
         """What to change for :meth:`context_parallel_lengths` to divide (for errors)."""
         return "height/width"
-
-    masks_text: bool = False
-    """Whether the denoiser's attention masks padded text tokens (HunyuanVideo, Qwen-Image): ring attention reuses each
-    rank's key mask for the other ranks' keys, so context parallelism must be Ulysses."""
 
     def context_parallel_plan(self) -> dict | None:
         """The diffusers context-parallel plan of the denoiser (None: the model class's own ``_cp_plan``)."""

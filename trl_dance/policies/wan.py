@@ -3,6 +3,8 @@ loss."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
@@ -48,7 +50,8 @@ class WanPolicy(FlowMatchingPolicy):
         temporal = pipeline.vae_scale_factor_temporal
         # The transformer's rotary tables cover rope_max_seq_len patches per axis (1024 in Wan; less in small models).
         config = pipeline.transformer.config
-        patches = (
+        # Latent patches along (frames, height, width): the transformer's token grid.
+        self._patches = patches = (
             ((settings.num_frames - 1) // temporal + 1) // config.patch_size[0],
             settings.height // pipeline.vae_scale_factor_spatial // config.patch_size[1],
             settings.width // pipeline.vae_scale_factor_spatial // config.patch_size[2],
@@ -115,13 +118,7 @@ class WanPolicy(FlowMatchingPolicy):
 
     def context_parallel_lengths(self) -> dict[str, int]:
         # diffusers' Wan plan splits the video tokens only (the text is attended to whole, by cross-attention).
-        settings, pipeline, patch = self.settings, self.pipeline, self.denoiser.config.patch_size
-        frames = (settings.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1
-        spatial = pipeline.vae_scale_factor_spatial
-        tokens = (
-            (frames // patch[0]) * (settings.height // spatial // patch[1]) * (settings.width // spatial // patch[2])
-        )
-        return {"video tokens": tokens}
+        return {"video tokens": math.prod(self._patches)}
 
     def context_parallel_hint(self) -> str:
         return "num_frames/height/width"

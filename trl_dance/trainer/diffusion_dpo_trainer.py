@@ -216,10 +216,9 @@ class DiffusionDPOTrainer(DiffusionTrainer):
         self._noise_generator.set_state(state["noise_generator"])
 
     def _get_train_sampler(self, dataset=None):
-        sampler = super()._get_train_sampler(dataset)
         dp = self.data_parallel
         if dp.group == 1:
-            return sampler
+            return super()._get_train_sampler(dataset)
         # The ranks of a context-parallel group read the same pairs: one seeded order, each block handed to the group.
         order = torch.utils.data.RandomSampler(
             dataset if dataset is not None else self.train_dataset,

@@ -170,10 +170,6 @@ class DirectRewardTrainer(RolloutTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Loss
 
-    def renoise(self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-        """The clean latents at noise level ``level`` (B,) with their own ε."""
-        return self.policy.add_noise(x0, noise, level)
-
     def clean_latents(self, model, latents: torch.Tensor, noise: torch.Tensor, level_from, level_to, cond):
         """Direct-Align's x̂0 (B, ...) from ``latents`` at noise level ``level_from`` (B,): one deterministic model step
         to ``level_to`` (B,) (flow: Euler; VP: DDIM η = 0), then the clean latents recovered with the known ε;
@@ -240,7 +236,7 @@ class DirectRewardTrainer(RolloutTrainer):
                 inputs["position"], inputs["inversion"], self._window, int((1 - args.groundtruth_ratio) * TABLE) + 1
             )
             sigma_from, sigma_to = sigma_from.to(device), sigma_to.to(device)
-            latents = self.renoise(x0, noise, sigma_from)
+            latents = self.policy.add_noise(x0, noise, sigma_from)  # the clean latents re-noised with their own ε
             clean = self.clean_latents(model, latents, noise, sigma_from, sigma_to, cond)
             reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
             loss = torch.relu(args.reward_margin - reward).mean()
