@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from diffusers import DiffusionPipeline
 
+from ..flops import SAMPLE, FlopLayout
 from ..forward_process import UNIFORM, TimeDensity, add_noise, recover_clean
 from ..sde import Reduction, SDEStepOutput
 
@@ -107,6 +108,9 @@ class DiffusionPolicy(ABC):
     masks_text: bool = False
     """Whether the denoiser's attention masks padded text tokens (HunyuanVideo, Qwen-Image): ring attention reuses each
     rank's key mask for the other ranks' keys, so context parallelism must be Ulysses."""
+
+    flop_layout: FlopLayout | None = None
+    """The streams each module of the denoiser reads, for FLOP counting (:mod:`trl_dance.flops`); None: not counted."""
 
     pipeline_tag: str | None = None
     """The Hub task of the trained model (model cards): ``"text-to-image"``/``"text-to-video"`` unless set."""
@@ -346,6 +350,28 @@ class DiffusionPolicy(ABC):
         """:meth:`_forward` in at least float32, its gradient scaled by :attr:`gradient_scale`."""
         output = _at_least_float32(self._forward(model, latents, timestep, cond))
         return output if self.gradient_scale == 1 else scale_gradient(output, self.gradient_scale)
+
+    def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
+        """Per-sample token counts of :attr:`flop_layout`'s streams in a denoiser call with named ``inputs``: ``image``
+        (video) tokens after patching, ``text`` tokens, ``image_embeds`` (an image encoder's tokens, Wan I2V), and
+        :data:`~trl_dance.flops.SAMPLE` rows (1, or one per token where the timestep is per token)."""
+        hidden = inputs.get("hidden_states", inputs.get("sample"))
+        config = self.denoiser.config
+        patch = config.get("patch_size") or 1
+        if hidden.dim() == 3:  # packed tokens (FLUX, Qwen-Image)
+            image = hidden.shape[1]
+        elif hidden.dim() == 4:  # (B, C, H, W)
+            image = (hidden.shape[2] // patch) * (hidden.shape[3] // patch)
+        else:  # (B, C, F, H, W)
+            patch_t, patch_h, patch_w = (
+                patch if isinstance(patch, (list, tuple)) else (config.get("patch_size_t") or 1, patch, patch)
+            )
+            image = (hidden.shape[2] // patch_t) * (hidden.shape[3] // patch_h) * (hidden.shape[4] // patch_w)
+        tokens = {"image": image, SAMPLE: inputs["timestep"][0].numel()}
+        for stream, name in (("text", "encoder_hidden_states"), ("image_embeds", "encoder_hidden_states_image")):
+            if isinstance(inputs.get(name), torch.Tensor):
+                tokens[stream] = inputs[name].shape[1]
+        return tokens
 
     def context_parallel_lengths(self) -> dict[str, int]:
         """The token counts per sample the denoiser's context-parallel plan splits, by what they are (they must divide

@@ -7,6 +7,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
+from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 
@@ -18,6 +19,14 @@ class FluxPolicy(FlowMatchingPolicy):
     """
 
     supports_cfg = False
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_\w*embed|modulation|norm\w*\.linear", SAMPLE),
+            (r"^single_transformer_blocks", "image+text"),  # the single-stream blocks read the joint sequence
+            (r"context_embedder|add_[qkv]_proj|to_add_out|ff_context", "text"),
+        ),
+        attention=((r"transformer_blocks", "image+text", "image+text"),),
+    )
 
     def __init__(self, pipeline: FluxPipeline, settings: SamplerSettings):
         scale = pipeline.vae_scale_factor

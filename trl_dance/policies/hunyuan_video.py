@@ -8,6 +8,7 @@ import torch
 from diffusers import HunyuanVideoPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 
@@ -26,6 +27,14 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
     is_video = True
     masks_text = True
     default_num_frames = 129
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_text_embed|norm\w*\.linear", SAMPLE),
+            (r"^single_transformer_blocks", "image+text"),
+            (r"context_embedder|add_[qkv]_proj|to_add_out|ff_context", "text"),  # with the text's token refiner
+        ),
+        attention=((r"token_refiner", "text", "text"), (r"transformer_blocks", "image+text", "image+text")),
+    )
     """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
 
     def __init__(self, pipeline: HunyuanVideoPipeline, settings: SamplerSettings):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning
 from .flux import FluxPolicy
 
@@ -22,6 +23,13 @@ class QwenImagePolicy(FluxPolicy):
     """
 
     masks_text = True
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_text_embed|_mod\.|norm\w*\.linear", SAMPLE),
+            (r"txt_in|add_[qkv]_proj|to_add_out|txt_mlp", "text"),
+        ),
+        attention=((r"transformer_blocks", "image+text", "image+text"),),
+    )
 
     def context_parallel_lengths(self) -> dict[str, int]:
         # diffusers' plan splits image and text tokens and each block's text mask (checked against one process).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusion3Pipeline
 
+from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning
 from .flow_matching import FlowMatchingPolicy
 
@@ -13,6 +14,14 @@ class SD3Policy(FlowMatchingPolicy):
     """Policy over a :class:`~diffusers.StableDiffusion3Pipeline`; latents are (B, C, H/8, W/8)."""
 
     pipeline: StableDiffusion3Pipeline
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_text_embed|norm\w*\.linear", SAMPLE),
+            (r"context_embedder|add_[qkv]_proj|to_add_out|ff_context", "text"),
+        ),
+        # SD3.5's dual-attention blocks add an image-only self-attention (attn2) beside the joint one.
+        attention=((r"\.attn2$", "image", "image"), (r"\.attn$", "image+text", "image+text")),
+    )
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

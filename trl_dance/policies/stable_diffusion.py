@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..flops import SAMPLE, FlopLayout
 from ..forward_process import UNIFORM, TimeDensity, per_sample, vp_coefficients
 from ..schedulers import ddim_alpha_pairs
 from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, diffusion_target, epsilon_and_x0
@@ -26,6 +29,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     def __init__(self, pipeline: StableDiffusionPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)
+        self.flop_layout = self._unet_flop_layout(len(pipeline.unet.config.down_block_types))
         config = pipeline.scheduler.config
         name = type(pipeline.scheduler).__name__
         self.prediction_type = config.get("prediction_type", "epsilon")
@@ -127,6 +131,29 @@ class StableDiffusionPolicy(DiffusionPolicy):
             compute_log_prob=compute_log_prob,
             noise=noise,
         )
+
+    @staticmethod
+    def _unet_flop_layout(depth: int) -> FlopLayout:
+        """The UNet's streams: its resolution levels ``level<l>`` (the latent downsampled 2^l times) for ``depth``
+        down and up blocks; a downsampler writes the next level, an upsampler the previous one."""
+        streams = [(r"time_embedding|add_embedding|time_emb_proj", SAMPLE), (r"attn2\.to_[kv]$", "text")]
+        attention = []
+        for i in range(depth):
+            streams.append((rf"^down_blocks\.{i}\.downsamplers", f"level{i + 1}"))
+            streams.append((rf"^up_blocks\.{i}\.upsamplers", f"level{depth - 2 - i}"))
+            for prefix, level in ((rf"^down_blocks\.{i}\.", i), (rf"^up_blocks\.{i}\.", depth - 1 - i)):
+                streams.append((prefix, f"level{level}"))
+                attention += [(prefix + r".*attn1$", f"level{level}", f"level{level}")]
+                attention += [(prefix + r".*attn2$", f"level{level}", "text")]
+        streams.append((r"^mid_block", f"level{depth - 1}"))
+        attention += [(r"^mid_block.*attn1$", f"level{depth - 1}", f"level{depth - 1}")]
+        attention += [(r"^mid_block.*attn2$", f"level{depth - 1}", "text")]
+        return FlopLayout(tuple(streams), tuple(attention), default="level0")
+
+    def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
+        height, width = inputs["sample"].shape[-2:]
+        levels = {f"level{i}": math.ceil(height / 2**i) * math.ceil(width / 2**i) for i in range(8)}
+        return {**levels, "text": inputs["encoder_hidden_states"].shape[1], SAMPLE: 1}
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

@@ -9,6 +9,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..flops import SAMPLE, FlopLayout
 from ..sde import SDEStepOutput
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
@@ -29,6 +30,14 @@ class WanPolicy(FlowMatchingPolicy):
 
     is_video = True
     default_num_frames = 81
+    flop_layout = FlopLayout(
+        streams=(
+            (r"condition_embedder\.time", SAMPLE),
+            (r"condition_embedder\.text_embedder|attn2\.to_[kv]$", "text"),
+            (r"image_embedder|add_[kv]_proj", "image_embeds"),  # I2V 14B: CLIP image tokens in the cross-attention
+        ),
+        attention=((r"attn1", "image", "image"), (r"attn2", "image", "text+image_embeds")),
+    )
     """Wan 2.1's published frame count (5 s at 16 fps), used when ``settings.num_frames`` is None."""
 
     def __init__(self, pipeline: WanPipeline, settings: SamplerSettings):

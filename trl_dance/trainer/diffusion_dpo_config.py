@@ -9,11 +9,13 @@ from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 from .pair_denoising import DPOLossArguments
+from .performance import PerformanceArguments
 
 
 @dataclass
 class DiffusionDPOConfig(
     ContextParallelArguments,
+    PerformanceArguments,
     EvaluationArguments,
     EMAArguments,
     FrozenComponentsArguments,

@@ -247,6 +247,8 @@ class DiffusionDPOTrainer(DiffusionTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         errors, ref_errors, prediction = self._pair_errors(model, inputs)
+        if model.training:
+            self.performance.add_samples(len(inputs["prompts"]) / self.args.context_parallel_size)
         self._record("mse/chosen/policy", errors[0::2])
         self._record("mse/rejected/policy", errors[1::2])
         self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))

@@ -11,6 +11,7 @@ import copy
 import math
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .._compat import RepeatSampler, _BaseTrainer
+from ..flops import DenoiserFlops
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
@@ -40,6 +42,7 @@ from .context_parallel import (
 )
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
+from .performance import PerformanceLog
 
 
 @contextlib.contextmanager
@@ -219,6 +222,14 @@ class DiffusionTrainer(_BaseTrainer):
                 self.accelerator.device,
             )
             policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
+        self.flops = None  # the denoiser calls' FLOPs (every call of the trained, frozen-expert and reference models)
+        if policy.flop_layout is not None:
+            self.flops = DenoiserFlops(policy.flop_layout, policy.flop_tokens, 1 / args.context_parallel_size)
+            for module in (denoiser, policy.frozen_expert, self.ref_model):
+                if module is not None:
+                    self.flops.attach(module)
+        self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops)
+        self._logged_step = 0
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
         self._toggle_cache: tuple = (None, None)
         self._loss_finite: torch.Tensor | None = None  # all micro-step losses since the last log were finite
@@ -439,7 +450,8 @@ class DiffusionTrainer(_BaseTrainer):
         self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with self.performance.phase("training"):
+            loss = super().training_step(model, inputs, num_items_in_batch)
         # On the device, read at the next log: a NaN loss would otherwise be hidden by logging_nan_inf_filter.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
@@ -449,6 +461,11 @@ class DiffusionTrainer(_BaseTrainer):
         if any(key.startswith("eval_") for key in logs):  # an evaluation's: the training metrics wait for theirs
             super().log(logs, start_time)
             return
+        flops = self.flops.take() if self.flops is not None else 0.0
+        steps = self.state.global_step - self._logged_step
+        if steps or flops:  # not on the run's closing summary when nothing ran since the last log
+            logs.update(self.performance.metrics(flops, steps, self.accelerator))
+        self._logged_step = self.state.global_step
         names = [key for key, values in self._metrics.items() if values]
         if names:
             means = torch.stack([torch.stack(self._metrics[key]).mean() for key in names]).tolist()  # one sync
@@ -557,6 +574,8 @@ class DiffusionTrainer(_BaseTrainer):
                     raise ValueError(f"checkpoint {resume!r} was saved without use_ema: it holds no EMA to resume")
                 self.ema.load_state_dict(state.pop("ema"))
             self._restore_resume_state(state)
+        self.performance.reset(time.perf_counter())  # the first log's wall time starts here, not at construction
+        self._logged_step = self.state.global_step
         return super().train(
             resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )

@@ -10,13 +10,19 @@ from .context_parallel import ContextParallelArguments
 from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
+from .performance import PerformanceArguments
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_then_sum")
 
 
 @dataclass
 class RolloutConfig(
-    ContextParallelArguments, EvaluationArguments, EMAArguments, FrozenComponentsArguments, _BaseConfig
+    ContextParallelArguments,
+    PerformanceArguments,
+    EvaluationArguments,
+    EMAArguments,
+    FrozenComponentsArguments,
+    _BaseConfig,
 ):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates

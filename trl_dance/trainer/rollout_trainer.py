@@ -361,6 +361,12 @@ class RolloutTrainer(DiffusionTrainer):
         return grad_norm
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
+        with self.performance.phase("rollout"):
+            self._generate_and_score_round(rows)
+        # A context-parallel group's ranks train the same samples: each counts its share.
+        self.performance.add_samples(len(rows) / self.args.context_parallel_size)
+
+    def _generate_and_score_round(self, rows: list[dict[str, Any]]) -> None:
         args, device = self.args, self.accelerator.device
         reduce = functools.partial(self.accelerator.reduce, reduction="sum")
         if self._generation_round > 0 and self.training_signal.end_round(
@@ -421,10 +427,15 @@ class RolloutTrainer(DiffusionTrainer):
                 )
                 if not self.data_parallel.is_group_leader:  # its group's first rank scores the same samples
                     score = functools.partial(torch.zeros, len(prompts[part]), len(self.reward_funcs), device=device)
-                scores.append(self._reward_executor.submit(score) if self._reward_executor else score())
+                if self._reward_executor:
+                    scores.append(self._reward_executor.submit(score))
+                else:
+                    with self.performance.phase("reward"):
+                        scores.append(score())
         calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
+        with self.performance.phase("reward"):  # what the rollout left of the reward worker's time
+            rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.data_parallel.gather(rewards)  # (num_processes · B, F), in global sample order
         for name, value in self.reward_metrics.flush(self.accelerator).items():
             self._metrics[name].append(torch.tensor(value))
