@@ -170,6 +170,7 @@ class DenoiserFlops:
         return total
 
     def _hook(self, counted: _Counted):
+        @torch.compiler.disable  # host-side bookkeeping: never traced into a compiled denoiser
         def hook(model, args, kwargs):
             grad = torch.is_grad_enabled() and counted.trains
             if grad and counted.backward is None:
@@ -237,6 +238,7 @@ class _Counted:
         handles = []
 
         def before(op: Op):
+            @torch.compiler.disable
             def hook(module, args, kwargs):
                 if not state["forward"]:
                     return
@@ -251,6 +253,7 @@ class _Counted:
             return hook
 
         def after(op: Op):
+            @torch.compiler.disable
             def hook(module, args, output):
                 if not state["forward"]:  # completed again in the backward (early stop may end before an op)
                     self.recomputed.add(op.name)
@@ -269,8 +272,9 @@ class _Counted:
         for op in self.ops:
             handles.append(op.module.register_forward_pre_hook(before(op), with_kwargs=True))
             handles.append(op.module.register_forward_hook(after(op)))
-        handles.append(self.model.register_forward_pre_hook(lambda *_: state.update(forward=True)))
-        handles.append(self.model.register_forward_hook(lambda *_: state.update(forward=False)))
+        enter = torch.compiler.disable(lambda *_: state.update(forward=True))
+        leave = torch.compiler.disable(lambda *_: state.update(forward=False))
+        handles += [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave)]
         self._probe_handles, self.pending = handles, []
 
     def finish_probe(self) -> float:

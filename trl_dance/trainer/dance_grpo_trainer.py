@@ -27,6 +27,8 @@ class DanceGRPOTrainer(RolloutTrainer):
     :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`.
     """
 
+    uses_likelihood_ratio = True
+
     _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers"]
     _name = "DanceGRPO"
     _paper = {

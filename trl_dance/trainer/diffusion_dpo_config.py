@@ -10,12 +10,14 @@ from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 from .pair_denoising import DPOLossArguments
 from .performance import PerformanceArguments
+from .speed import SpeedArguments
 
 
 @dataclass
 class DiffusionDPOConfig(
     ContextParallelArguments,
     PerformanceArguments,
+    SpeedArguments,
     EvaluationArguments,
     EMAArguments,
     FrozenComponentsArguments,
@@ -113,6 +115,7 @@ class DiffusionDPOConfig(
         super().__post_init__()
         self._check_frozen_components()
         self._check_context_parallel()
+        self._check_speed()
         self._check_ema()
         self._check_evaluation()
         self._check_dpo_loss()

@@ -43,6 +43,7 @@ from .context_parallel import (
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
 from .performance import PerformanceLog
+from .speed import apply_speed_options
 
 
 @contextlib.contextmanager
@@ -160,6 +161,7 @@ class DiffusionTrainer(_BaseTrainer):
     """
 
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean; the Trainer divides by GA
+    uses_likelihood_ratio = False  # a loss on log-probability ratios against the rollouts: rollouts must be exact
 
     def __init__(
         self,
@@ -222,6 +224,10 @@ class DiffusionTrainer(_BaseTrainer):
                 self.accelerator.device,
             )
             policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
+        ratio = type(self).__name__ if self.uses_likelihood_ratio else None
+        apply_speed_options(
+            [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None], args, ratio
+        )
         self.flops = None  # the denoiser calls' FLOPs (every call of the trained, frozen-expert and reference models)
         if policy.flop_layout is not None:
             self.flops = DenoiserFlops(policy.flop_layout, policy.flop_tokens, 1 / args.context_parallel_size)
@@ -247,6 +253,14 @@ class DiffusionTrainer(_BaseTrainer):
                 )
             self.ema = EMAWeights(denoiser, args.ema_decay)
             self.add_callback(EMAUpdate(self.ema))
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        if "dynamo_plugin" in args:  # torch_compile compiles the denoiser's blocks in place (speed.py), not the model
+            from accelerate.utils import TorchDynamoPlugin
+
+            args["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return args
 
     @property
     def parameter_sharding(self) -> str | None:

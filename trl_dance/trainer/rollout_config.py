@@ -11,6 +11,7 @@ from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 from .performance import PerformanceArguments
+from .speed import SpeedArguments
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_then_sum")
 
@@ -19,6 +20,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_the
 class RolloutConfig(
     ContextParallelArguments,
     PerformanceArguments,
+    SpeedArguments,
     EvaluationArguments,
     EMAArguments,
     FrozenComponentsArguments,
@@ -247,6 +249,7 @@ class RolloutConfig(
         super().__post_init__()
         self._check_frozen_components()
         self._check_context_parallel()
+        self._check_speed()
         self._check_ema()
         self._check_evaluation()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))

@@ -52,6 +52,8 @@ class SPOTrainer(RolloutTrainer):
             :class:`RewardStepScorer` on ``reward_funcs`` (their ``reward_weights``).
     """
 
+    uses_likelihood_ratio = True
+
     _tag_names = ["trl", "trl-dance", "spo", "diffusers"]
     _name = "SPO"
     _paper = {
