@@ -152,15 +152,11 @@ class CallRecorder:
         return sum(entry[0] for key, entry in self.calls.items() if key[1] == name)
 
 
-# Dense bf16 peak of the lent accelerators, for model FLOPs utilisation.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-
 def peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+    """The accelerator's dense bf16 peak (the trainers' table, trl_dance.trainer.performance.PEAK_TFLOPS)."""
+    from trl_dance.trainer.performance import peak_tflops as lookup
+
+    return lookup(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def describe_device(device: torch.device) -> str:

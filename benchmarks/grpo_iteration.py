@@ -63,6 +63,8 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
             recorder.enabled = len(starts) >= warmup
             recorder.phase = "rollout"
         synchronize(device)
+        if len(starts) == warmup:  # the closed-form count of the timed rounds starts here
+            trainer.flops.take()
         starts.append(time.perf_counter())
         generate(rows)
         synchronize(device)
@@ -88,6 +90,9 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     )
     result = {"wall_s": rollout + train, "rollout_s": rollout, "train_s": train}
     result["peak_mem_mb"] = peak_memory_mb(device)
+    # The trainer's own closed-form count (what perf/denoiser_tflops logs) beside torch's count of the replayed calls.
+    result["denoiser_tflops"] = trainer.flops.take() / 1e12
+    result["tflops_per_s"] = result["denoiser_tflops"] / result["wall_s"]
     if recorder:
         result["floor_s"] = recorder.floor_seconds()
         result["denoiser_calls"] = recorder.count("denoiser")
@@ -189,6 +194,8 @@ def _benchmark(options) -> dict:
         "batch1_speedup": batch1["wall_s"] / ours["wall_s"] if batch1 else None,
         "model_tflops": ours["model_flops"] / 1e12,
         "mfu": ours["mfu"],
+        "denoiser_tflops": ours["denoiser_tflops"],
+        "tflops_per_s": ours["tflops_per_s"],
     }
     print(
         f"{options.model} @ {size}px, {options.steps} steps, {samples} samples / {transitions * options.rounds} "

@@ -27,6 +27,8 @@ def _real(script: str, model: str, lora_rank: int, *more: str) -> list[str]:
     return [script, "--model", model, "--bf16", "--lora-rank", str(lora_rank), *more]
 
 
+_LARGE = ("--gradient-checkpointing", "--batch", "4", "--generations", "2", "--rounds", "1", "--skip-batch1")
+
 CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
     "cpu": {
         "grpo-tiny-flux": ["grpo_iteration.py", "--model", "tiny-flux"],
@@ -52,6 +54,18 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-wan-lora64": _real("grpo_iteration.py", "wan21-1.3b", 64, "--resolution", "480", "--frames", "33"),
         "dpo-flux-lora64": _real("dpo_step.py", "flux-dev", 64, "--batch", "4"),
         "dpo-sd35-lora64": _real("dpo_step.py", "sd35-medium", 64, "--batch", "4"),
+        # Full-size families (rollout batch 4, one timed round, no batch-size-1 comparison: under 10 minutes each).
+        "grpo-flux-1024-lora64-gc": _real("grpo_iteration.py", "flux-dev", 64, "--resolution", "1024", *_LARGE),
+        "grpo-qwen-image-lora64-gc": _real("grpo_iteration.py", "qwen-image", 64, *_LARGE),
+        "grpo-wan14b-33f-lora64-gc": _real(
+            "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "33", *_LARGE
+        ),
+        "grpo-hunyuan-33f-lora64-gc": _real(
+            "grpo_iteration.py", "hunyuan-video", 64, "--resolution", "480", "--frames", "33", *_LARGE
+        ),
+        "grpo-wan14b-81f-lora64-gc": _real(
+            "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "81", *_LARGE
+        ),
     },
 }
 
@@ -88,14 +102,14 @@ def _row(name: str, runs: list[dict]) -> str:
     device = next((r["device"] for r in runs if "device" in r), "–")
     if not done:
         why = "out of memory" if any(r.get("out_of_memory") for r in runs) else runs[-1].get("failed", "")
-        return f"| {name} | {device} | {why[:80]} | | | | | | {len(runs)} |"
+        return f"| {name} | {device} | {why[:80]} | | | | | | | {len(runs)} |"
     ratios = [r["overhead_ratio"] for r in done]
     spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
     return (
         f"| {name} | {device} | {_format(_median(done, 'rollout_s_per_sample', 1e3))} | "
         f"{_format(_median(done, 'train_s_per_item', 1e3))} | {_median(done, 'peak_mem_mb'):.0f} | "
         f"{statistics.median(ratios):.2f}{spread} | {_format(_median(done, 'batch1_speedup'), '×')} | "
-        f"{_format(_median(done, 'mfu', 100), ' %')} | {len(done)} |"
+        f"{_format(_median(done, 'tflops_per_s'))} | {_format(_median(done, 'mfu', 100), ' %')} | {len(done)} |"
     )
 
 
@@ -105,8 +119,8 @@ def table(records: list[dict]) -> str:
     return "\n".join(
         [
             "| configuration | device | rollout ms/sample | train ms/item | peak memory MB | overhead ratio | "
-            "batch-1 speed-up | MFU | runs |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "batch-1 speed-up | TFLOP/s | MFU | runs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *[_row(name, [r for r in records if r["name"] == name]) for name in names],
         ]
     )
@@ -120,6 +134,7 @@ def main(argv=None) -> str:
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds per run")
     parser.add_argument("--output", default="benchmark_results.jsonl", help="JSON lines, appended to")
     parser.add_argument("--table", metavar="JSONL", default=None, help="only print the table of this file")
+    parser.add_argument("--markdown", metavar="FILE", default=None, help="also write the table to FILE")
     options, extra = parser.parse_known_args(argv)  # unknown options go to every script (e.g. --rounds 2)
     if options.table:
         with open(options.table) as handle:
@@ -144,6 +159,9 @@ def main(argv=None) -> str:
             records.append(record)
     text = table(records)
     print(text)
+    if options.markdown:
+        with open(options.markdown, "w") as handle:
+            handle.write(text + "\n")
     return text
 
 

@@ -49,7 +49,7 @@ def test_table_reports_medians_and_failures():
         {"name": "c", "failed": "timed out after 5 s"},
     ]
     rows = matrix.table(records).splitlines()
-    assert rows[2] == "| a | GPU | – | 2 | 10 | 1.20 (1.10–1.50) | – | 25 % | 3 |"
+    assert rows[2] == "| a | GPU | – | 2 | 10 | 1.20 (1.10–1.50) | – | – | 25 % | 3 |"
     assert rows[3].startswith("| b | GPU | out of memory |")
     assert rows[4].startswith("| c | – | timed out after 5 s |")
 

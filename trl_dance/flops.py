@@ -104,6 +104,12 @@ def denoiser_ops(model: torch.nn.Module, layout: FlopLayout) -> list[Op]:
     return ops
 
 
+def forward_flops(model: torch.nn.Module, layout: FlopLayout, tokens: Mapping[str, int], batch: int = 1) -> float:
+    """FLOPs of one forward of ``model`` (any device, ``meta`` included: nothing runs) on ``batch`` samples with the
+    per-sample stream ``tokens``."""
+    return float(sum(op.flops(tokens, batch) for op in denoiser_ops(model, layout)))
+
+
 def _inner_dim(attention: torch.nn.Module) -> int:
     """Heads × head dimension of an attention module (its query width)."""
     if isinstance(getattr(attention, "inner_dim", None), int):

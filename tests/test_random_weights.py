@@ -1,0 +1,50 @@
+"""Real architectures from the shipped configurations (trl_dance/model_configs), with random weights: the published
+sizes, and their closed-form FLOPs against a count by hand."""
+
+import pytest
+import torch
+
+from trl_dance.flops import SAMPLE, forward_flops
+from trl_dance.policies import policy_class
+from trl_dance.random_weights import random_weight_models, random_weight_pipeline
+
+# Parameters of the denoiser(s) in billions, as the checkpoints publish them (diffusers' counts of their weights).
+PUBLISHED = {
+    "flux-dev": 11.90,
+    "sd35-medium": 2.24,
+    "qwen-image": 20.43,
+    "wan21-1.3b": 1.42,
+    "wan21-14b": 14.29,
+    "wan22-a14b": 14.29,
+    "hunyuan-video": 12.82,
+}
+
+
+def test_every_shipped_configuration_builds_at_its_published_size():
+    assert random_weight_models() == sorted(PUBLISHED)
+    for name, billions in PUBLISHED.items():
+        with torch.device("meta"):
+            pipeline = random_weight_pipeline(name)
+        assert sum(p.numel() for p in pipeline.transformer.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+        policy_class(pipeline)  # a family trl-dance trains
+    with torch.device("meta"):
+        wan22 = random_weight_pipeline("wan22-a14b", layers=1)
+    assert wan22.config.boundary_ratio == 0.875 and len(wan22.transformer_2.blocks) == 1
+    assert len(wan22.transformer.blocks) == 1 and wan22.text_encoder.config.num_layers == 1
+    with pytest.raises(ValueError, match="unknown model 'flux-schnell'"):
+        random_weight_pipeline("flux-schnell")
+
+
+def test_flux_dev_forward_flops_by_hand():
+    """FLUX.1-dev at 1024² (4096 image + 512 text tokens): every token meets 19 double-stream blocks' q/k/v/out and
+    MLP of its stream and 38 single-stream blocks (the modulation is per sample), attention is 4·L²·3072 per block."""
+    with torch.device("meta"):
+        pipeline = random_weight_pipeline("flux-dev")
+    width, mlp, tokens, blocks = 3072, 4 * 3072, 4096 + 512, 19 + 38
+    per_token = 2 * (4 * width * width + 2 * width * mlp)  # a double block's stream; a single block's is the same
+    embed = 2 * 4096 * 64 * width + 2 * 512 * 4096 * width + 2 * 4096 * width * 64  # x and text embedders, output
+    attention = 4 * tokens**2 * width * blocks
+    layout = policy_class(pipeline).flop_layout
+    counted = forward_flops(pipeline.transformer, layout, {"image": 4096, "text": 512, SAMPLE: 1})
+    # The rest (time, guidance and pooled-text embedders; AdaLN modulation) is per sample: under 0.1 %.
+    assert counted == pytest.approx(per_token * tokens * blocks + embed + attention, rel=1e-3)
