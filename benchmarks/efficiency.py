@@ -12,12 +12,13 @@ the full N-step grid), the same for all methods, so the gains compare policies, 
 counted as work nor timed.
 
 Work counts denoiser rows: a forward without gradient (rollout, reference) 1, a forward with gradient (the training
-forward and its backward) 3. The target gain is ``--target`` × DanceGRPO's best evaluation gain; each method's work
+forward and its backward) 3; beside it, the denoiser's TFLOPs as the trainers count them in closed form (their logged
+``perf/denoiser_tflops``: LoRA's backward skips the frozen weights' gradients). The target gain is ``--target`` × DanceGRPO's best evaluation gain; each method's work
 and wall time to reach it are interpolated linearly between evaluations (null if never reached).
 
 Every method runs once per ``--seeds`` seed (noise streams and LoRA initialisation); the figures are medians over the
 seeds of each seed's figures, ratios being DanceGRPO's figure over the method's in the same seed. The last line is JSON:
-``{"methods": {name: {"work", "wall_s", "work_ratio", "wall_ratio", "work_ratio_per_seed", "wall_ratio_per_seed",
+``{"methods": {name: {"work", "wall_s", "tflops", "work_ratio", "wall_ratio", "tflops_ratio", "work_ratio_per_seed", "wall_ratio_per_seed",
 "final_gain", "best_gain", "work_per_round", "wall_s_per_round", "gains_per_seed"}}, "target_gains", "best_method",
 "best_work_ratio", ...}``.
 """
@@ -110,19 +111,21 @@ class Evaluator(TrainerCallback):
     def __init__(self, trainer: RolloutTrainer, meter: WorkMeter, every: int, seeds: int):
         self.trainer, self.meter, self.every = trainer, meter, every
         self.prompts = [p for p in PROMPTS for _ in range(seeds)]
-        self.points: list[tuple[int, float, float]] = []  # (work, wall_s, reward)
-        self.evaluating_s, self.start = 0.0, time.perf_counter()
+        self.points: list[tuple[int, float, float, float]] = []  # (work, wall_s, reward, TFLOPs)
+        self.evaluating_s, self.start, self.tflops = 0.0, time.perf_counter(), 0.0
 
     def score(self) -> float:
         begin = time.perf_counter()
         trainer, self.meter.enabled = self.trainer, False
+        self.tflops += trainer.flops.take() / 1e12  # the closed-form count of the training since the last evaluation
         generators = [torch.Generator().manual_seed(1000 + i) for i in range(len(self.prompts))]
         images = trainer.sample(
             self.prompts, generators, model=trainer.model, plan=RolloutPlan.deterministic(trainer.policy.num_steps)
         )["images"]
         reward = float(torch.tensor(trainer.reward_funcs[0](self.prompts, images)).mean())
+        trainer.flops.take()  # the evaluation's own calls: not training work
         wall = begin - self.start - self.evaluating_s
-        self.points.append((self.meter.work, wall, reward))
+        self.points.append((self.meter.work, wall, reward, self.tflops))
         self.meter.enabled = True
         self.evaluating_s += time.perf_counter() - begin
         return reward
@@ -178,21 +181,22 @@ def run_method(
     trainer.add_callback(evaluator)
     evaluator.score()  # the initial policy: the same for every method
     evaluator.start += evaluator.points[0][1]  # the wall clock starts after it
-    evaluator.points[0] = (0, 0.0, evaluator.points[0][2])
+    evaluator.points[0] = (0, 0.0, evaluator.points[0][2], 0.0)
     trainer.train()
     meter.remove()
     release(trainer)
     return evaluator.points
 
 
-def reach(points: list[tuple[int, float, float]], target: float) -> tuple[float | None, float | None]:
-    """Work and wall time at which the reward gain first reaches ``target``, interpolated between evaluations."""
+def reach(points: list[tuple[int, float, float, float]], target: float) -> tuple[float | None, ...]:
+    """Work, wall time and TFLOPs at which the reward gain first reaches ``target``, interpolated between
+    evaluations."""
     base = points[0][2]
-    for (w0, t0, r0), (w1, t1, r1) in zip(points, points[1:]):
+    for (w0, t0, r0, f0), (w1, t1, r1, f1) in zip(points, points[1:]):
         if r1 - base >= target:
             f = 1.0 if r1 == r0 else min(1.0, max(0.0, (base + target - r0) / (r1 - r0)))
-            return w0 + f * (w1 - w0), t0 + f * (t1 - t0)
-    return None, None
+            return w0 + f * (w1 - w0), t0 + f * (t1 - t0), f0 + f * (f1 - f0)
+    return None, None, None
 
 
 def main(argv=None) -> dict:
@@ -224,8 +228,8 @@ def main(argv=None) -> dict:
             curves = {}
             for name in names:
                 curves[name] = run_method(model, *table[name], options, workdir)
-                points = [(w, round(t, 1), round(r, 4)) for w, t, r in curves[name]]
-                print(f"seed {seed} {name}: (work, wall_s, reward) {points}")
+                points = [(w, round(t, 1), round(r, 4), round(f, 6)) for w, t, r, f in curves[name]]
+                print(f"seed {seed} {name}: (work, wall_s, reward, TFLOPs) {points}")
             per_seed.append(_figures(curves, options))
 
     results = {}
@@ -239,7 +243,8 @@ def main(argv=None) -> dict:
         ratio = results[name]
         print(
             f"{name:>26}: work ratio {_show(ratio['work_ratio'])} (seeds {_show(ratio['work_ratio_per_seed'])}), wall "
-            f"ratio {_show(ratio['wall_ratio'])}, work/round {ratio['work_per_round']:.0f}, best gain "
+            f"ratio {_show(ratio['wall_ratio'])}, TFLOPs ratio {_show(ratio['tflops_ratio'])}, work/round "
+            f"{ratio['work_per_round']:.0f} ({ratio['tflops_per_round']:.3g} TFLOPs), best gain "
             f"{ratio['best_gain']:+.4f}"
         )
     others = {n: r["work_ratio"] for n, r in results.items() if n != "dancegrpo" and r["work_ratio"]}
@@ -261,24 +266,27 @@ def _figures(curves: dict[str, list], options) -> dict[str, dict]:
     """One seed's figures per method: work and wall time to the target gain, their ratios to DanceGRPO's."""
 
     def gain(points):
-        return max(r for _, _, r in points) - points[0][2]
+        return max(point[2] for point in points) - points[0][2]
 
     target = options.target * gain(curves["dancegrpo"])
     reference = reach(curves["dancegrpo"], target)
     figures = {}
     for name, points in curves.items():
-        work, wall = reach(points, target)
+        work, wall, tflops = reach(points, target)
         figures[name] = {
             "work": work,
             "wall_s": wall,
+            "tflops": tflops,  # the denoiser's closed-form TFLOPs to the target (trl_dance.flops)
             "work_ratio": reference[0] / work if work else None,
             "wall_ratio": reference[1] / wall if wall else None,
+            "tflops_ratio": reference[2] / tflops if tflops else None,
             "final_gain": points[-1][2] - points[0][2],
             "best_gain": gain(points),
             "work_per_round": points[-1][0] / options.rounds,
             "wall_s_per_round": points[-1][1] / options.rounds,
             "target_gain": target,
-            "gains": [round(r - points[0][2], 5) for _, _, r in points],
+            "tflops_per_round": points[-1][3] / options.rounds,
+            "gains": [round(point[2] - points[0][2], 5) for point in points],
         }
     return figures
 

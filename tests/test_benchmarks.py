@@ -86,5 +86,7 @@ def test_efficiency_benchmark_counts_work_and_compares_to_dancegrpo(monkeypatch)
     assert dance["work_per_round"] == 8 * 6 + 3 * 8 * 3  # 6 steps rolled out, 60 % of 5 = 3 trained
     # A 2-step window in the first 3 steps: 2 groups share the prefix before it, 8 samples take the rest.
     assert 8 * (6 - 2) + 3 * 8 * 2 <= fast["work_per_round"] <= 8 * 6 + 3 * 8 * 2
+    # Beside the rows, the trainer's closed-form TFLOPs (training only: evaluations are taken out).
+    assert dance["tflops_per_round"] > 0 and dance["tflops_ratio"] == dance["work_ratio"] == 1.0
     assert len(dance["work_ratio_per_seed"]) == 1 and len(dance["gains_per_seed"][0]) == 3  # before, after 1, 2
     assert figures["best_method"] in (None, "flow_grpo_fast_branching")
