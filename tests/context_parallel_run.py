@@ -92,7 +92,8 @@ for case in cases:
     rank = trainer.accelerator.process_index
     torch.save(
         {"rounds": rounds, "before": before, "after": {n: after[n].detach().clone() for n in before},
-         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "fsdp": trainer.is_fsdp_enabled},
+         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "fsdp": trainer.is_fsdp_enabled,
+         "tflops": sum(entry.get("perf/denoiser_tflops", 0.0) for entry in trainer.state.log_history)},
         os.path.join(result_dir, f"{name}-rank{rank}.pt"),
     )  # fmt: skip
 if dist.is_initialized():

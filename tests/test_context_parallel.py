@@ -98,6 +98,8 @@ def _assert_same_training(case: tuple[str, str, str], one: dict, first: dict, se
         if a["log_probs"] is not None:
             assert torch.equal(b["log_probs"], c["log_probs"])
             torch.testing.assert_close(b["log_probs"], a["log_probs"], atol=1e-5, rtol=1e-5)
+    # Each rank counts its half of the group's denoiser FLOPs; the logged total is the one process's.
+    assert one["tflops"] > 0 and first["tflops"] == second["tflops"] == pytest.approx(one["tflops"], rel=1e-9)
     moved = max((one["after"][n] - one["before"][n]).abs().max().item() for n in one["before"])
     assert moved > 1e-4, case
     errors = {}
