@@ -7,8 +7,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from trl_dance import DanceGRPOConfig, DiffusionDPOConfig
+from trl_dance import DanceGRPOConfig
 from trl_dance.methods import get_method
+from trl_dance.trainer.dataset_config import DatasetTrainingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +94,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     training.update(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none")
     config = config_class(**training)
     assert values.get("lora_dropout", 0.0) == 0.0
-    assert config_class is DiffusionDPOConfig or config.steps_per_generation >= 1
+    assert isinstance(config, DatasetTrainingConfig) or config.steps_per_generation >= 1
     if "pipeline_class" in values:
         import diffusers
 
@@ -134,14 +135,18 @@ def test_tiny_image_conditioned_recipe_reads_image_paths(tmp_path, kind, script,
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
 
 
-@pytest.mark.parametrize(("kind", "config", "strip"), [("sd3", "dpo_sd3_tiny", 1), ("wan", "dpo_wan_tiny", 4)])
+@pytest.mark.parametrize(
+    ("kind", "config", "strip"), [("sd3", "dpo_sd3_tiny", 1), ("wan", "dpo_wan_tiny", 4), ("sd3", "sft_sd3_tiny", 1)]
+)
 def test_tiny_dpo_recipe_runs_from_yaml(tmp_path, kind, config, strip):
-    """Image pairs (SD3) and video pairs (Wan, lists of frames saved with save_to_disk) through the real script."""
+    """Image pairs (SD3) and video pairs (Wan, lists of frames saved with save_to_disk) through the real script; SFT
+    on the pairs' chosen images (a Diffusion-DPO recipe's SFT phase)."""
     from trl_dance.testing import main as testing_main
 
     testing_main([kind, str(tmp_path / "tiny"), "--preferences", str(tmp_path / "prefs")])
+    command = config.split("_")[0]
     result = _run_recipe(
-        "dpo",
+        command,
         config,
         "--model_name_or_path", str(tmp_path / "tiny"), "--dataset_name", str(tmp_path / "prefs"),
         "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1",
@@ -149,8 +154,9 @@ def test_tiny_dpo_recipe_runs_from_yaml(tmp_path, kind, config, strip):
         # as the real DPO configs load data: in persistent worker processes
         "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true",
     )  # fmt: skip
-    assert "implicit accuracy: first log" in result.stdout
-    for name in ("pytorch_lora_weights.safetensors", "implicit_accuracy.png", "samples.png", "image_1.png"):
+    dpo = command == "dpo"
+    assert ("implicit accuracy: first log" in result.stdout) == dpo
+    for name in ("pytorch_lora_weights.safetensors", "samples.png", "image_1.png", *(["implicit_accuracy.png"] * dpo)):
         assert (tmp_path / "out" / name).exists(), name
     assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * strip * 128 + 6, 2 * 128 + 6 + 30)
 

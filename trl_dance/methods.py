@@ -74,6 +74,13 @@ METHODS: dict[str, Method] = {
             "Diffusion-DPO on image and video preference pairs",
         ),
         Method(
+            "sft",
+            _T + "diffusion_sft_config:DiffusionSFTConfig",
+            _T + "diffusion_sft_trainer:DiffusionSFTTrainer",
+            "dataset",
+            "supervised fine-tuning on captioned images or videos",
+        ),
+        Method(
             "online-dpo",
             _T + "online_dpo_config:OnlineDiffusionDPOConfig",
             _T + "online_dpo_trainer:OnlineDiffusionDPOTrainer",

@@ -199,13 +199,38 @@ class PreferenceCollator:
         array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
         return torch.from_numpy(array).permute(2, 0, 1)
 
+    def _transform(self, media: list[list[Image.Image]], rng: random.Random) -> tuple[list[torch.Tensor], list[int]]:
+        """The frames of each of ``media`` resized (shorter side ``resolution``), cropped at one place and flipped
+        together, as (3, R, R) tensors (an image) or (F, 3, R, R) (with ``num_frames``); and SDXL's micro-conditioning
+        of the first: its original height and width, the crop's top and left, R, R."""
+        r, first = self.resolution, media[0][0]
+        size = self._size(first)  # every frame to this size, so one crop box fits all
+        if self.random_crop:
+            top, left = rng.randint(0, size[1] - r), rng.randint(0, size[0] - r)
+        else:
+            top, left = (size[1] - r) // 2, (size[0] - r) // 2
+        flip = self.random_flip and rng.random() < 0.5
+        tensors = []
+        for frames in media:
+            frame_tensors = []
+            for image in frames:
+                image = image.resize(size, Image.BILINEAR).crop((left, top, left + r, top + r))
+                if flip:
+                    image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                frame_tensors.append(self._to_tensor(image))
+            tensors.append(torch.stack(frame_tensors) if self.num_frames is not None else frame_tensors[0])
+        return tensors, [first.height, first.width, top, left, r, r]
+
+    def _batch_stream(self, rows: list[dict[str, Any]]) -> random.Random:
+        """The random stream of a batch: from its rows' indices when they come from :class:`IndexedRows` (the same
+        whichever worker collates it and whether earlier batches were skipped: a resumed run), else the worker's."""
+        if rows and all(INDEX_KEY in row for row in rows):
+            return random.Random(f"{self.seed}/{[row[INDEX_KEY] for row in rows]}")
+        return self._stream()
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         pixels, prompts, weights, time_ids, missing = [], [], [], [], 0
-        r, rng = self.resolution, self._stream()
-        if rows and all(INDEX_KEY in row for row in rows):
-            # Rows from IndexedRows: the batch's draws are a function of its rows, the same whichever worker
-            # collates it and whether earlier batches were skipped (a resumed run).
-            rng = random.Random(f"{self.seed}/{[row[INDEX_KEY] for row in rows]}")
+        rng = self._batch_stream(rows)
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
             where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
@@ -224,26 +249,11 @@ class PreferenceCollator:
                         f"num_frames={self.num_frames} (training clips are their first num_frames frames)"
                     )
                 chosen, rejected = chosen[: self.num_frames], rejected[: self.num_frames]
-            original = (chosen[0].height, chosen[0].width)
-            size = self._size(chosen[0])  # every frame of both to this size, so one crop box fits all
-            if self.random_crop:
-                top, left = rng.randint(0, size[1] - r), rng.randint(0, size[0] - r)
-            else:
-                top, left = (size[1] - r) // 2, (size[0] - r) // 2
-            flip = self.random_flip and rng.random() < 0.5
-            pair = []
-            for frames in (chosen, rejected):
-                tensors = []
-                for image in frames:
-                    image = image.resize(size, Image.BILINEAR).crop((left, top, left + r, top + r))
-                    if flip:
-                        image = image.transpose(Image.FLIP_LEFT_RIGHT)
-                    tensors.append(self._to_tensor(image))
-                pair.append(torch.stack(tensors) if self.num_frames is not None else tensors[0])
+            pair, box = self._transform([chosen, rejected], rng)
             pixels.append(torch.stack(pair))
             prompts.append("" if rng.random() < self.proportion_empty_prompts else prompt)
             weights.append(weight)
-            time_ids.append([*original, top, left, r, r])
+            time_ids.append(box)
         if not pixels:
             raise ValueError(f"every row of the batch ({len(rows)}) has a missing image")
         return {

@@ -19,7 +19,28 @@ _SCHEMES = ("none", "logit_normal", "mode")
 
 
 @dataclass
-class DPOLossArguments:
+class TimeDensityArguments:
+    """The density of training times of the losses on noised real images (Diffusion-DPO, SFT); documented in
+    :class:`~trl_dance.DiffusionDPOConfig`."""
+
+    weighting_scheme: str = field(
+        default="none",
+        metadata={"help": "Flow models' timestep density: none | logit_normal | mode.", "choices": list(_SCHEMES)},
+    )
+    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal density."})
+    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal density."})
+    mode_scale: float = field(default=1.29, metadata={"help": "Scale of the 'mode' density."})
+
+    def _check_time_density(self) -> None:
+        if self.weighting_scheme not in _SCHEMES:
+            raise ValueError(f"weighting_scheme must be one of {list(_SCHEMES)}, got {self.weighting_scheme!r}")
+
+    def time_density(self) -> TimeDensity:
+        return TimeDensity(self.weighting_scheme, self.logit_mean, self.logit_std, self.mode_scale)
+
+
+@dataclass
+class DPOLossArguments(TimeDensityArguments):
     """The Diffusion-DPO loss settings (documented in :class:`~trl_dance.DiffusionDPOConfig`)."""
 
     beta: float = field(default=5000.0, metadata={"help": "DPO β (5000 for SD1.5/SDXL; ~100 for flow models)."})
@@ -28,13 +49,6 @@ class DPOLossArguments:
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss type."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Label flip probability (robust, exo_pair)."})
-    weighting_scheme: str = field(
-        default="none",
-        metadata={"help": "Flow models' timestep density: none | logit_normal | mode.", "choices": list(_SCHEMES)},
-    )
-    logit_mean: float = field(default=0.0, metadata={"help": "Mean of the logit-normal density."})
-    logit_std: float = field(default=1.0, metadata={"help": "Std of the logit-normal density."})
-    mode_scale: float = field(default=1.29, metadata={"help": "Scale of the 'mode' density."})
 
     def _check_dpo_loss(self) -> None:
         if isinstance(self.loss_type, str):
@@ -55,8 +69,7 @@ class DPOLossArguments:
             )
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.weighting_scheme not in _SCHEMES:
-            raise ValueError(f"weighting_scheme must be one of {list(_SCHEMES)}, got {self.weighting_scheme!r}")
+        self._check_time_density()
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise ValueError(f"beta must be a positive number, got {self.beta}")
 
@@ -74,7 +87,7 @@ class PairDenoising:
 
     def __init__(self, policy: DiffusionPolicy, args: DPOLossArguments):
         self.policy, self.args = policy, args
-        self.density = TimeDensity(args.weighting_scheme, args.logit_mean, args.logit_std, args.mode_scale)
+        self.density = args.time_density()
 
     def draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per pair a noise (P, ...) and a time (P,) of the forward process."""
