@@ -1,5 +1,5 @@
-"""The job of the methods that learn from a dataset of images (Diffusion-DPO on preference pairs): the dataset in, a
-trained LoRA or denoiser out. Run through :mod:`trl_dance.scripts.train`.
+"""The job of the methods that learn from a dataset of images (Diffusion-DPO on preference pairs, SFT on captioned
+images): the dataset in, a trained LoRA or denoiser out. Run through :mod:`trl_dance.scripts.train`.
 
 Data: a Hub dataset or local folder (dataset_name) in TRL's preference format (prompt, chosen, rejected images) or
 Pick-a-Pic's (caption, jpg_0, jpg_1, label_0); images are decoded per batch. Writes the LoRA
