@@ -101,12 +101,12 @@ def tiny_dpo_config(tmp_path, **overrides):
     return DiffusionDPOConfig(**(values | overrides))
 
 
-def recomputed_steps(trainer):
+def recomputed_steps(trainer, grad: bool = False):
     """(inputs, output, step) of every transition planned for the last round, recomputed by the policy as the loss
-    does (without gradients)."""
+    does (with ``grad``, with gradients: a compiled module runs another graph then)."""
     for plan in trainer._microbatches:
         inputs = trainer._microbatch(plan)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
             step = trainer.policy.step(
                 output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
@@ -114,12 +114,12 @@ def recomputed_steps(trainer):
         yield inputs, output, step
 
 
-def max_ratio_deviation(trainer) -> float:
-    """max |ρ − 1| over the transitions planned for the last round, each log-prob recomputed against the one the
-    rollout stored."""
+def max_ratio_deviation(trainer, grad: bool = False) -> float:
+    """max |ρ − 1| over the transitions planned for the last round, each log-prob recomputed (with gradients if
+    ``grad``) against the one the rollout stored."""
     return max(
-        (step.log_prob - inputs["old_log_prob"]).exp().sub(1).abs().max().item()
-        for inputs, _, step in recomputed_steps(trainer)
+        (step.log_prob.detach() - inputs["old_log_prob"]).exp().sub(1).abs().max().item()
+        for inputs, _, step in recomputed_steps(trainer, grad)
     )
 
 

@@ -3,8 +3,7 @@ rolls out and start each round on-policy (ratio 1 through the training forward, 
 refused."""
 
 import pytest
-import torch
-from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, max_ratio_deviation, tiny_grpo_config
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -18,21 +17,6 @@ def _trainer(tiny_model_dir, tmp_path, kind="flux", **overrides):
     peft = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
     dataset = Dataset.from_dict({"prompt": PROMPTS[:8]})
     return DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=peft)
-
-
-def _training_ratio_deviation(trainer) -> float:
-    """max |ρ − 1| of the last round's transitions recomputed as the loss does, with gradients (a compiled module runs
-    a different graph with them)."""
-    deviations = []
-    for plan in trainer._microbatches:
-        inputs = trainer._microbatch(plan)
-        with torch.enable_grad():
-            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
-            step = trainer.policy.step(
-                output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
-            )
-        deviations.append((step.log_prob.detach() - inputs["old_log_prob"]).exp().sub(1).abs().max().item())
-    return max(deviations)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +36,7 @@ def test_speed_option_rolls_out_like_eager_and_stays_on_policy(tiny_model_dir, t
     assert fast.flops.take() == pytest.approx(eager.flops.take())  # the rollouts' FLOPs, counted alike
     assert (fast._rollout["latents"] - eager._rollout["latents"]).abs().max() < 1e-5
     assert (fast._rollout["log_probs"] - eager._rollout["log_probs"]).abs().max() < 1e-5
-    assert _training_ratio_deviation(fast) < 1e-6
+    assert max_ratio_deviation(fast, grad=True) < 1e-6  # through the training forward, with gradients
     if "torch_compile" in overrides:  # compiled in place, block by block
         assert all(block._compiled_call_impl is not None for block in fast.policy.denoiser.transformer_blocks)
 
