@@ -14,9 +14,11 @@ import sys
 import tempfile
 
 import torch
+from diffusers import AutoencoderKL
+
+from trl_dance.random_weights import MODEL_CONFIGS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import _vae  # noqa: E402
 
 from trl_dance.testing import save_tiny_pipeline  # noqa: E402
 
@@ -54,7 +56,8 @@ def main() -> None:
     channels = vae.config.latent_channels
     tiny = measure(vae, torch.randn(1, channels, 4, 4, requires_grad=True))  # 32×32 images
     with torch.device("meta"):
-        flux_vae = _vae(0.3611, 0.1159).to(torch.bfloat16)
+        flux_vae = AutoencoderKL.from_config(AutoencoderKL.load_config(os.path.join(MODEL_CONFIGS, "flux-dev", "vae")))
+        flux_vae = flux_vae.to(torch.bfloat16)
     flux = measure(flux_vae, torch.randn(1, 16, 128, 128, device="meta", dtype=torch.bfloat16, requires_grad=True))
     print("VAE decode, bytes saved for backward per image (without → with decoder checkpointing):")
     print(f"  tiny FLUX, 32² fp32 (measured): {tiny['without'] / 2**20:.2f} MiB → {tiny['with'] / 2**20:.2f} MiB "
