@@ -98,7 +98,7 @@ def denoiser_ops(model: torch.nn.Module, layout: FlopLayout) -> list[Op]:
             kernel = math.prod(module.kernel_size)
             coefficient = 2 * module.out_channels * module.in_channels // module.groups * kernel
             ops.append(Op(name, "conv", coefficient, layout.stream(name), None, trains, lora, module))
-        elif hasattr(module, "processor") and not isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+        elif hasattr(module, "processor"):  # an attention module
             query, key = layout.attention_streams(name)
             ops.append(Op(name, "attention", 4 * _inner_dim(module), query, key, False, False, module))
     return ops

@@ -224,16 +224,14 @@ class DiffusionTrainer(_BaseTrainer):
                 self.accelerator.device,
             )
             policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
-        ratio = type(self).__name__ if self.uses_likelihood_ratio else None
-        apply_speed_options(
-            [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None], args, ratio
-        )
-        self.flops = None  # the denoiser calls' FLOPs (every call of the trained, frozen-expert and reference models)
+        # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
+        denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
+        apply_speed_options(denoisers, args, type(self).__name__ if self.uses_likelihood_ratio else None)
+        self.flops = None  # the FLOPs of their calls
         if policy.flop_layout is not None:
             self.flops = DenoiserFlops(policy.flop_layout, policy.flop_tokens, 1 / args.context_parallel_size)
-            for module in (denoiser, policy.frozen_expert, self.ref_model):
-                if module is not None:
-                    self.flops.attach(module)
+            for module in denoisers:
+                self.flops.attach(module)
         self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops)
         self._logged_step = 0
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
