@@ -84,7 +84,12 @@ def run(name: str, command: list[str], timeout: float, extra: list[str]) -> dict
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         errors = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]
-        return {"name": name, "failed": f"exit {result.returncode}: {errors[-1][-300:] if errors else ''}"}
+        # The traceback's tail travels with the record: a device session sees why without a second run.
+        return {
+            "name": name,
+            "failed": f"exit {result.returncode}: {errors[-1][-300:] if errors else ''}",
+            "stderr_tail": "\n".join(errors[-40:])[-4000:],
+        }
     return {"name": name, **json.loads(lines[-1]), "process_s": time.perf_counter() - start}
 
 

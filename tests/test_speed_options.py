@@ -58,3 +58,17 @@ def test_lossy_rollout_cache_is_refused_for_ratio_losses(tiny_model_dir, tmp_pat
     pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
     with pytest.raises(ValueError, match="cache enabled.*DanceGRPOTrainer's likelihood ratio"):
         DanceGRPOTrainer(pipeline, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}))
+
+
+def test_cudnn_attention_is_off_unless_asked_for(tiny_model_dir, tmp_path):
+    """PyTorch's cuDNN SDPA kernel made an illegal memory access in FLUX.1-dev's first training backward on an H200
+    (torch 2.11, cuDNN 9.19): trainers turn it off for the process unless `cudnn_attention=True`."""
+    import torch
+
+    try:
+        _trainer(tiny_model_dir, tmp_path)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        _trainer(tiny_model_dir, tmp_path, cudnn_attention=True)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, for the tests after this one

@@ -480,7 +480,11 @@ class DiffusionTrainer(_BaseTrainer):
         self._logged_step = self.state.global_step
         names = [key for key, values in self._metrics.items() if values]
         if names:
-            means = torch.stack([torch.stack(self._metrics[key]).mean() for key in names]).tolist()  # one sync
+            # Metrics come from the GPU (losses, rewards) and the host (counters, schedules): one device, one sync.
+            device = self.accelerator.device
+            means = torch.stack(
+                [torch.stack([value.to(device, torch.float32) for value in self._metrics[key]]).mean() for key in names]
+            ).tolist()
             logs.update(zip(names, means))
         bad = [key for key in ("grad_norm", "loss") if key in logs and not math.isfinite(logs[key])]
         if self._loss_finite is not None and not bool(self._loss_finite) and "loss" not in bad:

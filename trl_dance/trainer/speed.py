@@ -29,10 +29,18 @@ class SpeedArguments:
             `"_native_math"`, ... (`diffusers.models.attention_dispatch.AttentionBackendName`); None keeps the
             model's default. Rollouts and training run the same backend, so the first update of a round stays
             on-policy.
+        cudnn_attention (`bool`, defaults to `False`): let PyTorch's SDPA pick its cuDNN kernel. Off by default,
+            for the whole process: on an H200 (torch 2.11, cuDNN 9.19) its backward made an illegal memory access
+            on FLUX.1-dev (head dimension 128, 1,536 tokens) while the flash kernel trained the same step;
+            SD3.5 (head dimension 64) ran either way.
     """
 
     attention_backend: str | None = field(
         default=None, metadata={"help": "diffusers attention backend of the denoiser (native, flash, sage, ...)."}
+    )
+
+    cudnn_attention: bool = field(
+        default=False, metadata={"help": "let PyTorch's SDPA use its cuDNN kernel (off: it crashed FLUX's backward)."}
     )
 
     def _check_speed(self) -> None:
@@ -60,6 +68,7 @@ def apply_speed_options(models: list[torch.nn.Module], args, likelihood_ratio: s
     """Set ``args.attention_backend`` on each model and, with ``args.torch_compile``, compile it regionally. With
     ``likelihood_ratio`` (the trainer's name, for a trainer whose loss is a likelihood ratio against its rollouts),
     refuse a model with a diffusers cache enabled."""
+    torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention)
     for model in models:
         name = type(model).__name__
         if likelihood_ratio and getattr(model, "is_cache_enabled", False):
