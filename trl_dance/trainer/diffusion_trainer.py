@@ -482,9 +482,8 @@ class DiffusionTrainer(_BaseTrainer):
         if names:
             # Metrics come from the GPU (losses, rewards) and the host (counters, schedules): one device, one sync.
             device = self.accelerator.device
-            means = torch.stack(
-                [torch.stack([value.to(device, torch.float32) for value in self._metrics[key]]).mean() for key in names]
-            ).tolist()
+            on_device = [[value.to(device, torch.float32) for value in self._metrics[key]] for key in names]
+            means = torch.stack([torch.stack(values).mean() for values in on_device]).tolist()
             logs.update(zip(names, means))
         bad = [key for key in ("grad_norm", "loss") if key in logs and not math.isfinite(logs[key])]
         if self._loss_finite is not None and not bool(self._loss_finite) and "loss" not in bad:
