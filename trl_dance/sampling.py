@@ -8,6 +8,7 @@ policy's: :meth:`~trl_dance.policies.DiffusionPolicy.step` and ``solve``; this m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ class SDEWindow:
             return self.low + (round_index // self.every * self.stride) % self.positions
         raise ValueError(f"window schedule must be 'random' or 'progressive', got {self.schedule!r}")
 
+    def group_start(self, round_index: int, seed: int, group: int) -> int:
+        """A uniform start for global group ``group`` of round ``round_index`` (Flash-GRPO's iso-temporal windows:
+        every member of a group shares it, groups differ), the same on every process."""
+        generator = torch.Generator().manual_seed(mix_seed(seed, round_index, group, 0x15E))
+        return self.low + int(torch.randint(self.positions, (), generator=generator))
+
 
 @dataclass(frozen=True)
 class RolloutPlan:
@@ -114,6 +121,8 @@ class RolloutPlan:
     last_step_sde: bool = False
     post_window_sigmas: tuple[float, ...] | None = None
     post_window_solver: PostWindowSolver = "ode"
+    sample_starts: tuple[int, ...] | None = None
+    sample_window: int = 0
 
     def __post_init__(self):
         if self.sde_end is None:
@@ -123,6 +132,28 @@ class RolloutPlan:
                 f"SDE steps [{self.sde_start}, {self.sde_end}) must be a part of the first {self.num_steps - 1} steps "
                 "(the last step is never trained)"
             )
+        if self.sample_starts is not None and (
+            self.sample_window < 1 or self.last_step_sde or self.post_window_sigmas is not None
+        ):
+            raise ValueError("per-sample SDE windows need sample_window >= 1, no last_step_sde and the policy's grid")
+
+    @classmethod
+    def staggered(cls, num_steps: int, starts: Sequence[int], window: int) -> RolloutPlan:
+        """Sample ``b`` steps stochastically on ``[starts[b], starts[b] + window)`` and deterministically elsewhere
+        (Flash-GRPO's iso-temporal windows: one position per group); stores ``window + 1`` states per sample."""
+        return cls(num_steps, min(starts), max(starts) + window, sample_starts=tuple(starts), sample_window=window)
+
+    def part(self, rows: slice) -> RolloutPlan:
+        """The plan of the samples ``rows`` of the batch it was made for (per-sample windows are sliced)."""
+        if self.sample_starts is None:
+            return self
+        return dataclasses.replace(self, sample_starts=self.sample_starts[rows])
+
+    def starts(self, batch: int) -> torch.Tensor:
+        """(batch,) long: the first stored step of each sample (host)."""
+        if self.sample_starts is None:
+            return torch.full((batch,), self.sde_start, dtype=torch.long)
+        return torch.tensor(self.sample_starts, dtype=torch.long)
 
     @classmethod
     def deterministic(cls, num_steps: int, **kwargs) -> RolloutPlan:
@@ -179,6 +210,8 @@ def rollout(
         ``means`` (B, S, ...) with ``keep_means``; ``final_latents`` (B, ...) the last state; ``denoiser_calls`` the
         number of (sample, step) denoiser evaluations made.
     """
+    if plan.sample_starts is not None:
+        return _staggered_rollout(policy, model, latents, cond, noise, plan, keep_means)
     batch, calls, start = latents.shape[0], 0, 0
     if groups is not None and plan.sde_start > 0:
         reps, inverse = _representatives(groups)
@@ -228,6 +261,46 @@ def rollout(
     if keep_means:
         out["means"] = torch.stack(means, 1)
     return out
+
+
+def _staggered_rollout(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    cond: Conditioning,
+    noise: torch.Tensor,
+    plan: RolloutPlan,
+    keep_means: bool,
+) -> dict[str, torch.Tensor | int]:
+    """:func:`rollout` with a window per sample (``plan.sample_starts``): every step is computed for the whole batch,
+    and the samples inside their window take the SDE step (the same noise as in a shared window), the others the
+    deterministic one. Returns the same keys, ``latents`` (B, W + 1, ...) being each sample's own window."""
+    batch, window, device = latents.shape[0], plan.sample_window, latents.device
+    starts = plan.starts(batch)
+    stored = latents.new_zeros(batch, window + 1, *latents.shape[1:])
+    log_probs = latents.new_zeros(batch, window)
+    means = latents.new_zeros(batch, window, *latents.shape[1:]) if keep_means else None
+    for i in range(plan.num_steps):
+        step_index = torch.full((batch,), i, device=device, dtype=torch.long)
+        output = policy.predict_step(model, latents, i, step_index, cond)
+        offset = i - starts  # host: each sample's position in its window
+        if (offset == 0).any():
+            entering = (offset == 0).nonzero().flatten().to(device)
+            stored[entering, 0] = latents[entering]
+        following = policy.step(output, latents, step_index, noise=noise[i], compute_log_prob=False, eta=0.0)
+        following = following.prev_sample
+        inside = ((offset >= 0) & (offset < window)).nonzero().flatten()
+        if len(inside):
+            rows, slots = inside.to(device), offset[inside].to(device)
+            sde = policy.step(output[rows], latents[rows], step_index[rows], noise=noise[i][rows])
+            following = following.index_put((rows,), sde.prev_sample)
+            stored[rows, slots + 1] = sde.prev_sample
+            log_probs[rows, slots] = sde.log_prob
+            if keep_means:
+                means[rows, slots] = sde.mean
+        latents = following
+    out = {"final_latents": latents, "denoiser_calls": batch * plan.num_steps, "latents": stored}
+    return out | {"log_probs": log_probs} | ({"means": means} if keep_means else {})
 
 
 def deterministic_step(

@@ -70,7 +70,7 @@ def patch_scheduler(
     Args:
         scheduler: a ``FlowMatchEulerDiscreteScheduler`` (velocity models) or ``DDIMScheduler`` (ε models), on which
             ``set_timesteps`` has been or will be called before stepping.
-        sde_type: for flow-matching schedulers, ``"dance"``, ``"flow_grpo"`` or ``"cps"``; ignored for DDIM.
+        sde_type: for flow-matching schedulers, ``"dance"``, ``"flow_grpo"``, ``"cps"`` or ``"flash"``; ignored for DDIM.
         eta: η (dance), ``a`` (flow_grpo, cps) or DDIM's η; defaults to 0.3 for flow, 1.0 for DDIM.
 
     Returns:
@@ -95,6 +95,7 @@ def patch_scheduler(
                 prev_sample=prev_sample,
                 generator=generator,
                 sigma_max=float(sigmas[1]) if len(sigmas) > 2 else None,
+                sigma_min=float(sigmas[-1]),
             )
 
     elif isinstance(scheduler, DDIMScheduler):

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-SDEType = Literal["dance", "flow_grpo", "cps"]
+SDEType = Literal["dance", "flow_grpo", "cps", "flash"]
 Reduction = Literal["mean", "sum"]
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -118,6 +118,7 @@ def flow_sde_step(
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     sigma_max: float | torch.Tensor | None = None,
+    sigma_min: float | torch.Tensor = 0.0,
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
     noise: torch.Tensor | None = None,
@@ -129,12 +130,16 @@ def flow_sde_step(
         sample: (B, ...) current latent ``x_σ``.
         sigma, sigma_next: noise levels in [0, 1], ``sigma > sigma_next``; floats or (B,) tensors.
         sde_type: ``"dance"`` (constant diffusion ``s = eta``, DanceGRPO), ``"flow_grpo"``
-            (``s = eta · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), or ``"cps"``
-            (coefficients-preserving sampling, ``std = σ_next · sin(eta · π/2)``, pseudo log-prob).
-        eta: η for ``dance``, ``a`` for ``flow_grpo`` and ``cps``. 0 gives the deterministic Euler step.
+            (``s = eta · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), ``"flash"`` (Flash-GRPO,
+            arXiv 2605.15980: ``s = eta · (σ_min + (σ_max − σ_min) · σ)``, linear in σ, with the schedule's
+            ``sigma_max`` and ``sigma_min``; η = 1 is the paper's), or ``"cps"`` (coefficients-preserving sampling,
+            ``std = σ_next · sin(eta · π/2)``, pseudo log-prob).
+        eta: η for ``dance`` and ``flash``, ``a`` for ``flow_grpo`` and ``cps``. 0 gives the deterministic Euler step.
         prev_sample: if given, it is scored (detached) instead of sampling a new one.
         generator: random generator for the sampled noise.
-        sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``.
+        sigma_max: for ``flow_grpo``, the grid value after 1 (``σ_1``), used where ``σ = 1``; for ``flash``, σ_max
+            (Flash-GRPO takes the same grid value, ``σ_1``).
+        sigma_min: for ``flash``, σ_min (the grid's last value: 0 on flow-matching schedules).
         reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
         compute_log_prob: set False to skip the log-prob. Required for a zero-noise step: noise level 0 raises;
             a zero-width step (σ_next = σ, or CPS onto σ = 0) would give an infinite log-prob.
@@ -164,8 +169,13 @@ def flow_sde_step(
             raise ValueError("sde_type='flow_grpo' at sigma = 1 needs sigma_max, the next value of the sigma grid")
         s_tilde = torch.where(s >= 1, _per_sample(sigma_max if sigma_max is not None else 0.0, x), s)
         diffusion = eta * torch.sqrt(s / (1 - s_tilde))
+    elif sde_type == "flash":
+        if sigma_max is None:
+            raise ValueError("sde_type='flash' needs sigma_max (Flash-GRPO: the sigma grid's value after 1)")
+        low = _per_sample(sigma_min, x)
+        diffusion = eta * (low + (_per_sample(sigma_max, x) - low) * s)
     else:
-        raise ValueError(f"sde_type must be 'dance', 'flow_grpo' or 'cps', got {sde_type!r}")
+        raise ValueError(f"sde_type must be 'dance', 'flow_grpo', 'cps' or 'flash', got {sde_type!r}")
 
     mean = x - delta * (v + diffusion**2 / (2 * s) * eps_hat)
     std = diffusion * torch.sqrt(delta)

@@ -36,7 +36,7 @@ class SamplerSettings:
     width: int = 720
     guidance_scale: float = 3.5
     eta: float = 0.3
-    sde_type: Literal["dance", "flow_grpo", "cps"] = "dance"
+    sde_type: Literal["dance", "flow_grpo", "cps", "flash"] = "dance"
     sigma_schedule: Literal["dance", "pipeline"] = "dance"
     shift: float = 3.0
     max_sequence_length: int = 512
@@ -534,6 +534,18 @@ class DiffusionPolicy(ABC):
                     f"{self.settings.eta}, sde_type {self.settings.sde_type!r}): their log-probability is "
                     "undefined. Use a positive noise level or a schedule without repeated sigmas."
                 )
+
+    def log_prob_gradient_scale(self, steps: list[int]) -> torch.Tensor:
+        """(len(steps),) float32: how strongly each step's log-probability responds to the network output,
+        |∂μ/∂output| / std for the step's Gaussian mean μ and std (flow: Δσ·(1 + s²(1−σ)/(2σ)) / (s·√Δσ)). On-policy,
+        the gradient of a transition's log-prob with respect to the output is this times the step's standard noise,
+        so it is the time-dependent scale Flash-GRPO's temporal gradient rectification divides out. Every step is
+        affine in the output, so one finite difference on (len(steps), 1) probes is exact."""
+        index = torch.tensor(steps, dtype=torch.long)
+        zeros, ones = torch.zeros(len(steps), 1), torch.ones(len(steps), 1)
+        at_zero = self.step(zeros, zeros, index, prev_sample=zeros, compute_log_prob=False)
+        at_one = self.step(ones, zeros, index, prev_sample=zeros, compute_log_prob=False)
+        return (at_one.mean - at_zero.mean).abs().flatten() / at_zero.std
 
     def _latent_affine(self, like: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """``(offset, scale)`` with policy latents = (VAE latents − offset) · scale, broadcastable to VAE latents

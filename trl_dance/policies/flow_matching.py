@@ -168,6 +168,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             prev_sample=prev_sample,
             generator=generator,
             sigma_max=sigmas[1],
+            sigma_min=sigmas[-1],
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
             noise=noise,

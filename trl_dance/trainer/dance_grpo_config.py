@@ -31,7 +31,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         > SDE sampling
 
         sde_type (`str`, defaults to `"dance"`): Stochastic step: `"dance"` (constant diffusion η),
-            `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob).
+            `"flow_grpo"` (η·sqrt(σ/(1−σ))), `"cps"` (coefficients-preserving, pseudo log-prob), `"flash"`
+            (Flash-GRPO: η·(σ_min + (σ_max − σ_min)·σ) with the schedule's σ after 1 as σ_max and its last as σ_min;
+            η = 1 is the paper's; flow-matching models).
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
         log_prob_reduction (`str`, defaults to `"mean"`): Reduce per-element log-densities by `"mean"` (the
             convention the clip range 1e-4 is tuned for) or `"sum"`.
@@ -92,7 +94,17 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             (DanceGRPO) and, with an SDE window, every window step (Flow-GRPO-Fast and MixGRPO train their whole
             window).
         timestep_selection (`str`, defaults to `"random"`): Which of them: `"random"`, drawn per sample (DanceGRPO);
-            `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %").
+            `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %");
+            `"iso_temporal"`, drawn per group, so that every member of a group trains the same steps and their
+            advantages compare samples, not timesteps (Flash-GRPO, arXiv 2605.15980). With an SDE window the window
+            itself is placed per group (uniformly in `sde_window_range`, from (seed, round, group)) instead of per
+            round: Flash-GRPO is `sde_window_size=1` (one SDE step per video, the rest ODE), `sde_window_range`
+            `[0, 10]` of 20 steps, `sde_type="flash"`, `temporal_rectification=True`.
+        temporal_rectification (`bool`, defaults to `False`): Flash-GRPO's temporal gradient rectification: each
+            transition's policy loss is multiplied by 1/g_t, g_t = |∂μ/∂output|/std the scale at which the step's
+            log-probability responds to the network output (flow: Δσ·(1 + s²(1−σ)/(2σ))/(s·√Δσ)), normalised to
+            mean 1 over the candidate steps, so every timestep's gradient has one scale. Not with `"cps"` (pseudo
+            log-prob) nor `step_reweighting` (another reweighting of the same steps).
         best_of_n_k (`int` or `None`, defaults to `None`): Train only the k highest and the k lowest advantages of
             each group (DanceGRPO's video recipe: 4 + 4 of 24); every process must hold whole groups. `None`: all.
     """
@@ -151,7 +163,13 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
     )
     timestep_selection: str = field(
         default="random",
-        metadata={"help": "random | first | last trainable steps.", "choices": ["random", "first", "last"]},
+        metadata={
+            "help": "random | first | last | iso_temporal (per group) trainable steps.",
+            "choices": ["random", "first", "last", "iso_temporal"],
+        },
+    )
+    temporal_rectification: bool = field(
+        default=False, metadata={"help": "Flash-GRPO: divide each step's loss by its log-prob gradient scale."}
     )
     best_of_n_k: int | None = field(
         default=None, metadata={"help": "Train only the k highest and k lowest advantages of each group."}
@@ -162,7 +180,7 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         _choice("kl_scaling", self.kl_scaling, ("gaussian", "flow_grpo"))
         _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
-        _choice("timestep_selection", self.timestep_selection, ("random", "first", "last"))
+        _choice("timestep_selection", self.timestep_selection, ("random", "first", "last", "iso_temporal"))
         _choice("trust_region", self.trust_region, ("clip", "dppo"))
         if not (self.dppo_kl_threshold > 0 and math.isfinite(self.dppo_kl_threshold)):
             raise ValueError(f"dppo_kl_threshold must be a positive number, got {self.dppo_kl_threshold}")
@@ -222,6 +240,24 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             )
         if self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ValueError(f"epsilon_high must be > 0 (or None), got {self.epsilon_high}")
+        if self.timestep_selection == "iso_temporal" and window is not None:
+            clashes = {
+                "branching (a group's prefix before a round-wide window)": self.branching,
+                f"sde_window_schedule={self.sde_window_schedule!r} (one start per round)": self.sde_window_schedule
+                != "random",
+                "a compressed grid after the window": self.post_window_step_ratio < 1
+                or self.post_window_solver != "ode",
+            }
+            for what, used in clashes.items():
+                if used:
+                    raise ValueError(
+                        f"timestep_selection='iso_temporal' places the SDE window per group, which excludes {what}"
+                    )
+        if self.temporal_rectification and (self.sde_type == "cps" or self.step_reweighting):
+            raise ValueError(
+                "temporal_rectification divides out the Gaussian log-probability's gradient scale: not with "
+                "sde_type='cps' (a pseudo log-prob) nor with step_reweighting (another per-step weight)"
+            )
         if self.ratio_normalization and self.sde_type == "cps":
             raise ValueError(
                 "ratio_normalization needs a Gaussian log-probability; sde_type='cps' has a pseudo log-prob. Use "

@@ -7,7 +7,7 @@ import torch
 from ..advantages import extremes_per_group
 from ..losses import clipped_fraction, clipped_surrogate, dppo_surrogate, normalized_log_ratio
 from ..policies import DiffusionPolicy
-from ..sampling import RolloutPlan, SDEWindow, compressed_steps
+from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
 from .dance_grpo_config import DanceGRPOConfig
 from .rollout_trainer import RolloutTrainer
 
@@ -47,6 +47,7 @@ class DanceGRPOTrainer(RolloutTrainer):
             "step_reweighting divides by the step's Δσ": args.step_reweighting,
             "post_window_solver='dpm_solver++' solves on a σ grid": args.post_window_solver != "ode",
             "post_window_step_ratio < 1 builds a compressed σ grid": args.post_window_step_ratio < 1,
+            "sde_type='flash' is a rectified-flow SDE": args.sde_type == "flash",
         }
         for what, used in flow_only.items():
             if used and policy.prediction_type != "flow_prediction":
@@ -70,6 +71,12 @@ class DanceGRPOTrainer(RolloutTrainer):
                 f"{args.num_inference_steps - 1} steps per sample, but the {args.train_expert} expert serves only "
                 f"{len(trainable)} ({trainable}); use timestep_fraction <= {len(trainable) / (args.num_inference_steps - 1):.3f}"
             )
+        self._rectification = None
+        if args.temporal_rectification:  # 1 / each candidate step's gradient scale, averaging 1 over them
+            steps = trainable if self.sde_window is None else list(range(self.sde_window.low, self.sde_window.high))
+            inverse = 1 / policy.log_prob_gradient_scale(steps)
+            self._rectification = torch.zeros(policy.num_steps)
+            self._rectification[steps] = inverse / inverse.mean()
 
     def _keep_means(self) -> bool:
         return self.args.ratio_normalization or self.args.trust_region == "dppo"
@@ -78,23 +85,37 @@ class DanceGRPOTrainer(RolloutTrainer):
         return self.args.branching
 
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
-        args = self.args
+        args, batch = self.args, len(advantages)
+        starts = plan.starts(batch)  # each sample's first stored step
         self._rollout |= {
             "latents": rollout["latents"],
             "log_probs": rollout["log_probs"],
             "means": rollout.get("means"),
-            "first_step": plan.sde_start,
+            "first_step": starts.to(self.accelerator.device),
         }
-        trained = torch.arange(len(advantages))
+        trained = torch.arange(batch)
         if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
             trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
-        candidates = self.policy.trainable_steps() if self.sde_window is None else list(plan.stored_steps)
-        return self._plan_microbatches(trained, torch.tensor(candidates))
+        if self.sde_window is None:
+            candidates = torch.tensor(self.policy.trainable_steps()).expand(batch, -1)
+        else:
+            candidates = starts[:, None] + torch.arange(plan.sample_window or self.sde_window.size)
+        first_index = self.data_parallel.rank * batch
+        return self._plan_microbatches(trained, candidates[trained], (first_index + trained) // args.num_generations)
+
+    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int) -> RolloutPlan:
+        if self.sde_window is None or self.args.timestep_selection != "iso_temporal":
+            return plan
+        # Flash-GRPO: one window position per group, drawn from (seed, round, group), the same on every process.
+        groups = [(first_index + j) // self.args.num_generations for j in range(batch)]
+        starts = [self.sde_window.group_start(self._generation_round, self.args.seed, group) for group in groups]
+        return RolloutPlan.staggered(plan.num_steps, starts, self.sde_window.size)
 
     def _log_rollout_metrics(self, all_rewards, total, advantages, plan: RolloutPlan, calls_per_sample: float) -> None:
         super()._log_rollout_metrics(all_rewards, total, advantages, plan, calls_per_sample)
         if self.sde_window is not None:
-            self._metrics["sde_window/start"].append(torch.tensor(float(plan.sde_start)))
+            starts = plan.starts(len(plan.sample_starts or [0])).float()
+            self._metrics["sde_window/start"].append(starts.mean())
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         """The noise plan of round ``round_index`` (default: the next round): every step stochastic, or the round's SDE
@@ -112,20 +133,26 @@ class DanceGRPOTrainer(RolloutTrainer):
         return RolloutPlan(steps, start, end, post_window_sigmas=sigmas, post_window_solver=args.post_window_solver)
 
     def _plan_microbatches(
-        self, samples: torch.Tensor, candidates: torch.Tensor
+        self, samples: torch.Tensor, candidates: torch.Tensor, groups: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration.
 
-        Each trained sample takes K of the ``candidates`` steps (the first N−1, the trained expert's, or the window's):
-        drawn independently per sample (``timestep_selection="random"``), or the first / last K."""
+        Each trained sample (of global group ``groups``) takes K of its row of ``candidates`` (count, C) (the first
+        N−1 steps, the trained expert's, or its window's): drawn independently per sample (``"random"``), per group
+        from (seed, round, group) so that a group's members train the same steps (``"iso_temporal"``), or the first /
+        last K."""
         args = self.args
-        k, count = args.timesteps_per_sample, len(samples)
+        k, (count, width) = args.timesteps_per_sample, candidates.shape
         if args.timestep_selection == "random":
-            draws = torch.rand(count, len(candidates), generator=self._cpu_generator).argsort(dim=1)[:, :k]
+            draws = torch.rand(count, width, generator=self._cpu_generator).argsort(dim=1)[:, :k]
+        elif args.timestep_selection == "iso_temporal":
+            seeds = {g: mix_seed(args.seed, self._generation_round, int(g), 0x150) for g in groups.unique().tolist()}
+            per_group = {g: torch.rand(width, generator=torch.Generator().manual_seed(s)) for g, s in seeds.items()}
+            draws = torch.stack([per_group[int(g)].argsort()[:k] for g in groups])
         else:
-            first = 0 if args.timestep_selection == "first" else len(candidates) - k
+            first = 0 if args.timestep_selection == "first" else width - k
             draws = torch.arange(first, first + k).expand(count, k)
-        steps = candidates[draws.flatten()]
+        steps = candidates.gather(1, draws).flatten()
         samples = samples.repeat_interleave(k)
         plan = []
         for _ in range(args.num_iterations):
@@ -136,7 +163,7 @@ class DanceGRPOTrainer(RolloutTrainer):
     def _microbatch(self, indices: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         rollout, device = self._rollout, self.accelerator.device
         sample, step = (index.to(device) for index in indices)
-        stored = step - rollout["first_step"]  # position among the stored steps
+        stored = step - rollout["first_step"][sample]  # position among the sample's stored steps
         cond_rows = rollout["prompt_index"][sample]
         inputs = {
             "latents": rollout["latents"][sample, stored],
@@ -172,6 +199,8 @@ class DanceGRPOTrainer(RolloutTrainer):
             per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
         if self.args.step_reweighting:
             per_transition = per_transition / self._delta_sigma(step_index)
+        if self._rectification is not None:  # Flash-GRPO: every timestep's gradient on one scale
+            per_transition = per_transition * self._rectification.to(per_transition.device)[step_index]
 
         if self.args.beta > 0:
             ref_mean = self._reference_mean(model, inputs)

@@ -364,7 +364,7 @@ class RolloutConfig(
         return self.generation_batch_size // self.data_parallel_size
 
 
-SDE_TYPES = ("dance", "flow_grpo", "cps")
+SDE_TYPES = ("dance", "flow_grpo", "cps", "flash")
 
 
 @dataclass
@@ -372,7 +372,9 @@ class SDEArguments:
     """The stochastic step of the methods that train on its log-probabilities (documented in
     :class:`~trl_dance.DanceGRPOConfig`); the policy's sampler reads these names unchanged (:meth:`sde_settings`)."""
 
-    sde_type: str = field(default="dance", metadata={"help": "dance | flow_grpo | cps.", "choices": list(SDE_TYPES)})
+    sde_type: str = field(
+        default="dance", metadata={"help": "dance | flow_grpo | cps | flash.", "choices": list(SDE_TYPES)}
+    )
     eta: float = field(default=0.3, metadata={"help": "SDE noise level (> 0)."})
     log_prob_reduction: str = field(default="mean", metadata={"help": "mean | sum.", "choices": ["mean", "sum"]})
 

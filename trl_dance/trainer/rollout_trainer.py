@@ -170,6 +170,11 @@ class RolloutTrainer(DiffusionTrainer):
         """The noise plan of round ``round_index`` (default: the next round)."""
         raise NotImplementedError
 
+    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int) -> RolloutPlan:
+        """The round's plan for this process's ``batch`` samples from global index ``first_index`` (a method
+        with a window per group gives each sample its group's)."""
+        return plan
+
     @staticmethod
     def _needs_reference(args: RolloutConfig) -> bool:
         """Whether the loss calls the reference model (the KL term)."""
@@ -389,7 +394,7 @@ class RolloutTrainer(DiffusionTrainer):
 
         first_index = self.data_parallel.rank * batch  # of this process's samples in the global batch
         generators = sample_generators(args.seed, self._generation_round, first_index, batch)
-        plan = self.rollout_plan()
+        plan = self._sample_plan(self.rollout_plan(), first_index, batch)
         groups = None
         if self._branching():  # host integers: the rollout picks a group's representative without a device read
             groups = [(first_index + j) // args.num_generations for j in range(batch)]
@@ -407,7 +412,7 @@ class RolloutTrainer(DiffusionTrainer):
                         model=self._rollout_model(),
                         cond={key: value[idx] for key, value in cond_table.items()},
                         initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
-                        plan=plan,
+                        plan=plan.part(part),
                         groups=None if groups is None else groups[part],
                     )
                 )
