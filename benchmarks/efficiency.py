@@ -53,7 +53,8 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
         (Flow-GRPO-Fast: the first half of the steps); MixGRPO's window sweeps the trainable steps once over the run (the
         paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (DPM-Solver++ rollouts on the
         pipeline's grid, ⌊0.99·N⌋ noise levels per sample, KL β 1e-4, the linear old-policy decay moved after every
-        update), with ``updates_per_round`` optimizer updates per round where given (one otherwise, for every method).
+        update), with ``updates_per_round`` optimizer updates per round where given (one otherwise, for every method;
+        Flow-DPPO's rows take 4).
         Direct reward methods: deterministic rollouts, their
     config's SRPO defaults except as noted."""
     half = max(3, (steps - 1) // 2)
@@ -70,6 +71,12 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
         "window_dance_sde": fast | {"sde_type": "dance", "eta": 0.3},
         "mixgrpo": mix,
         "mixgrpo_flash": mix | {"post_window_solver": "dpm_solver++", "post_window_step_ratio": 0.4},
+        # Flow-DPPO: the KL trust region instead of the clip, 4 updates per round on the same rollouts.
+        "dppo_4_updates": {"trust_region": "dppo", "updates_per_round": 4},
+        "dppo_fast_branching_4_updates": fast | {"branching": True, "trust_region": "dppo", "updates_per_round": 4},
+        # Flash-GRPO: one SDE step per sample, placed per group in the first half, Flash SDE, rectified.
+        "flash_grpo": {"sde_type": "flash", "eta": 1.0, "sde_window_size": 1, "sde_window_range": [0, half]}
+        | {"timestep_selection": "iso_temporal", "temporal_rectification": True},
     }
     return {name: (DanceGRPOTrainer, settings) for name, settings in grpo.items()} | {
         "diffusion_nft": (DiffusionNFTTrainer, {}),

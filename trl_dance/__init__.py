@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # for editors and type checkers; tests/test_cli.py checks it 
     from .trainer.diffusion_dpo_trainer import DiffusionDPOTrainer
     from .trainer.diffusion_nft_config import DiffusionNFTConfig
     from .trainer.diffusion_nft_trainer import DiffusionNFTTrainer
+    from .trainer.diffusion_opd_config import DiffusionOPDConfig
+    from .trainer.diffusion_opd_trainer import DiffusionOPDTrainer
     from .trainer.diffusion_sft_config import DiffusionSFTConfig
     from .trainer.diffusion_sft_trainer import DiffusionSFTTrainer
     from .trainer.direct_reward_config import DirectRewardConfig

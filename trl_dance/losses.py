@@ -63,6 +63,12 @@ def normalized_log_ratio(
     return std * (log_prob - old_log_prob + log_prob_of_mean - log_prob_of_old_mean)
 
 
+def gaussian_step_kl(mean: torch.Tensor, other_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """(B,) KL between two step Gaussians N(mean, std²I) and N(other_mean, std²I) of one (B,) std, per latent element:
+    mean((mean − other_mean)²) / (2·std²) over the non-batch dimensions (the exact KL divided by their count)."""
+    return ((mean - other_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
+
+
 def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
     """DiffusionNFT's r = clip(½ + A/(2·A_max), 0, 1): the probability that a sample is "positive"."""
     return (0.5 + advantages / (2 * advantage_max)).clamp(0, 1)
@@ -185,6 +191,7 @@ __all__ = [
     "clipped_surrogate",
     "dgpo_loss",
     "flow_matching_error",
+    "gaussian_step_kl",
     "nft_loss",
     "normalized_log_ratio",
     "optimality_probability",

@@ -96,6 +96,13 @@ METHODS: dict[str, Method] = {
             "SPO: step-aware preference optimization on candidate pools",
         ),
         Method(
+            "opd",
+            _T + "diffusion_opd_config:DiffusionOPDConfig",
+            _T + "diffusion_opd_trainer:DiffusionOPDTrainer",
+            "prompts",
+            "DiffusionOPD: task teachers (LoRAs) distilled into one student on its rollouts",
+        ),
+        Method(
             "direct",
             _T + "direct_reward_config:DirectRewardConfig",
             _T + "direct_reward_trainer:DirectRewardTrainer",

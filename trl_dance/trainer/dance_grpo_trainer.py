@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..advantages import extremes_per_group
-from ..losses import clipped_fraction, clipped_surrogate, dppo_surrogate, normalized_log_ratio
+from ..losses import clipped_fraction, clipped_surrogate, dppo_surrogate, gaussian_step_kl, normalized_log_ratio
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
 from .dance_grpo_config import DanceGRPOConfig
@@ -189,9 +189,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         ratio = torch.exp(log_ratio)
         advantages = inputs["advantages"]
         eps, eps_high = self.args.epsilon, self.args.epsilon_high
-        dims = tuple(range(1, step.mean.ndim))
         if self.args.trust_region == "dppo":
-            kl_old = ((inputs["old_mean"] - step.mean.detach()) ** 2).mean(dim=dims) / (2 * step.std**2)
+            kl_old = gaussian_step_kl(inputs["old_mean"], step.mean.detach(), step.std)
             per_transition, keep = dppo_surrogate(ratio, advantages, kl_old, self.args.dppo_kl_threshold)
             self._record("dppo/kl", kl_old)
             self._record("dppo/masked_fraction", 1 - keep)
@@ -204,7 +203,7 @@ class DanceGRPOTrainer(RolloutTrainer):
 
         if self.args.beta > 0:
             ref_mean = self._reference_mean(model, inputs)
-            kl = ((step.mean - ref_mean) ** 2).mean(dim=dims) / (2 * step.std**2)
+            kl = gaussian_step_kl(step.mean, ref_mean, step.std)
             if self.args.kl_scaling == "flow_grpo" and self.args.sde_type != "cps":  # CPS: std is the step's own
                 kl = kl * self._delta_sigma(step_index)
             per_transition = per_transition + self.args.beta * kl
