@@ -11,7 +11,7 @@ from peft import LoraConfig
 from trl_dance import DanceGRPOTrainer, DiffusionOPDConfig, DiffusionOPDTrainer
 from trl_dance.losses import gaussian_step_kl
 
-# The student's KL to its teachers must fall by this fraction of its first rounds' (measured: see the learning test).
+# The student's KL to its teachers must fall by this fraction of its first rounds' (measured 54-85 %: the learning test).
 KL_DROP = 0.2
 LORA = {"r": 4, "lora_alpha": 4, "target_modules": LORA_TARGETS, "init_lora_weights": "gaussian"}
 
@@ -160,8 +160,9 @@ def _darkness(prompts, images, **_):
 def test_student_learns_two_opposite_teachers_on_their_own_prompts(tiny_model_dir, tmp_path):
     """Two GRPO teachers of the tiny FLUX, one trained on brightness and one on darkness, distilled into one student
     along its own rollouts: the student's KL to the teachers falls, and the brightness of the bright task's prompts
-    pulls away from the dark task's, a task-dependent change that no single reward's training makes (measured
-    gains below)."""
+    pulls away from the dark task's, a task-dependent change that no single reward's training makes. Measured over
+    seeds 42, 1, 2 (one thread): separation +0.121 / +0.151 / +0.047 (sample std ≤ 0.0056), KL down 66 / 85 / 54 %;
+    the margins are at most the smallest gain / 2.5."""
     model = tiny_model_dir("flux")
     grpo = {"max_steps": 15, "generation_batch_size": 16, "gradient_accumulation_steps": 10, "seed": LEARNING_SEED}
     bright = _teacher(model, tmp_path / "bright", "brightness", **grpo)
