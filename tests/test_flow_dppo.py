@@ -53,3 +53,30 @@ def test_dppo_threshold_must_be_positive(tmp_path):
         tiny_grpo_config(tmp_path, trust_region="dppo", dppo_kl_threshold=0.0)
     with pytest.raises(ValueError, match="trust_region must be one of"):
         tiny_grpo_config(tmp_path, trust_region="kl")
+
+
+def test_v_space_kl_is_the_output_mse_from_the_stored_means(tiny_model_dir, tmp_path):
+    """dppo_kl_space='v': 2·KL/g_t² of two steps' Gaussians equals mean((v_θ − v_old)²) of their network outputs
+    (Flow-Factory's v-based mask) at every trainable step, and a run with it starts on-policy (KL 0, nothing masked)."""
+    from trl_dance.losses import gaussian_step_kl
+
+    args = tiny_grpo_config(
+        tmp_path, trust_region="dppo", dppo_kl_space="v", gradient_accumulation_steps=1, max_steps=2
+    )
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS),
+    )  # fmt: skip
+    policy, steps = trainer.policy, torch.tensor(trainer.policy.trainable_steps())
+    torch.manual_seed(0)
+    latents, new, old = torch.randn(3, len(steps), 4, 3, 3).unbind(0)
+    new_step = policy.step(new, latents, steps, compute_log_prob=False)
+    old_step = policy.step(old, latents, steps, compute_log_prob=False)
+    kl = gaussian_step_kl(new_step.mean, old_step.mean, new_step.std)
+    v_space = 2 * kl / trainer._gradient_scale[steps] ** 2
+    torch.testing.assert_close(v_space, ((new - old) ** 2).mean(dim=(1, 2, 3)), rtol=1e-5, atol=1e-7)
+    trainer.train()
+    first = next(entry for entry in trainer.state.log_history if "dppo/kl" in entry)
+    assert first["dppo/kl"] < 1e-9 and first["dppo/masked_fraction"] == 0
+    with pytest.raises(ValueError, match="dppo_kl_space must be one of"):
+        tiny_grpo_config(tmp_path, trust_region="dppo", dppo_kl_space="z")

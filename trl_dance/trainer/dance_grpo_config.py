@@ -74,6 +74,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             degrades. Composes with windows, branching, `ratio_normalization` (ρ) and `step_reweighting`.
         dppo_kl_threshold (`float`, defaults to `1e-6`): τ of `trust_region="dppo"` (Flow-DPPO's default), in nats
             per latent element.
+        dppo_kl_space (`str`, defaults to `"x"`): The space of that KL (Flow-Factory's `kl_mask_type`): `"x"`, the
+            step Gaussians' KL above; `"v"`, mean((v_θ − v_old)²) on the network outputs, computed exactly from the
+            stored means since a step's mean is affine in the output (= 2·KL/g_t², g_t = |∂μ/∂output|/std).
         epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio (its lower bound, 1 − epsilon).
         epsilon_high (`float` or `None`, defaults to `None`): Upper clip bound 1 + epsilon_high (asymmetric clip, as in
             TRL); `None`: `epsilon`.
@@ -149,6 +152,10 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         default="clip", metadata={"help": "clip (PPO) | dppo (Flow-DPPO's KL mask).", "choices": ["clip", "dppo"]}
     )
     dppo_kl_threshold: float = field(default=1e-6, metadata={"help": "Flow-DPPO's KL threshold τ (nats/element)."})
+    dppo_kl_space: str = field(
+        default="x",
+        metadata={"help": "x (step Gaussians' KL) | v (output MSE) for the DPPO mask.", "choices": ["x", "v"]},
+    )
     step_reweighting: bool = field(default=False, metadata={"help": "GRPO-Guard 1/Δσ step reweighting."})
     kl_scaling: str = field(
         default="gaussian",
@@ -182,6 +189,7 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
         _choice("timestep_selection", self.timestep_selection, ("random", "first", "last", "iso_temporal"))
         _choice("trust_region", self.trust_region, ("clip", "dppo"))
+        _choice("dppo_kl_space", self.dppo_kl_space, ("x", "v"))
         if not (self.dppo_kl_threshold > 0 and math.isfinite(self.dppo_kl_threshold)):
             raise ValueError(f"dppo_kl_threshold must be a positive number, got {self.dppo_kl_threshold}")
         if self.timestep_fraction is None:

@@ -71,10 +71,13 @@ class DanceGRPOTrainer(RolloutTrainer):
                 f"{args.num_inference_steps - 1} steps per sample, but the {args.train_expert} expert serves only "
                 f"{len(trainable)} ({trainable}); use timestep_fraction <= {len(trainable) / (args.num_inference_steps - 1):.3f}"
             )
+        # g_t = |∂μ/∂output|/std of each trainable step: Flash-GRPO's rectification and DPPO's v-space KL use it.
+        self._gradient_scale = torch.zeros(policy.num_steps)
+        self._gradient_scale[trainable] = policy.log_prob_gradient_scale(trainable)
         self._rectification = None
         if args.temporal_rectification:  # 1 / each candidate step's gradient scale, averaging 1 over them
             steps = trainable if self.sde_window is None else list(range(self.sde_window.low, self.sde_window.high))
-            inverse = 1 / policy.log_prob_gradient_scale(steps)
+            inverse = 1 / self._gradient_scale[steps]
             self._rectification = torch.zeros(policy.num_steps)
             self._rectification[steps] = inverse / inverse.mean()
 
@@ -191,6 +194,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         eps, eps_high = self.args.epsilon, self.args.epsilon_high
         if self.args.trust_region == "dppo":
             kl_old = gaussian_step_kl(inputs["old_mean"], step.mean.detach(), step.std)
+            if self.args.dppo_kl_space == "v":  # mean((v_θ − v_old)²): the means differ by a_t = g_t·std times it
+                kl_old = 2 * kl_old / self._gradient_scale.to(kl_old.device)[step_index] ** 2
             per_transition, keep = dppo_surrogate(ratio, advantages, kl_old, self.args.dppo_kl_threshold)
             self._record("dppo/kl", kl_old)
             self._record("dppo/masked_fraction", 1 - keep)
