@@ -135,6 +135,18 @@ def test_iso_temporal_groups_share_their_window_and_steps_and_start_on_policy(ti
     assert max_ratio_deviation(trainer, grad=True) < 1e-6
 
 
+def test_per_group_windows_do_not_depend_on_how_samples_are_split_over_processes(tiny_model_dir, tmp_path):
+    """Two processes holding 4 samples each get the windows one process holding all 8 gets (seeded by the global
+    group), and a group split across the two keeps one window."""
+    trainer = _trainer(tiny_model_dir, tmp_path, **FLASH, num_generations=4)
+    plan = trainer.rollout_plan()
+    whole = trainer._sample_plan(plan, 0, 8).sample_starts
+    halves = trainer._sample_plan(plan, 0, 4).sample_starts + trainer._sample_plan(plan, 4, 4).sample_starts
+    assert whole == halves
+    odd = trainer._sample_plan(plan, 2, 4).sample_starts  # samples 2-5: groups 0 and 1
+    assert odd == whole[2:6] and odd[0] == odd[1] and odd[2] == odd[3]
+
+
 def test_iso_temporal_draws_without_a_window_are_per_group(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, timestep_selection="iso_temporal", timestep_fraction=0.4)
     trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
