@@ -73,6 +73,9 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
         "mixgrpo_flash": mix | {"post_window_solver": "dpm_solver++", "post_window_step_ratio": 0.4},
         # Flow-DPPO: the KL trust region instead of the clip, 4 updates per round on the same rollouts.
         "dppo_4_updates": {"trust_region": "dppo", "updates_per_round": 4},
+        "clip_4_updates": {"updates_per_round": 4},  # control: the ratio clip over the same 4 updates per round
+        # Probe of what limits them: a trust region 1000× wider than Flow-DPPO's τ.
+        "dppo_4_updates_tau_1e-3": {"trust_region": "dppo", "dppo_kl_threshold": 1e-3, "updates_per_round": 4},
         "dppo_fast_branching_4_updates": fast | {"branching": True, "trust_region": "dppo", "updates_per_round": 4},
         # Flash-GRPO: one SDE step per sample, placed per group in the first half, Flash SDE, rectified.
         "flash_grpo": {"sde_type": "flash", "eta": 1.0, "sde_window_size": 1, "sde_window_range": [0, half]}
@@ -167,6 +170,7 @@ def run_method(
         "max_steps": options.rounds,
     } | settings
     updates = config.pop("updates_per_round", 1)
+    config["max_steps"] = options.rounds * updates  # the same rounds (rollouts) for every method
     config_class = trainer_class.config_class
     # With one item per micro-batch, a round's micro-batches are its training items (transitions, re-noised samples).
     items = config_class(**config, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
