@@ -117,8 +117,8 @@ class DanceGRPOTrainer(RolloutTrainer):
     def _log_rollout_metrics(self, all_rewards, total, advantages, plan: RolloutPlan, calls_per_sample: float) -> None:
         super()._log_rollout_metrics(all_rewards, total, advantages, plan, calls_per_sample)
         if self.sde_window is not None:
-            starts = plan.starts(len(plan.sample_starts or [0])).float()
-            self._metrics["sde_window/start"].append(starts.mean())
+            starts = plan.sample_starts or (plan.sde_start,)  # per sample (iso-temporal windows) or the round's
+            self._metrics["sde_window/start"].append(torch.tensor(sum(starts) / len(starts)))
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         """The noise plan of round ``round_index`` (default: the next round): every step stochastic, or the round's SDE

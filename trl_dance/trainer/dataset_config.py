@@ -1,34 +1,16 @@
 """The configuration shared by the trainers that learn from datasets of real images or videos (Diffusion-DPO, SFT)."""
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from .._compat import _BaseConfig
-from .context_parallel import ContextParallelArguments
-from .ema import EMAArguments
-from .evaluation import EvaluationArguments
-from .frozen_components import FrozenComponentsArguments
+from .diffusion_config import DiffusionTrainingConfig
 from .pair_denoising import TimeDensityArguments
-from .performance import PerformanceArguments
-from .speed import SpeedArguments
 
 
 @dataclass
-class DatasetTrainingConfig(
-    ContextParallelArguments,
-    PerformanceArguments,
-    SpeedArguments,
-    EvaluationArguments,
-    EMAArguments,
-    FrozenComponentsArguments,
-    TimeDensityArguments,
-    _BaseConfig,
-):
+class DatasetTrainingConfig(TimeDensityArguments, DiffusionTrainingConfig):
     """The data, model and evaluation fields of [`DiffusionDPOConfig`] and [`DiffusionSFTConfig`] (documented in
     [`DiffusionDPOConfig`]): images resized and cropped to `resolution` (videos cut to `num_frames`), noised at times
     drawn with `weighting_scheme`'s density."""
-
-    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
 
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate (paper, full: 1e-8 × batch)."})
     logging_steps: float = field(default=10, metadata={"help": "Log every X optimizer updates."})
@@ -48,20 +30,12 @@ class DatasetTrainingConfig(
     )
     guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding during training."})
     max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
-    )
     eval_prompts: list[str] | None = field(
         default=None, metadata={"help": "Prompts sampled at every evaluation (images to the trackers)."}
     )
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_frozen_components()
-        self._check_context_parallel()
-        self._check_speed()
-        self._check_ema()
-        self._check_evaluation()
         self._check_time_density()
         if not 0 <= self.proportion_empty_prompts <= 1:
             raise ValueError(f"proportion_empty_prompts must be in [0, 1], got {self.proportion_empty_prompts}")

@@ -4,28 +4,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .._compat import _BaseConfig
 from ..advantages import DEFAULT_EPSILON
-from .context_parallel import ContextParallelArguments
-from .ema import EMAArguments
-from .evaluation import EvaluationArguments
-from .frozen_components import FrozenComponentsArguments
-from .performance import PerformanceArguments
-from .speed import SpeedArguments
+from .diffusion_config import DiffusionTrainingConfig
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_then_sum")
 
 
 @dataclass
-class RolloutConfig(
-    ContextParallelArguments,
-    PerformanceArguments,
-    SpeedArguments,
-    EvaluationArguments,
-    EMAArguments,
-    FrozenComponentsArguments,
-    _BaseConfig,
-):
+class RolloutConfig(DiffusionTrainingConfig):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -136,7 +122,7 @@ class RolloutConfig(
     # round's micro-batches (None: one update per micro-batch). Each method documents its own.
     updates_per_round: ClassVar[int | None] = None
 
-    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "reward_kwargs"]
+    _VALID_DICT_FIELDS = [*DiffusionTrainingConfig._VALID_DICT_FIELDS, "reward_kwargs"]
 
     # Overridden TrainingArguments defaults.
     learning_rate: float = field(
@@ -237,9 +223,6 @@ class RolloutConfig(
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
     eval_num_generations: int = field(default=1, metadata={"help": "Evaluation samples per prompt."})
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
-    )
     pipeline_class: str | None = field(
         default=None,
         metadata={"help": "Diffusers pipeline class to load the model with (default: its model_index.json's)."},
@@ -247,11 +230,6 @@ class RolloutConfig(
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_frozen_components()
-        self._check_context_parallel()
-        self._check_speed()
-        self._check_ema()
-        self._check_evaluation()
         _choice("sigma_schedule", self.sigma_schedule, ("dance", "pipeline"))
         _choice("share_initial_noise", self.share_initial_noise, ("group", "none"))
         if str(self.scale_rewards).lower() in ("true", "false"):  # TRL's booleans: True is "group", False "none"

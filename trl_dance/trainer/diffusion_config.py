@@ -1,0 +1,42 @@
+"""What every trainer's config shares, beside TRL's `_BaseConfig`: the model loading keywords and the argument groups
+of context parallelism, performance accounting, speed options, evaluation, EMA and frozen components, with their
+checks."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import _BaseConfig
+from .context_parallel import ContextParallelArguments
+from .ema import EMAArguments
+from .evaluation import EvaluationArguments
+from .frozen_components import FrozenComponentsArguments
+from .performance import PerformanceArguments
+from .speed import SpeedArguments
+
+
+@dataclass
+class DiffusionTrainingConfig(
+    ContextParallelArguments,
+    PerformanceArguments,
+    SpeedArguments,
+    EvaluationArguments,
+    EMAArguments,
+    FrozenComponentsArguments,
+    _BaseConfig,
+):
+    """The fields and checks of [`~trl_dance.trainer.rollout_config.RolloutConfig`] and
+    [`~trl_dance.trainer.dataset_config.DatasetTrainingConfig`] alike (documented in each method's config)."""
+
+    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
+
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_frozen_components()
+        self._check_context_parallel()
+        self._check_speed()
+        self._check_ema()
+        self._check_evaluation()
