@@ -29,6 +29,14 @@ from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, sy
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
 from trl_dance.testing import tiny_condition_images  # noqa: E402
 
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stderr: a run stopped by matrix.py's timeout still says where its time went."""
+    print(f"progress {time.perf_counter() - _START:7.1f} s: {message}", file=sys.stderr, flush=True)
+
+
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
 
@@ -81,6 +89,7 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
         generate(rows)
         synchronize(device)
         rollouts.append(time.perf_counter() - starts[-1])
+        progress(f"round {len(starts)}: rollout of {len(rows)} prompts in {rollouts[-1]:.1f} s")
         if recorder:
             recorder.phase = "train"
 
@@ -105,6 +114,7 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     # The trainer's own closed-form count (what perf/denoiser_tflops logs) beside torch's count of the replayed calls.
     result["denoiser_tflops"] = logged.tflops + trainer.flops.take() / 1e12
     result["tflops_per_s"] = result["denoiser_tflops"] / result["wall_s"]
+    progress(f"trained {len(starts)} rounds; replaying the recorded calls for the floor" if recorder else "trained")
     if recorder:
         result["floor_s"] = recorder.floor_seconds()
         result["denoiser_calls"] = recorder.count("denoiser")
@@ -143,6 +153,7 @@ def _benchmark(options) -> dict:
     size = resolution(options)
     with tempfile.TemporaryDirectory() as workdir:
         model = build_model(options.model, workdir, layers=options.layers)
+        progress(f"built {options.model}")
         transitions_per_sample = max(1, int((options.steps - 1) * options.timestep_fraction))
         transitions = options.batch * transitions_per_sample
         micro_steps = transitions // options.train_batch

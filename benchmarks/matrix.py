@@ -79,8 +79,14 @@ def run(name: str, command: list[str], timeout: float, extra: list[str]) -> dict
             [sys.executable, os.path.join(HERE, command[0]), *command[1:], *extra],
             capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {"name": name, "failed": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as timed_out:
+        # What the run printed before it was stopped says where its time went (a device call sees it at once).
+        tails = {}
+        for stream in ("stdout", "stderr"):
+            text = getattr(timed_out, stream) or ""
+            text = text.decode(errors="replace") if isinstance(text, bytes) else text
+            tails[f"{stream}_tail"] = "\n".join(line for line in text.splitlines() if not line.startswith("["))[-4000:]
+        return {"name": name, "failed": f"timed out after {timeout:.0f} s", **tails}
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         errors = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("[")]

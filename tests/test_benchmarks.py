@@ -54,6 +54,14 @@ def test_table_reports_medians_and_failures():
     assert rows[4].startswith("| c | – | timed out after 5 s |")
 
 
+def test_a_timed_out_run_keeps_what_it_printed(tmp_path):
+    """A device call sees where a run's time went without a second run: its output up to the timeout."""
+    script = tmp_path / "slow.py"
+    script.write_text("import sys, time\nprint('progress 0.1 s: built', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    record = matrix.run("slow", [str(script)], timeout=5, extra=[])
+    assert record["failed"] == "timed out after 5 s" and "progress 0.1 s: built" in record["stderr_tail"]
+
+
 @pytest.mark.parametrize("script", ["grpo_iteration", "dpo_step"])
 def test_runs_share_one_pipeline_instance(script, tiny_model_dir, monkeypatch):
     """The real architectures are built once as a pipeline instance that both runs (ours and batch size 1) train:

@@ -31,6 +31,9 @@ def test_every_shipped_configuration_builds_at_its_published_size():
         wan22 = random_weight_pipeline("wan22-a14b", layers=1)
     assert wan22.config.boundary_ratio == 0.875 and len(wan22.transformer_2.blocks) == 1
     assert len(wan22.transformer.blocks) == 1 and wan22.text_encoder.config.num_layers == 1
+    with torch.device("meta"):  # Qwen2.5-VL lists one attention type per layer: shrunk with the depth
+        qwen = random_weight_pipeline("qwen-image", layers=1)
+    assert qwen.text_encoder.config.text_config.layer_types == ["full_attention"]
     with pytest.raises(ValueError, match="unknown model 'flux-schnell'"):
         random_weight_pipeline("flux-schnell")
 

@@ -45,7 +45,10 @@ def _shrunk(config: dict, layers: int | None) -> dict:
     if layers is None:
         return config
     config = {key: _shrunk(value, layers) if isinstance(value, dict) else value for key, value in config.items()}
-    return {key: layers if key in _DEPTHS and isinstance(value, int) else value for key, value in config.items()}
+    shrunk = {key: layers if key in _DEPTHS and isinstance(value, int) else value for key, value in config.items()}
+    if isinstance(shrunk.get("layer_types"), list):  # one entry per layer (Qwen2.5-VL's text model checks it)
+        shrunk["layer_types"] = shrunk["layer_types"][:layers]
+    return shrunk
 
 
 def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPipeline:
