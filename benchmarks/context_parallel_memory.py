@@ -9,7 +9,8 @@ and runs one training forward and backward with CFG's two branches on the tokens
 of size C holds (the latent's height and width cut so that the grid has 1/C of the tokens): under Ulysses a rank keeps
 1/C of the tokens outside attention and all tokens of 1/C of the heads inside it, the same number of elements, so this
 is the per-rank memory without the all-to-all buffers (a few block-sized transients). It prints one JSON line per size:
-peak allocated GB, its parts, and the step's seconds.
+peak allocated GB, its parts, and the step's seconds (a rank's time only at C = 1: the cut grid's attention is
+1/C² of the whole's, a Ulysses rank's 1/C).
 
 Model: Wan 14B (dim 5120, 40 blocks, 40 heads, FFN 13824, 512 text tokens), bf16 frozen weights; the trained
 parameters in float32 with their gradient and Adam's two moments (16 bytes each); the frozen expert and text encoder
