@@ -146,6 +146,28 @@ def test_client_fails_clearly_when_the_server_dies_mid_run():
     assert time.monotonic() - start < 10  # bounded: no hang
 
 
+def test_a_reward_url_with_nothing_listening_fails_when_the_trainer_is_built():
+    """Probed when rewards are resolved (before any model work), within the reward's timeout."""
+    from trl_dance.rewards import resolve_reward_funcs
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError, match=f"nothing answers at {url}.*trl-dance serve-reward"):
+        resolve_reward_funcs([url], {url: {"timeout": 1}})
+    assert time.monotonic() - start < 10
+
+
+def test_serve_reward_exits_naming_a_reward_that_cannot_score():
+    """A server that would answer /health "ok" and then fail every /score is not started."""
+    port = _free_port()
+    command = [sys.executable, "-m", "trl_dance.cli", "serve-reward", "hpsv2", "--port", str(port),
+               "--reward_kwargs", '{"checkpoint": "/no/such/HPS_v2.1.pt"}']  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "reward 'hpsv2' failed on a test image, so nothing is served" in result.stderr
+    assert "no such file or directory '/no/such/HPS_v2.1.pt'" in result.stderr
+
+
 def _serve(reward: str, *options: str, token: str | None = None):
     """``trl-dance serve-reward REWARD OPTIONS`` as a real server process on loopback: (process, client)."""
     port = _free_port()
@@ -169,6 +191,8 @@ def served_brightness():
     """``trl-dance serve-reward brightness`` with its default limits."""
     process, reward = _serve("brightness")
     assert reward.health()["reward"] == "brightness"
+    started = process.stdout.readline()  # what it printed when it started listening
+    assert started.startswith("serving reward 'brightness' at http://127.0.0.1:") and "test image scored 0.5" in started
     reward.process = process
     yield reward
     process.terminate()

@@ -202,7 +202,24 @@ def test_missing_checkpoint_says_what_to_download(monkeypatch, tmp_path, name, e
     reward = get_reward_function(name)
     with pytest.raises(FileNotFoundError, match=expected) as error:
         reward(["a cat"], torch.rand(1, 3, 32, 32))
-    assert "reward_kwargs" in str(error.value)
+    keyword = {"hpsv2": "checkpoint", "image_reward": "checkpoint", "pickscore": "model", "aesthetic": "model"}[name]
+    message = str(error.value)
+    # The advice names the real keyword, in YAML and in the command line's JSON.
+    assert f"reward_kwargs: {{{name}: {{{keyword}: DIR" in message, message
+    assert f"""--reward_kwargs '{{"{name}": {{"{keyword}": "DIR""" in message, message
+
+
+def test_a_local_path_with_a_typo_gets_no_download_advice(tmp_path):
+    from trl_dance.rewards.step_aware import StepAwarePreferenceModel
+
+    reward = get_reward_function("hpsv2", checkpoint=str(tmp_path / "HPS_v2.1_compresed.pt"))
+    with pytest.raises(FileNotFoundError, match="no such file or directory") as error:
+        reward(["a cat"], torch.rand(1, 3, 32, 32))
+    assert "hf download" not in str(error.value) and "'checkpoint'" in str(error.value)
+    # SPO's step-aware model is set by SPO's own fields, not reward_kwargs.
+    with pytest.raises(FileNotFoundError, match="--step_aware_model PATH") as error:
+        StepAwarePreferenceModel(checkpoint="./spm.pt").load("cpu")
+    assert "reward_kwargs" not in str(error.value)
 
 
 def test_registry_passes_constructor_arguments(checkpoints):

@@ -121,3 +121,59 @@ def test_grpo_with_an_abstaining_reward_and_logged_metrics(tiny_model_dir, tmp_p
     cats = torch.tensor(["cat" in p for p in rollout["prompts"]])
     brightness_ = rollout["images"].mean(dim=(1, 2, 3))
     torch.testing.assert_close(rollout["rewards"].cpu(), brightness_ + cats.float(), atol=1e-6, rtol=0)
+
+
+def test_trl_style_rewards_are_called_as_they_are():
+    """A reward written for trl.GRPOTrainer (`completions`, **kwargs) and one that names only what it reads are
+    called without adaptation; both see the same samples as `images`."""
+
+    def trl_style(completions, **kwargs):
+        return [float(c.mean()) for c in completions]
+
+    def only_images(images):
+        return images.mean(dim=(1, 2, 3)).tolist()
+
+    images = torch.rand(3, 3, 8, 8)
+    scores = score_images([trl_style, only_images, brightness], ["a"] * 3, images, {"extra": [1, 2, 3]})
+    torch.testing.assert_close(scores[:, 0], scores[:, 2])
+    torch.testing.assert_close(scores[:, 1], scores[:, 2])
+
+
+def test_reward_signatures_are_checked_before_any_model_work():
+    from trl_dance.rewards import check_reward_signature
+
+    def needs_ids(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(prompts)
+
+    def needs_column(prompts, images, style):
+        return [0.0] * len(prompts)
+
+    def sees_nothing(prompts):
+        return [0.0] * len(prompts)
+
+    with pytest.raises(ValueError, match=r"'needs_ids' requires \['completion_ids'\] \(TRL's token ids"):
+        check_reward_signature(needs_ids, columns=[])
+    check_reward_signature(needs_column, columns=["style"])
+    with pytest.raises(ValueError, match=r"requires \['style'\].*columns \[\]"):
+        check_reward_signature(needs_column, columns=[])
+    with pytest.raises(ValueError, match="takes neither `images` nor TRL's `completions`"):
+        check_reward_signature(sees_nothing)
+
+
+def test_nan_is_an_error_none_abstains():
+    """None abstains on a row; NaN (what a broken scorer returns) stops training naming the reward and the rows,
+    alone or beside another reward."""
+    images = torch.rand(2, 3, 8, 8)
+
+    def broken(prompts, images, **kwargs):
+        return [float("nan"), 0.5]
+
+    def abstains(prompts, images, **kwargs):
+        return [None, None]
+
+    scores = score_images([brightness, abstains], ["a", "b"], images, {})
+    assert torch.isnan(scores[:, 1]).all()
+    with pytest.raises(
+        ValueError, match=r"'broken' returned values that are NaN or infinite in float32 at positions \[0\]"
+    ):
+        score_images([brightness, broken], ["a", "b"], images, {})

@@ -4,6 +4,7 @@
 from .aesthetic import AestheticReward
 from .base import (
     RewardFunc,
+    check_reward_signature,
     get_reward_function,
     registered_rewards,
     resolve_reward_funcs,
@@ -38,6 +39,7 @@ __all__ = [
     "RewardModel",
     "VideoAlignReward",
     "brightness",
+    "check_reward_signature",
     "get_reward_function",
     "jpeg_compressibility",
     "jpeg_incompressibility",

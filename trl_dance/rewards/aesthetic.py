@@ -31,7 +31,7 @@ class AestheticReward(CLIPReward):
 
     def _load(self, device: torch.device) -> None:
         super()._load(device)
-        path = resolve_file(self.head_location, AESTHETIC_FILE, "LAION aesthetic predictor head", self.name)
+        path = resolve_file(self.head_location, AESTHETIC_FILE, "LAION aesthetic predictor head", self.name, "head")
         self.head = LinearStackHead(self.model.config.projection_dim)
         self.head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
         self.head = self.head.to(device, self.dtype).eval().requires_grad_(False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,8 +15,11 @@ from ..video import frame_indices
 RewardFunc = Callable[..., Sequence[float | None]]
 """``f(prompts: list[str], images: Tensor (B, 3, H, W) float in [0, 1], **columns) -> B floats (or None)``.
 
-As in TRL, a reward may abstain on a row it does not apply to by returning None (or NaN) there: the weighted sum of
-the rewards skips it, and a row no reward scores is an error. The trainers also pass ``trainer_state`` (the
+TRL's naming works too: the samples also arrive as ``completions`` (the same tensor), so ``def f(completions,
+**kwargs)`` written for ``trl.GRPOTrainer`` is called as it is. A function without ``**kwargs`` receives only the
+arguments it names. As in TRL, a reward may abstain on a row it does not apply to by returning None there: the
+weighted sum of the rewards skips it, and a row no reward scores is an error. NaN is an error naming the reward (what
+a broken scorer returns; TRL would read it as an abstention). The trainers also pass ``trainer_state`` (the
 ``transformers.TrainerState``) and ``log_metric(name, value)`` (a scalar averaged per log) as keyword arguments.
 
 Attributes a function may set: ``accepts_video = True`` scores videos whole (``images`` is then (B, F, 3, H, W); any
@@ -103,10 +107,14 @@ def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
 
 
 def resolve_reward_funcs(
-    reward_funcs: RewardFunc | str | Sequence[RewardFunc | str], reward_kwargs: dict[str, dict[str, Any]] | None = None
+    reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
+    reward_kwargs: dict[str, dict[str, Any]] | None = None,
+    columns: Sequence[str] | None = None,
 ) -> list[RewardFunc]:
     """A trainer's ``reward_funcs`` (one reward or a list, as :func:`get_reward_function` takes them) as a list of
-    callables; ``reward_kwargs`` gives registered names their constructor arguments."""
+    callables, each signature checked against what trainers pass (:func:`check_reward_signature`, with the dataset's
+    ``columns`` when known) and each remote one probed (``probe()``: something must answer at its address);
+    ``reward_kwargs`` gives registered names their constructor arguments."""
     reward_kwargs = reward_kwargs or {}
     if reward_funcs is None or (
         isinstance(reward_funcs, Sequence) and not isinstance(reward_funcs, str) and not reward_funcs
@@ -117,10 +125,65 @@ def resolve_reward_funcs(
     unused = set(reward_kwargs) - {func for func in reward_funcs if isinstance(func, str)}
     if unused:
         raise ValueError(f"reward_kwargs names rewards that are not in reward_funcs: {sorted(unused)}")
-    return [
+    funcs = [
         get_reward_function(func, **(reward_kwargs.get(func, {}) if isinstance(func, str) else {}))
         for func in reward_funcs
     ]
+    for func in funcs:
+        check_reward_signature(func, columns)
+    for func in funcs:
+        if callable(getattr(func, "probe", None)):
+            func.probe()
+    return funcs
+
+
+# What a trainer passes every reward by keyword, beside the dataset's columns.
+REWARD_ARGUMENTS = ("prompts", "images", "completions", "trainer_state", "log_metric")
+
+
+def _parameters(func: RewardFunc) -> tuple[list[inspect.Parameter], bool] | None:
+    """``func``'s parameters and whether it takes ``**kwargs``; None when Python cannot read its signature."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # builtins and C extensions: checked at their first call
+        return None
+    return parameters, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def check_reward_signature(func: RewardFunc, columns: Sequence[str] | None = None) -> None:
+    """Raise before any model work if ``func`` cannot be called as trainers call it: by keyword with
+    :data:`REWARD_ARGUMENTS` and the dataset's ``columns`` (``None``: not known, any other required name is taken to
+    be a column).
+
+    Raises:
+        ValueError naming the reward and the parameter it would miss.
+    """
+    read = _parameters(func)
+    if read is None:
+        return
+    parameters, takes_kwargs = read
+    name = reward_name(func)
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        raise ValueError(f"reward {name!r}: rewards are called by keyword; make {positional} ordinary parameters")
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not takes_kwargs and not named & {"images", "completions"}:
+        raise ValueError(
+            f"reward {name!r} takes neither `images` nor TRL's `completions` (the generated images or videos, "
+            "(B, 3, H, W) or (B, F, 3, H, W) float in [0, 1]), nor **kwargs: it would never see a sample"
+        )
+    available = set(REWARD_ARGUMENTS) | set(columns or ())
+    required = [
+        p.name
+        for p in parameters
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in available
+    ]
+    if required and columns is not None:
+        hint = " (TRL's token ids: image and video samples have none)" if "completion_ids" in required else ""
+        raise ValueError(
+            f"reward {name!r} requires {required}{hint}, which no trainer passes: rewards receive "
+            f"{list(REWARD_ARGUMENTS)} and the dataset's columns {sorted(columns)}; give those parameters a default"
+        )
 
 
 def registered_rewards() -> list[str]:
@@ -219,10 +282,17 @@ def _call(
 ) -> torch.Tensor:
     """(len(prompts),) float32 CPU values of one reward function, validated; None becomes NaN (abstained)."""
     name, batch = reward_name(func), images.shape[0]
-    values = func(prompts=prompts, images=images, **columns, **extra)
+    arguments = {"prompts": prompts, "images": images, "completions": images, **columns, **extra}
+    read = _parameters(func)
+    if read is not None and not read[1]:  # no **kwargs: only what it names
+        named = {p.name for p in read[0]}
+        arguments = {key: value for key, value in arguments.items() if key in named}
+    values = func(**arguments)
     if isinstance(values, torch.Tensor):
         values = values.detach().flatten().tolist()
     try:
+        values = list(values)
+        abstained = torch.tensor([v is None for v in values], dtype=torch.bool)
         values = [math.nan if v is None else float(v) for v in values]
     except (TypeError, ValueError) as err:
         raise ValueError(
@@ -232,11 +302,11 @@ def _call(
         raise ValueError(f"reward function {name!r} returned {len(values)} values for {batch} {unit}")
     # Checked in the dtype training uses: 1e300 is a finite float64 but inf in float32.
     tensor = torch.tensor(values, dtype=torch.float32)
-    bad = torch.isinf(tensor).nonzero().flatten().tolist()
+    bad = (~torch.isfinite(tensor) & ~abstained).nonzero().flatten().tolist()
     if bad:
         raise ValueError(
-            f"reward function {name!r} returned values that are infinite in float32 at positions {bad[:10]}: "
-            f"{[values[i] for i in bad[:10]]} (return None to abstain on a row)"
+            f"reward function {name!r} returned values that are NaN or infinite in float32 at positions {bad[:10]} "
+            f"of {batch} {unit}: {[values[i] for i in bad[:10]]} (return None to abstain on a row)"
         )
     return tensor
 
@@ -244,7 +314,7 @@ def _call(
 def weighted_reward_sum(
     scores: torch.Tensor, weights: torch.Tensor, prompts: Sequence[str] | None = None
 ) -> torch.Tensor:
-    """(B,) the weighted sum of the (B, F) rewards over those that scored each row (abstentions, NaN, skipped).
+    """(B,) the weighted sum of the (B, F) rewards over those that scored each row (abstentions, NaN, are skipped).
 
     Raises:
         ValueError naming the first row (and its prompt, when given) that no reward scored.

@@ -44,7 +44,7 @@ class CLIPReward(RewardModel):
     def _build_model(self):
         from transformers import CLIPModel
 
-        return from_pretrained(CLIPModel.from_pretrained, self.model_location, "CLIP model", self.name)
+        return from_pretrained(CLIPModel.from_pretrained, self.model_location, "CLIP model", self.name, "model")
 
     def _load(self, device: torch.device) -> None:
         from transformers import AutoTokenizer
@@ -52,7 +52,7 @@ class CLIPReward(RewardModel):
         self.model = self._build_model().to(device, self.dtype).eval().requires_grad_(False)
         if self.needs_text:
             self.tokenizer = from_pretrained(
-                AutoTokenizer.from_pretrained, self.tokenizer_location, "CLIP tokenizer", self.name
+                AutoTokenizer.from_pretrained, self.tokenizer_location, "CLIP tokenizer", self.name, "tokenizer"
             )
 
     def image_embeddings(self, images: torch.Tensor, exact: bool) -> torch.Tensor:

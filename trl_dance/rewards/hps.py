@@ -139,7 +139,7 @@ class HPSv2Reward(CLIPReward):
     def _build_model(self):
         from transformers import CLIPModel
 
-        path = resolve_file(self.model_location, HPS_V21_FILE, "HPS v2.1 checkpoint", self.name)
+        path = resolve_file(self.model_location, HPS_V21_FILE, "HPS v2.1 checkpoint", self.name, "checkpoint")
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         state_dict = checkpoint.get("state_dict", checkpoint)
         model = CLIPModel(clip_config(self.architecture))

@@ -67,7 +67,7 @@ class HPSv3Reward(Qwen2VLRewardModel):
     def _load_scorer(self, config) -> Qwen2VLScorer:
         from safetensors.torch import load_file
 
-        path = resolve_file(self.checkpoint, HPSV3_FILE, "HPSv3 checkpoint", self.name)
+        path = resolve_file(self.checkpoint, HPSV3_FILE, "HPSv3 checkpoint", self.name, "checkpoint")
         state_dict = {}
         for key, value in load_file(path).items():
             new_key = legacy_key(key)

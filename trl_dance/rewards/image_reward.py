@@ -132,7 +132,7 @@ class ImageReward(RewardModel):
     def _load(self, device: torch.device) -> None:
         from transformers import AutoTokenizer, BlipTextModel, BlipVisionModel
 
-        path = resolve_file(self.checkpoint, IMAGE_REWARD_FILE, "ImageReward checkpoint", self.name)
+        path = resolve_file(self.checkpoint, IMAGE_REWARD_FILE, "ImageReward checkpoint", self.name, "checkpoint")
         vision_state, text_state, head_state = split_image_reward_state_dict(
             torch.load(path, map_location="cpu", weights_only=True)
         )
@@ -146,7 +146,11 @@ class ImageReward(RewardModel):
         for module in ("vision", "text", "head"):
             setattr(self, module, getattr(self, module).to(device, self.dtype).eval().requires_grad_(False))
         self.tokenizer = from_pretrained(
-            AutoTokenizer.from_pretrained, self.tokenizer_location, "ImageReward tokenizer (BERT)", self.name
+            AutoTokenizer.from_pretrained,
+            self.tokenizer_location,
+            "ImageReward tokenizer (BERT)",
+            self.name,
+            "tokenizer",
         )
 
     def _score(self, prompts: list[str], images: torch.Tensor, exact: bool) -> torch.Tensor:

@@ -86,17 +86,24 @@ class LLaVABertScoreLocal(RewardModel):
         from transformers import AutoModel, AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
         what = "LLaVA model"
-        self.processor = from_pretrained(AutoProcessor.from_pretrained, self.model_location, what, self.name)
+        self.processor = from_pretrained(AutoProcessor.from_pretrained, self.model_location, what, self.name, "model")
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its last token
         self.llava = from_pretrained(
-            LlavaForConditionalGeneration.from_pretrained, self.model_location, what, self.name, dtype=self.dtype
+            LlavaForConditionalGeneration.from_pretrained,
+            self.model_location,
+            what,
+            self.name,
+            "model",
+            dtype=self.dtype,
         )
         self.llava.to(device).eval().requires_grad_(False)
         what = "BERTScore model"
-        self.scorer_tokenizer = from_pretrained(AutoTokenizer.from_pretrained, self.scorer_location, what, self.name)
+        self.scorer_tokenizer = from_pretrained(
+            AutoTokenizer.from_pretrained, self.scorer_location, what, self.name, "scorer"
+        )
         # BERTScore embeddings are compared by cosine in float32: the encoder runs in float32 unless float64.
         self.scorer = from_pretrained(
-            AutoModel.from_pretrained, self.scorer_location, what, self.name, dtype=self.compute_dtype
+            AutoModel.from_pretrained, self.scorer_location, what, self.name, "scorer", dtype=self.compute_dtype
         )
         self.scorer.to(device).eval().requires_grad_(False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -12,13 +13,19 @@ import torch
 
 from .image_transforms import check_images
 
+# A Hub repository id ("org/name"); anything else that does not exist is a local path with a typo.
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# Rewards configured by a trainer field rather than reward_kwargs: {reward name: (field of the checkpoint, of the rest)}.
+CONFIG_FIELDS = {"step_aware_preference": ("step_aware_model", "step_aware_model_kwargs")}
 
-def resolve_file(location: str, filename: str, what: str, reward: str) -> str:
+
+def resolve_file(location: str, filename: str, what: str, reward: str, keyword: str) -> str:
     """A local checkpoint file: ``location`` itself, ``location/filename``, or ``filename`` of the Hub repo ``location``.
+    ``reward`` and ``keyword`` (its constructor argument that took ``location``) name the setting in the advice.
 
     Raises:
         FileNotFoundError saying what to download and where to point the reward when nothing local exists and the
-        Hub cannot be reached (offline machines, ``HF_HUB_OFFLINE=1``).
+        Hub cannot be reached (offline machines, ``HF_HUB_OFFLINE=1``), or that a local path does not exist.
     """
     if os.path.isfile(location):
         return location
@@ -27,48 +34,77 @@ def resolve_file(location: str, filename: str, what: str, reward: str) -> str:
         if os.path.isfile(candidate):
             return candidate
         raise FileNotFoundError(f"{what}: {location!r} is a directory without {filename!r}")
+    _check_local(location, what, reward, keyword)
     from huggingface_hub import hf_hub_download
 
     try:
         return hf_hub_download(location, filename)
     except Exception as err:  # offline, unknown repo, no permission: all end in the same advice
-        raise FileNotFoundError(_download_advice(what, location, reward, filename, err)) from err
+        raise FileNotFoundError(_download_advice(what, location, reward, keyword, filename, err)) from err
 
 
-def resolve_directory(location: str, what: str, reward: str) -> str:
+def resolve_directory(location: str, what: str, reward: str, keyword: str) -> str:
     """A local checkpoint directory: ``location`` itself, or a snapshot of the Hub repo ``location``.
 
     Raises:
-        FileNotFoundError with the same download advice as :func:`resolve_file`.
+        FileNotFoundError with the same advice as :func:`resolve_file`.
     """
     if os.path.isdir(location):
         return location
     if os.path.exists(location):
         raise FileNotFoundError(f"{what}: {location!r} is a file; pass the directory that holds it")
+    _check_local(location, what, reward, keyword)
     from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(location)
     except Exception as err:  # offline, unknown repo, no permission
-        raise FileNotFoundError(_download_advice(what, location, reward, None, err)) from err
+        raise FileNotFoundError(_download_advice(what, location, reward, keyword, None, err)) from err
 
 
-def from_pretrained(loader: Callable[..., Any], location: str, what: str, reward: str, **kwargs) -> Any:
+def from_pretrained(loader: Callable[..., Any], location: str, what: str, reward: str, keyword: str, **kwargs) -> Any:
     """``loader(location, **kwargs)`` (a transformers ``from_pretrained``) with the same advice on failure."""
+    if not os.path.exists(location):
+        _check_local(location, what, reward, keyword)
     try:
         return loader(location, **kwargs)
     except OSError as err:
-        raise FileNotFoundError(_download_advice(what, location, reward, None, err)) from err
+        raise FileNotFoundError(_download_advice(what, location, reward, keyword, None, err)) from err
 
 
-def _download_advice(what: str, location: str, reward: str, filename: str | None, err: Exception) -> str:
+def reward_setting(reward: str, keyword: str, value: str) -> str:
+    """How to set a reward's constructor argument ``keyword`` to ``value``: in a YAML config and on the command
+    line (and the SPO fields for its step-aware model)."""
+    if reward in CONFIG_FIELDS:
+        checkpoint_field, rest_field = CONFIG_FIELDS[reward]
+        if keyword == "checkpoint":
+            return f"`{checkpoint_field}: {value}` in the config, or `--{checkpoint_field} {value}`"
+        return (
+            f'`{rest_field}: {{{keyword}: {value}}}` in the config, or `--{rest_field} \'{{"{keyword}": "{value}"}}\'`'
+        )
+    return (
+        f"`reward_kwargs: {{{reward}: {{{keyword}: {value}}}}}` in the config, or "
+        f'`--reward_kwargs \'{{"{reward}": {{"{keyword}": "{value}"}}}}\'` on the command line'
+    )
+
+
+def _check_local(location: str, what: str, reward: str, keyword: str) -> None:
+    """A ``location`` that cannot be a Hub repository id is a local path that does not exist: say so, without
+    download advice."""
+    if not _REPO_ID.match(location) or location.startswith((".", "~")):
+        raise FileNotFoundError(
+            f"{what}: no such file or directory {location!r} (a local path: check it; it was given as {keyword!r}, "
+            f"set with {reward_setting(reward, keyword, 'PATH')})"
+        )
+
+
+def _download_advice(what: str, location: str, reward: str, keyword: str, filename: str | None, err: Exception) -> str:
     target = f"{location} {filename}" if filename else location
     local = f"DIR/{filename}" if filename else "DIR"
     return (
         f"{what} not found: {location!r} is not a local path and could not be fetched from the Hugging Face Hub "
         f"({type(err).__name__}). On a machine with network access run `hf download {target} --local-dir DIR`, "
-        f"then point the reward at it, e.g. `reward_kwargs: {{{reward}: {{...: {local}}}}}` in the config, or the "
-        f"matching argument of the reward's class."
+        f"copy DIR here, then point the reward at it: {reward_setting(reward, keyword, local)}."
     )
 
 

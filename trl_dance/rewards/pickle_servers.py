@@ -81,7 +81,9 @@ class PickleServerReward(HTTPReward):
         """The batch's rewards from the server's unpickled answer."""
         raise NotImplementedError
 
-    def __call__(self, prompts: list[str], images: torch.Tensor, log_metric=None, **columns) -> list[float]:
+    def __call__(
+        self, prompts: list[str], images: torch.Tensor, log_metric=None, completions=None, **columns
+    ) -> list[float]:
         columns.pop("trainer_state", None)
         starts = list(range(0, len(prompts), self.batch_size))
 

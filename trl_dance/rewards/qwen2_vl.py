@@ -214,12 +214,14 @@ class Qwen2VLRewardModel(RewardModel):
 
         what = f"{self.name} base model (Qwen2-VL)"
         # The references' processors pad on the right; positions then start at 0 in every row.
-        self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, self.base_model, what, self.name)
+        self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, self.base_model, what, self.name, "base_model")
         self.tokenizer.padding_side = "right"
         self.tokenizer.add_special_tokens({"additional_special_tokens": list(self.special_tokens)})
         self.special_ids = self.tokenizer.convert_tokens_to_ids(list(self.special_tokens))
-        self.processor = from_pretrained(Qwen2VLImageProcessorPil.from_pretrained, self.base_model, what, self.name)
-        config = from_pretrained(AutoConfig.from_pretrained, self.base_model, what, self.name)
+        self.processor = from_pretrained(
+            Qwen2VLImageProcessorPil.from_pretrained, self.base_model, what, self.name, "base_model"
+        )
+        config = from_pretrained(AutoConfig.from_pretrained, self.base_model, what, self.name, "base_model")
         self.scorer = self._load_scorer(config).to(device)
         mean = torch.tensor(self.processor.image_mean, device=device, dtype=self.compute_dtype)
         std = torch.tensor(self.processor.image_std, device=device, dtype=self.compute_dtype)

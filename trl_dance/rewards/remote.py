@@ -204,6 +204,37 @@ class HTTPReward:
         with ThreadPoolExecutor(max(1, min(self.max_concurrency, len(items[0])))) as pool:
             return list(pool.map(fn, *items))
 
+    def probe(self, wait: float | None = None) -> None:
+        """Check that something listens at the reward's address, polling for up to ``wait`` seconds (default: the
+        request ``timeout``) so that a server started beside the trainer has time to load: trainers call it when they
+        are built, before any model work.
+
+        Raises:
+            RemoteRewardError naming the address and what to check.
+        """
+        url = getattr(self, "url", None) or self.base_url
+        parsed = urllib.parse.urlparse(url)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        deadline, error = time.monotonic() + (self.timeout if wait is None else wait), None
+        while True:
+            try:
+                self._answer(parsed.hostname, port)
+                return
+            except (OSError, RemoteRewardError) as err:
+                error = err
+            if time.monotonic() >= deadline:
+                raise RemoteRewardError(
+                    f"reward {getattr(self, '__name__', type(self).__name__)!r}: nothing answers at {url} ({error}); "
+                    "start the server first (e.g. `trl-dance serve-reward NAME --port PORT`) or check the address"
+                ) from error
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _answer(self, host: str, port: int) -> None:
+        """One probe: a TCP connection (a reward server's own protocol may have no side-effect-free request)."""
+        import socket
+
+        socket.create_connection((host, port), timeout=min(self.timeout, 5.0)).close()
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
@@ -273,7 +304,14 @@ class RemoteReward(HTTPReward):
             raise RemoteRewardError(f"reward server {self.url}: /health answered {response.status_code}")
         return response.json()
 
-    def __call__(self, prompts: list[str], images: torch.Tensor, **columns: Any) -> list[float | None]:
+    def _answer(self, host: str, port: int) -> None:
+        """One probe: ``/health`` answering 200 (``trl-dance serve-reward`` listens only once its reward has scored
+        a test image)."""
+        self.health()
+
+    def __call__(
+        self, prompts: list[str], images: torch.Tensor, completions=None, **columns: Any
+    ) -> list[float | None]:
         state = columns.pop("trainer_state", None)
         columns.pop("log_metric", None)
         count = len(prompts)

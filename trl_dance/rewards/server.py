@@ -4,7 +4,9 @@
     trl-dance serve-reward hpsv2 --port 8000 --reward_kwargs '{"checkpoint": "/ckpt/HPS_v2.1_compressed.pt"}'
 
 then ``reward_funcs: [http://HOST:8000]`` in a training config. Requests are decoded and scored in uvicorn's thread
-pool; model rewards load once, on ``--device``, and score under their own lock.
+pool; model rewards load once, on ``--device``, and score under their own lock. Before it listens, the server scores
+a test image (a video for video rewards) and exits naming the reward if that fails (missing weights, a missing
+column), so a server that answers ``/health`` can score; ``--skip_test_score`` skips it (rewards that need a column).
 
 Hardened for shared networks: every limit is checked before the work it bounds (the body's size while it is read,
 an image's pixels from its header before it is decoded), every refusal is a JSON ``{"error": ...}`` naming the item
@@ -20,6 +22,8 @@ import hmac
 import json
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +168,13 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     return Starlette(routes=[Route("/health", health), Route("/score", score, methods=["POST"])])
 
 
+def test_score(reward: Any, device: str) -> float:
+    """Score one mid-grey 64×64 test image (a 2-frame video for ``accepts_video`` rewards) on ``device``: the model
+    loads and runs once before the server listens. Returns the value (NaN: the reward abstained)."""
+    shape = (1, 2, 3, 64, 64) if getattr(reward, "accepts_video", False) else (1, 3, 64, 64)
+    return float(score_images([reward], ["a photo of a cat"], torch.full(shape, 0.5, device=device), {})[0, 0])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-dance serve-reward", description=__doc__.split("\n\n")[0])
     parser.add_argument("reward", help="a registered reward name or module.path:function")
@@ -179,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_frames", type=int, default=defaults.max_frames, help="frames per video")
     parser.add_argument("--max_prompt_chars", type=int, default=defaults.max_prompt_chars)
     parser.add_argument("--max_queue", type=int, default=defaults.max_queue, help="requests in flight; more get 503")
+    parser.add_argument(
+        "--skip_test_score",
+        action="store_true",
+        help="listen without scoring a test image first (rewards that need a column)",
+    )
     args = parser.parse_args(argv)
     import uvicorn
 
@@ -187,7 +203,22 @@ def main(argv: list[str] | None = None) -> None:
         args.max_queue,
     )  # fmt: skip
     reward = get_reward_function(args.reward, **json.loads(args.reward_kwargs or "{}"))
+    name, start, tested = reward_name(reward), time.perf_counter(), ""
+    if not args.skip_test_score:
+        try:
+            value = test_score(reward, args.device)
+        except Exception as err:  # the reward's own failure, whatever it is: nothing is served
+            sys.exit(
+                f"trl-dance serve-reward: reward {name!r} failed on a test image, so nothing is served: "
+                f"{type(err).__name__}: {err}\n(--skip_test_score listens anyway, for rewards that need a column)"
+            )
+        tested = f"; a test image scored {value:.4g} in {time.perf_counter() - start:.1f} s"
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    print(
+        f"serving reward {name!r} at http://{args.host}:{args.port} (POST /score, GET /health) on {args.device}"
+        f"{tested}{'; token required' if token else ''}",
+        flush=True,
+    )
     uvicorn.run(build_app(reward, args.device, limits, token), host=args.host, port=args.port, log_level="warning")
 
 

@@ -138,15 +138,19 @@ class StepAwarePreferenceModel:
         with self._lock:
             if self.device == device:
                 return self
-            path = resolve_file(self.checkpoint, self.filename, "SPO step-aware preference model", self.name)
-            config = from_pretrained(CLIPConfig.from_pretrained, self.model_location, "CLIP config", self.name)
+            path = resolve_file(
+                self.checkpoint, self.filename, "SPO step-aware preference model", self.name, "checkpoint"
+            )
+            config = from_pretrained(
+                CLIPConfig.from_pretrained, self.model_location, "CLIP config", self.name, "model"
+            )
             state_dict = map_spm_state_dict(torch.load(path, map_location="cpu", weights_only=True))
             with init_empty_weights(include_buffers=False):
                 model = TimeConditionedCLIP(CLIPModel(config))
             model.load_state_dict(state_dict, strict=True, assign=True)
             self.model = model.to(device, self.dtype).eval().requires_grad_(False)
             self.tokenizer = from_pretrained(
-                AutoTokenizer.from_pretrained, self.tokenizer_location, "CLIP tokenizer", self.name
+                AutoTokenizer.from_pretrained, self.tokenizer_location, "CLIP tokenizer", self.name, "tokenizer"
             )
             self.device = device
         return self

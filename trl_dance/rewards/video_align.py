@@ -100,7 +100,7 @@ class VideoAlignReward(Qwen2VLRewardModel):
         self.template = prompt_template("videoalign")  # the reference's "detailed_special" prompt, verbatim
 
     def _load(self, device: torch.device) -> None:
-        self.root = resolve_directory(self.checkpoint, "VideoAlign checkpoint", self.name)
+        self.root = resolve_directory(self.checkpoint, "VideoAlign checkpoint", self.name, "checkpoint")
         with open(os.path.join(self.root, "model_config.json")) as file:
             self.settings = json.load(file)
         data, model = self.settings["data_config"], self.settings["model_config"]

@@ -89,7 +89,9 @@ class RolloutTrainer(DiffusionTrainer):
     ):
         args = self._resolve_args(model, args, self.config_class, self._name)
 
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs or {})
+        # Rewards receive every column but the prompt (which arrives as ``prompts``).
+        columns = [c for c in _columns(train_dataset) if c != "prompt"] if train_dataset is not None else None
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs or {}, columns)
         self.reward_names = [reward_name(func) for func in self.reward_funcs]
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
