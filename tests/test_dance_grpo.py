@@ -452,6 +452,27 @@ def test_config_defaults_follow_the_dancegrpo_flux_recipe(tmp_path):
     assert args.timesteps_per_sample == 9 and args.steps_per_generation == 12 * 9
 
 
+def test_the_training_config_decides_precision_over_the_accelerate_config(tmp_path, monkeypatch):
+    """`accelerate launch` with a config file's `mixed_precision: bf16` sets ACCELERATE_MIXED_PRECISION; transformers
+    keeps it unless bf16/fp16 is on, so `bf16: false` lost (the tiny demo's rewards moved in the 4th digit)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).mixed_precision == "no"
+    assert DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True).mixed_precision == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True).mixed_precision == "bf16"
+
+
+def test_trl_loss_type_names_carry_over(tmp_path):
+    """TRL's aggregation names are one loss here (every sample trains as many transitions); its other losses are
+    refused saying what bounds an update here."""
+    for name in ("dapo", "grpo", "bnpo", "dr_grpo"):
+        assert DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type=name).loss_type == name
+    with pytest.raises(ValueError, match="loss_type='cispo' is one of TRL's LLM losses.*trust_region='clip'"):
+        DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="cispo")
+    with pytest.raises(ValueError, match="loss_type"):
+        DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="nft")
+
+
 @pytest.mark.parametrize(
     ("kind", "use_lora", "extra"),
     [

@@ -165,6 +165,40 @@ def test_bad_input_is_refused(tiny_model_dir, tmp_path):
         _config(tmp_path, direct_align_window=[25, 5])
 
 
+class _Scorer:
+    """A differentiable reward whose score() returns what ``shape`` says (the ways a user's scorer goes wrong)."""
+
+    def __init__(self, shape):
+        self.shape, self.__name__ = shape, f"scorer_{shape}"
+
+    def __call__(self, prompts, images, **kwargs):
+        return images.mean(dim=(1, 2, 3)).tolist()
+
+    def score(self, prompts, images):
+        mean = images.mean(dim=(1, 2, 3))
+        return {"detached": mean.detach(), "wide": mean[:, None].expand(-1, 3), "short": mean[1:],
+                "list": mean.tolist(), "ok": mean}[self.shape]  # fmt: skip
+
+
+def test_direct_reward_scorers_are_checked_naming_the_reward(tiny_model_dir, tmp_path):
+    from trl_dance.trainer.direct_reward_trainer import checked_score
+
+    images = torch.rand(4, 3, 8, 8, requires_grad=True)
+    for shape, message in [
+        ("detached", "'scorer_detached'.*does not require grad"),
+        ("wide", r"'scorer_wide'.*\(B,\) = \(4,\).*shape \(4, 3\)"),
+        ("short", r"'scorer_short'.*shape \(3,\)"),
+        ("list", "'scorer_list'.*got list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            checked_score(_Scorer(shape), ["a"] * 4, images)
+    assert checked_score(_Scorer("ok"), ["a"] * 4, images).requires_grad
+    # In training: the named error, not autograd's "element 0 of tensors does not require grad".
+    trainer = _trainer(tiny_model_dir, tmp_path, reward=_Scorer("detached"), max_steps=1, srp=False)
+    with pytest.raises(ValueError, match="'scorer_detached'.*does not require grad"):
+        trainer.train()
+
+
 @pytest.mark.parametrize("kind", ["flux", "sd"])
 @pytest.mark.parametrize("method", ["direct_align", "draft"])
 def test_brightness_rises(tiny_model_dir, tmp_path, method, kind):

@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 from .rollout_config import RolloutConfig, SDEArguments, _choice
 
+# TRL's GRPOConfig.loss_type values that only choose how per-token losses are averaged: with every sample training the
+# same number of transitions they are one loss.
+TRL_AGGREGATIONS = ("dapo", "grpo", "bnpo", "dr_grpo")
+
 
 @dataclass
 class DanceGRPOConfig(SDEArguments, RolloutConfig):
@@ -78,6 +82,11 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             step Gaussians' KL above; `"v"`, mean((v_θ − v_old)²) on the network outputs, computed exactly from the
             stored means since a step's mean is affine in the output (= 2·KL/g_t², g_t = |∂μ/∂output|/std).
         epsilon (`float`, defaults to `1e-4`): PPO clip range of the ratio (its lower bound, 1 − epsilon).
+        loss_type (`str`, defaults to `"dapo"`): TRL's GRPO aggregation names, accepted so that TRL configs carry over:
+            `"grpo"`, `"bnpo"`, `"dr_grpo"` and `"dapo"` give the same loss here, since every sample trains the same
+            number of transitions (TRL's modes differ only with completions of different lengths). TRL's other losses
+            (`"cispo"`, `"sapo"`, `"luspo"`, `"vespo"`) are refused: `trust_region` and `epsilon` are this trainer's
+            ways to bound an update.
         epsilon_high (`float` or `None`, defaults to `None`): Upper clip bound 1 + epsilon_high (asymmetric clip, as in
             TRL); `None`: `epsilon`.
         ratio_normalization (`bool`, defaults to `False`): GRPO-Guard's ratio normalisation: the log-ratio becomes
@@ -147,6 +156,13 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
     )
     epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (None: epsilon)."})
+    loss_type: str = field(
+        default="dapo",
+        metadata={
+            "help": "TRL's aggregation names; grpo | bnpo | dr_grpo | dapo are the same loss here (equal lengths).",
+            "choices": list(TRL_AGGREGATIONS),
+        },
+    )
     ratio_normalization: bool = field(default=False, metadata={"help": "GRPO-Guard ratio normalisation."})
     trust_region: str = field(
         default="clip", metadata={"help": "clip (PPO) | dppo (Flow-DPPO's KL mask).", "choices": ["clip", "dppo"]}
@@ -189,6 +205,13 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
         _choice("timestep_selection", self.timestep_selection, ("random", "first", "last", "iso_temporal"))
         _choice("trust_region", self.trust_region, ("clip", "dppo"))
+        if self.loss_type in ("cispo", "sapo", "luspo", "vespo"):
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is one of TRL's LLM losses, not implemented for diffusion: bound updates "
+                "with trust_region='clip' (epsilon, epsilon_high) or 'dppo' (Flow-DPPO's KL mask); the aggregation "
+                f"names {list(TRL_AGGREGATIONS)} are accepted and all give this trainer's loss"
+            )
+        _choice("loss_type", self.loss_type, TRL_AGGREGATIONS)
         _choice("dppo_kl_space", self.dppo_kl_space, ("x", "v"))
         if not (self.dppo_kl_threshold > 0 and math.isfinite(self.dppo_kl_threshold)):
             raise ValueError(f"dppo_kl_threshold must be a positive number, got {self.dppo_kl_threshold}")

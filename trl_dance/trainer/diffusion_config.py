@@ -35,6 +35,10 @@ class DiffusionTrainingConfig(
 
     def __post_init__(self):
         super().__post_init__()
+        # The training config decides precision. transformers starts from ACCELERATE_MIXED_PRECISION (what `accelerate
+        # launch` sets from its config file's mixed_precision) and overrides it only when bf16/fp16 is on, so an
+        # accelerate config with bf16 would otherwise win over `bf16: false`.
+        self.mixed_precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
         self._check_frozen_components()
         self._check_context_parallel()
         self._check_speed()

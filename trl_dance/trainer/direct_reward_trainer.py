@@ -95,8 +95,8 @@ class DirectRewardTrainer(RolloutTrainer):
         the reward itself (with a warning)."""
         prompts, images = self._rollout["prompts"][:2], images[:2]
         args = self.args
-        positive = func.score([f"{args.positive_words[0]}. {p}" for p in prompts], images)
-        negative = func.score([f"{args.negative_words[0]}. {p}" for p in prompts], images)
+        positive = checked_score(func, [f"{args.positive_words[0]}. {p}" for p in prompts], images)
+        negative = checked_score(func, [f"{args.negative_words[0]}. {p}" for p in prompts], images)
         if torch.equal(positive, negative):
             logger.warning(
                 f"reward {reward_name(func)!r} ignores its prompt: the semantic-relative preference would reduce it to "
@@ -209,7 +209,7 @@ class DirectRewardTrainer(RolloutTrainer):
         total = torch.zeros(len(prompts), device=images.device, dtype=images.dtype)
         weights = self.reward_weights.tolist()
         for column, (func, weight, (scale, offset)) in enumerate(zip(self.reward_funcs, weights, self._reward_affine)):
-            func = functools.partial(_affine_score, func.score, scale, offset)
+            func = functools.partial(_affine_score, func, scale, offset)
             if args.srp if self._srp is None else self._srp[column]:
                 positive = args.positive_words[step % len(args.positive_words)]
                 negative = args.negative_words[step % len(args.negative_words)]
@@ -269,8 +269,29 @@ class DirectRewardTrainer(RolloutTrainer):
         self._srp = state.get("srp", self._srp)
 
 
-def _affine_score(score, scale: float, offset: float, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
-    return scale * (score(prompts, images) - offset)
+def checked_score(func, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+    """``func.score(prompts, images)``, checked: a floating (B,) tensor on the images' device that carries the images'
+    gradient (when they have one).
+
+    Raises:
+        ValueError naming the reward and what is wrong, before autograd or a shape mismatch would say it unnamed.
+    """
+    values, name, batch = func.score(prompts, images), reward_name(func), images.shape[0]
+    where = f"reward {name!r}: score(prompts, images) must return a (B,) = ({batch},) floating tensor"
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{where}, got {type(values).__name__} (a list or floats carry no gradient)")
+    if values.shape != (batch,) or not values.is_floating_point():
+        raise ValueError(f"{where}, got {values.dtype} of shape {tuple(values.shape)}")
+    if images.requires_grad and not values.requires_grad:
+        raise ValueError(
+            f"{where} differentiable in the images; it does not require grad (a .detach(), torch.no_grad(), .item() or "
+            "a round trip through numpy/PIL inside score cuts the gradient)"
+        )
+    return values
+
+
+def _affine_score(func, scale: float, offset: float, prompts: list[str], images: torch.Tensor) -> torch.Tensor:
+    return scale * (checked_score(func, prompts, images) - offset)
 
 
 __all__ = ["DirectRewardTrainer"]
