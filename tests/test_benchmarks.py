@@ -57,7 +57,9 @@ def test_table_reports_medians_and_failures():
 def test_a_timed_out_run_keeps_what_it_printed(tmp_path):
     """A device call sees where a run's time went without a second run: its output up to the timeout."""
     script = tmp_path / "slow.py"
-    script.write_text("import sys, time\nprint('progress 0.1 s: built', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    script.write_text(
+        "import sys, time\nprint('progress 0.1 s: built', file=sys.stderr, flush=True)\ntime.sleep(60)\n"
+    )
     record = matrix.run("slow", [str(script)], timeout=5, extra=[])
     assert record["failed"] == "timed out after 5 s" and "progress 0.1 s: built" in record["stderr_tail"]
 

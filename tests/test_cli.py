@@ -103,9 +103,10 @@ def test_installed_cli_trains_and_evaluates_outside_the_repository(tmp_path):
     out = run(
         "eval", "--model_name_or_path", "tiny-flux", "--prompts_file", "prompts.txt",
         "--checkpoints", "run/checkpoint-1", "run", "tiny-flux/transformer", "--reward_funcs", "brightness", "--num_images_per_prompt", "2",
-        "--height", "32", "--width", "32", "--num_inference_steps", "4", "--max_sequence_length", "16",
-        "--output_dir", "eval",
+        "--max_sequence_length", "16", "--output_dir", "eval",
     )  # fmt: skip
+    # Without size flags a tiny pipeline samples at the size it was saved with, not FLUX's 1024² × 28 steps.
+    assert "a tiny pipeline: sampling defaults {'height': 32, 'width': 32, 'num_inference_steps': 8}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     names = ["base", "run-checkpoint-1", "run", "tiny-flux-transformer"]
     assert [row.split(" | ")[0][2:] for row in rows[1:]] == names
@@ -118,6 +119,9 @@ def test_installed_cli_trains_and_evaluates_outside_the_repository(tmp_path):
     by_model = {name: sorted((r["sample"], r["brightness"]) for r in dataset if r["model"] == name) for name in names}
     assert by_model["tiny-flux-transformer"] == by_model["base"] and rows[4].endswith("| 0.500 |")
     assert by_model["run"] != by_model["base"]  # the trained LoRA was applied
+    report = run("env")
+    assert "- trl-dance version: " in report and "- diffusers version: " in report and "- Accelerators: " in report
+    assert run("tiny", "--help").startswith("usage: trl-dance tiny")
 
 
 def test_one_method_table_feeds_exports_commands_and_the_script(tmp_path):

@@ -192,7 +192,9 @@ def served_brightness():
     process, reward = _serve("brightness")
     assert reward.health()["reward"] == "brightness"
     started = process.stdout.readline()  # what it printed when it started listening
-    assert started.startswith("serving reward 'brightness' at http://127.0.0.1:") and "test image scored 0.5" in started
+    assert (
+        started.startswith("serving reward 'brightness' at http://127.0.0.1:") and "test image scored 0.5" in started
+    )
     reward.process = process
     yield reward
     process.terminate()

@@ -9,6 +9,7 @@
     trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
+    trl-dance env                                    versions and devices, for bug reports
 
 The training commands (one per row of :data:`trl_dance.methods.METHODS`) work as TRL's CLI does: options the script
 does not know (``--num_processes 8``, ``--accelerate_config zero2``) go to ``accelerate launch``, which runs
@@ -28,7 +29,8 @@ from .methods import METHODS
 OTHER_COMMANDS = {
     "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
     "serve-reward": ("trl_dance.rewards.server", "serve a reward over HTTP for remote scoring (reward_funcs: [URL])"),
-    "tiny": ("trl_dance.testing", "save a tiny random-weight pipeline (FLUX, SD3, SD, SDXL, Wan) to a folder"),
+    "tiny": ("trl_dance.testing", "save a tiny random-weight pipeline (trl-dance tiny --help lists the kinds)"),
+    "env": ("trl_dance.cli", "print the versions and devices a bug report needs (as `trl env`)"),
 }
 
 
@@ -87,6 +89,35 @@ def launch_training(command: str, argv: list[str]) -> None:
     launch_command(launch_command_parser().parse_args([*launch_args, *script]))
 
 
+def env() -> str:
+    """What a bug report needs: platform, Python, trl-dance and its ecosystem's versions, devices (as ``trl env``)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from .version import __version__
+
+    lines = [
+        f"- Platform: {platform.platform()}",
+        f"- Python version: {platform.python_version()}",
+        f"- trl-dance version: {__version__}",
+    ]
+    for package in ("torch", "diffusers", "transformers", "trl", "accelerate", "peft", "datasets", "deepspeed"):
+        try:
+            lines.append(f"- {package} version: {version(package)}")
+        except PackageNotFoundError:
+            lines.append(f"- {package} version: not installed")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(
+            f"- Accelerators: {torch.cuda.device_count()} × {', '.join(sorted(set(names)))} (CUDA {torch.version.cuda})"
+        )
+    else:
+        lines.append(f"- Accelerators: none (CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)")
+    return "\n".join(["Copy-paste the following information when you open an issue:", "", *lines])
+
+
 def _usage() -> str:
     commands = {name: method.help for name, method in METHODS.items()}
     commands |= {name: help_text for name, (_, help_text) in OTHER_COMMANDS.items()}
@@ -102,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in METHODS:
         launch_training(command, rest)
+    elif command == "env":
+        print(env())
     elif command in OTHER_COMMANDS:
         importlib.import_module(OTHER_COMMANDS[command][0]).main(rest)
     else:

@@ -810,12 +810,20 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
 }
 
 
+# Written beside a tiny pipeline's model_index.json: the sampling settings its recipes use, which `trl-dance eval`
+# takes as defaults (the pipelines' own defaults, e.g. FLUX's 1024² × 28 steps, take minutes on such a model).
+TINY_SAMPLING_FILE = "trl_dance_tiny.json"
+TINY_SAMPLING = {"height": TINY_RESOLUTION, "width": TINY_RESOLUTION, "num_inference_steps": 8}
+
+
 def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
     """Build the tiny pipeline ``kind`` (one of ``TINY_PIPELINES``) and ``save_pretrained`` it to
-    ``directory``."""
+    ``directory``, with its sampling settings in ``TINY_SAMPLING_FILE``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
     TINY_PIPELINES[kind](seed).save_pretrained(directory)
+    with open(os.path.join(directory, TINY_SAMPLING_FILE), "w") as handle:
+        json.dump({"kind": kind, **TINY_SAMPLING}, handle)
     return directory
 
 
@@ -890,7 +898,9 @@ _PREFERENCE_PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Save a tiny random-weight diffusers pipeline to a folder.")
+    parser = argparse.ArgumentParser(
+        prog="trl-dance tiny", description="Save a tiny random-weight diffusers pipeline to a folder."
+    )
     parser.add_argument("kind", choices=sorted(TINY_PIPELINES))
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)

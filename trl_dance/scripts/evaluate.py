@@ -142,6 +142,19 @@ def _table(names: list[str], results: dict[str, torch.Tensor]) -> list[str]:
     return lines
 
 
+def _tiny_sampling(args) -> dict:
+    """The sampling settings a tiny pipeline saved by ``trl-dance tiny`` carries (else none)."""
+    from trl_dance.testing import TINY_SAMPLING_FILE
+
+    path = os.path.join(args.model_name_or_path, TINY_SAMPLING_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as handle:
+        tiny = {key: value for key, value in json.load(handle).items() if key != "kind"}
+    print(f"a tiny pipeline: sampling defaults {tiny} (--height, --width, --num_inference_steps override them)")
+    return tiny
+
+
 def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Run the comparison; returns each model's (n, F) rewards by label ("base" first)."""
     (args,) = HfArgumentParser(EvalArguments).parse_args_into_dataclasses(argv)
@@ -164,11 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     size = getattr(pipeline, "default_sample_size", None)
     scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
     resolution = size * scale if size else 512
+    defaults |= {"height": resolution, "width": resolution} | _tiny_sampling(args)
     settings = SamplerSettings(
         num_inference_steps=args.num_inference_steps or defaults.get("num_inference_steps", 28),
         guidance_scale=args.guidance_scale if args.guidance_scale is not None else defaults.get("guidance_scale", 1.0),
-        height=args.height or resolution,
-        width=args.width or resolution,
+        height=args.height or defaults["height"],
+        width=args.width or defaults["width"],
         sigma_schedule="pipeline",
         negative_prompt=args.negative_prompt,
         max_sequence_length=args.max_sequence_length,

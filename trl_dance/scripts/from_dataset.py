@@ -85,6 +85,7 @@ def main(
                 [before, after], path, size=128, row_labels=["before", "after"], captions=script_args.sample_prompts
             )
             trainer.save_samples(script_args.sample_prompts, after)
+        print(f"wrote {output_dir}: {sorted(os.listdir(output_dir))}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     finish(trainer)
