@@ -1,7 +1,7 @@
 """Denoiser work and wall time each online RL method needs for the same reward gain, against DanceGRPO, in one run.
 
     python benchmarks/efficiency.py                          # tiny FLUX, brightness, one seed, CPU: about 4 minutes
-    python benchmarks/efficiency.py --seeds 0 1 2            # the README table: medians over 3 seeds (12 minutes)
+    python benchmarks/efficiency.py --seeds 0 1 2            # the docs table (docs/methods/grpo.md): medians over 3 seeds (12 minutes)
     python benchmarks/efficiency.py --methods flow_grpo_fast  # one method (and DanceGRPO, which always runs)
     python benchmarks/efficiency.py --model flux-dev --bf16 --resolution 256    # a GPU, random weights
 

@@ -1,4 +1,4 @@
-"""Run the README's benchmark configurations, each in its own process, and print the Performance table.
+"""Run the benchmark configurations of docs/benchmarks.md, each in its own process, and print its tables.
 
     python benchmarks/matrix.py cpu --repeats 3                  # the tiny models (the CPU table)
     python benchmarks/matrix.py gpu --only grpo-flux-lora64      # FLUX.1-dev / SD3.5-medium architectures

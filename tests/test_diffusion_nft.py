@@ -220,7 +220,7 @@ def test_rollouts_are_deterministic_and_store_clean_latents(tiny_model_dir, tmp_
 
 def test_memory_of_a_round_against_grpo(tiny_model_dir, tmp_path):
     """Per sample, GRPO keeps the N states around its N − 1 stored transitions, NFT one clean latent: N times less
-    (for Wan 2.1 14B at 480×832×81 and 20 steps: 8.0 MiB against 160 MiB per video, see the README)."""
+    (for Wan 2.1 14B at 480×832×81 and 20 steps: 8.0 MiB against 160 MiB per video, see docs/methods/nft.md)."""
     nft = _trainer(tiny_model_dir, tmp_path, "wan")
     nft._generate_and_score(ROWS)
     grpo_args = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", "num_generations": 4}

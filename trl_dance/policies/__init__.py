@@ -82,7 +82,7 @@ def policy_class(pipeline: DiffusionPipeline) -> type[DiffusionPolicy]:
     raise TypeError(
         f"no policy for {type(pipeline).__name__}; supported pipelines: {supported}. Add one with "
         f"trl_dance.register_policy({type(pipeline).__name__}, YourPolicy) (a trl_dance.policies.DiffusionPolicy "
-        "subclass; see the README's 'Add a model family')"
+        "subclass; see docs/add-a-model-family.md)"
     )
 
 
