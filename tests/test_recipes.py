@@ -155,7 +155,7 @@ def test_tiny_dpo_recipe_runs_from_yaml(tmp_path, kind, config, strip):
         "--dataloader_num_workers", "2", "--dataloader_persistent_workers", "true",
     )  # fmt: skip
     dpo = command == "dpo"
-    assert ("implicit accuracy: first log" in result.stdout) == dpo
+    assert ("implicit accuracy: first log" in result.stdout) == dpo and f"wrote {tmp_path / 'out'}" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "samples.png", "image_1.png", *(["implicit_accuracy.png"] * dpo)):
         assert (tmp_path / "out" / name).exists(), name
     assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * strip * 128 + 6, 2 * 128 + 6 + 30)
