@@ -314,7 +314,7 @@ def _call(
 def weighted_reward_sum(
     scores: torch.Tensor, weights: torch.Tensor, prompts: Sequence[str] | None = None
 ) -> torch.Tensor:
-    """(B,) the weighted sum of the (B, F) rewards over those that scored each row (abstentions, NaN, are skipped).
+    """(B,) the weighted sum of the (B, F) rewards over those that scored each row (abstentions are skipped).
 
     Raises:
         ValueError naming the first row (and its prompt, when given) that no reward scored.

@@ -13,8 +13,10 @@ import torch
 
 from .image_transforms import check_images
 
-# A Hub repository id ("org/name"); anything else that does not exist is a local path with a typo.
-_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# A Hub repository id ("org/name", or a legacy "name" such as bert-base-uncased); a path that cannot be one (absolute,
+# relative to . or ~, nested, or a weights file) and does not exist is a local path with a typo.
+_REPO_ID = re.compile(r"^([\w.-]+/)?[\w.-]+$")
+_WEIGHT_FILES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 # Rewards configured by a trainer field rather than reward_kwargs: {reward name: (field of the checkpoint, of the rest)}.
 CONFIG_FIELDS = {"step_aware_preference": ("step_aware_model", "step_aware_model_kwargs")}
 
@@ -91,7 +93,7 @@ def reward_setting(reward: str, keyword: str, value: str) -> str:
 def _check_local(location: str, what: str, reward: str, keyword: str) -> None:
     """A ``location`` that cannot be a Hub repository id is a local path that does not exist: say so, without
     download advice."""
-    if not _REPO_ID.match(location) or location.startswith((".", "~")):
+    if not _REPO_ID.match(location) or location.startswith((".", "~")) or location.endswith(_WEIGHT_FILES):
         raise FileNotFoundError(
             f"{what}: no such file or directory {location!r} (a local path: check it; it was given as {keyword!r}, "
             f"set with {reward_setting(reward, keyword, 'PATH')})"

@@ -218,7 +218,7 @@ class HTTPReward:
         deadline, error = time.monotonic() + (self.timeout if wait is None else wait), None
         while True:
             try:
-                self._answer(parsed.hostname, port)
+                self._probe_once(parsed.hostname, port)
                 return
             except (OSError, RemoteRewardError) as err:
                 error = err
@@ -229,7 +229,7 @@ class HTTPReward:
                 ) from error
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def _answer(self, host: str, port: int) -> None:
+    def _probe_once(self, host: str, port: int) -> None:
         """One probe: a TCP connection (a reward server's own protocol may have no side-effect-free request)."""
         import socket
 
@@ -304,7 +304,7 @@ class RemoteReward(HTTPReward):
             raise RemoteRewardError(f"reward server {self.url}: /health answered {response.status_code}")
         return response.json()
 
-    def _answer(self, host: str, port: int) -> None:
+    def _probe_once(self, host: str, port: int) -> None:
         """One probe: ``/health`` answering 200 (``trl-dance serve-reward`` listens only once its reward has scored
         a test image)."""
         self.health()

@@ -168,7 +168,7 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     return Starlette(routes=[Route("/health", health), Route("/score", score, methods=["POST"])])
 
 
-def test_score(reward: Any, device: str) -> float:
+def score_test_image(reward: Any, device: str) -> float:
     """Score one mid-grey 64×64 test image (a 2-frame video for ``accepts_video`` rewards) on ``device``: the model
     loads and runs once before the server listens. Returns the value (NaN: the reward abstained)."""
     shape = (1, 2, 3, 64, 64) if getattr(reward, "accepts_video", False) else (1, 3, 64, 64)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     name, start, tested = reward_name(reward), time.perf_counter(), ""
     if not args.skip_test_score:
         try:
-            value = test_score(reward, args.device)
+            value = score_test_image(reward, args.device)
         except Exception as err:  # the reward's own failure, whatever it is: nothing is served
             sys.exit(
                 f"trl-dance serve-reward: reward {name!r} failed on a test image, so nothing is served: "

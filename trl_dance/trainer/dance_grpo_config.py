@@ -158,9 +158,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (None: epsilon)."})
     loss_type: str = field(
         default="dapo",
+        # No argparse choices: TRL's other losses get the error that says what to use instead.
         metadata={
-            "help": "TRL's aggregation names; grpo | bnpo | dr_grpo | dapo are the same loss here (equal lengths).",
-            "choices": list(TRL_AGGREGATIONS),
+            "help": "TRL's aggregation names; grpo | bnpo | dr_grpo | dapo are the same loss here (equal lengths)."
         },
     )
     ratio_normalization: bool = field(default=False, metadata={"help": "GRPO-Guard ratio normalisation."})
