@@ -20,6 +20,7 @@ TINY = {
     "tiny-hunyuan-video": "hunyuan-video",
     "tiny-flux-kontext": "flux-kontext",
     "tiny-skyreels-i2v": "skyreels-i2v",
+    "tiny-flux2-klein": "flux2-klein",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (

@@ -40,6 +40,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-hunyuan-video": ["grpo_iteration.py", "--model", "tiny-hunyuan-video"],
         "grpo-tiny-flux-kontext": ["grpo_iteration.py", "--model", "tiny-flux-kontext"],
         "grpo-tiny-skyreels-i2v": ["grpo_iteration.py", "--model", "tiny-skyreels-i2v"],
+        "grpo-tiny-flux2-klein": ["grpo_iteration.py", "--model", "tiny-flux2-klein"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

@@ -50,6 +50,7 @@ def _mean_reward(trainer, rounds):
         ("wan", 5.0),
         ("qwen-image", 4.0),
         ("flux2", 4.0),
+        ("flux2-klein", 4.0),  # true CFG through both branches
     ],
 )
 def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guidance):
@@ -182,7 +183,9 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
     assert_learned("jpeg_compressibility", first, best, noise, 0.1)
 
 
-@pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("qwen-image", 4.0), ("flux2", 4.0)])
+@pytest.mark.parametrize(
+    ("kind", "guidance"), [("flux", 3.5), ("qwen-image", 4.0), ("flux2", 4.0), ("flux2-klein", 4.0)]
+)
 def test_saved_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, guidance):
     args = tiny_grpo_config(tmp_path / "run", max_steps=2, guidance_scale=guidance)
     trainer = DanceGRPOTrainer(

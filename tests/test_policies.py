@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.hunyuan_video import pipeline_hunyuan_skyreels_image2video as skyreels
 
 from trl_dance.policies import SamplerSettings, make_policy
-from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images
+from trl_dance.testing import TINY_PIPELINES, TINY_VIDEO_FRAMES, tiny_condition_images, tiny_flux2_klein_pipeline
 
 PROMPTS = ["a red cat", "a blue dog"]
 EDITING = ("flux-kontext",)
@@ -21,6 +21,9 @@ STEPS = 6
         ("flux", 3.5, None),
         ("flux-kontext", 2.5, None),
         ("flux2", 4.0, None),  # (its pipeline takes latents unpacked: (B, 4C, H/4, W/4))
+        ("flux2-klein", 4.0, None),  # the base checkpoint: true CFG against the empty prompt
+        ("flux2-klein", 1.0, None),
+        ("flux2-klein-distilled", 4.0, None),  # no CFG whatever guidance_scale says, as its pipeline
         ("sd3", 1.0, None),
         ("sd3", 4.0, None),
         ("sd3", 4.0, "blurry, dark"),
@@ -65,7 +68,10 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
 def _assert_policy_reproduces_pipeline(
     kind, guidance, negative_prompt=None, guidance_scale_2=None, monkeypatch=None, **settings
 ):
-    pipeline = TINY_PIPELINES["hunyuan-video" if kind == "hunyuan-image" else kind](0)
+    if kind == "flux2-klein-distilled":  # the step-distilled checkpoint: its pipeline ignores guidance_scale
+        pipeline, kind = tiny_flux2_klein_pipeline(0, is_distilled=True), "flux2-klein"
+    else:
+        pipeline = TINY_PIPELINES["hunyuan-video" if kind == "hunyuan-image" else kind](0)
     video, columns, image_input = {}, {}, {}
     if kind.endswith("i2v") or kind in EDITING:  # (SkyReels I2V included)
         # The pipeline takes one image for all its prompts; the policy one per prompt.
@@ -117,7 +123,8 @@ def _assert_policy_reproduces_pipeline(
 
         kwargs = (
             {"max_sequence_length": 16}
-            if kind in ("flux", "flux-kontext", "flux2", "sd3", "skyreels-i2v") or kind.startswith(("wan", "hunyuan"))
+            if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "sd3", "skyreels-i2v")
+            or kind.startswith(("wan", "hunyuan"))
             else {}
         )
         if kind in ("qwen-image", "skyreels-i2v"):  # true_cfg_scale, and CFG only with a negative prompt given
@@ -130,10 +137,10 @@ def _assert_policy_reproduces_pipeline(
             width=32,
             num_inference_steps=STEPS,
             guidance_scale=guidance,
-            latents=initial.transpose(1, 2).reshape(2, -1, 8, 8) if kind == "flux2" else initial.clone(),
+            latents=initial.transpose(1, 2).reshape(2, -1, 8, 8) if kind.startswith("flux2") else initial.clone(),
             **(
                 {}
-                if kind == "flux2"
+                if kind.startswith("flux2")
                 else {"negative_prompt": None if negative_prompt is None else [negative_prompt] * 2}
             ),
             output_type="pt",

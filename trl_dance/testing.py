@@ -30,6 +30,7 @@ from diffusers import (
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
     Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxKontextPipeline,
@@ -67,6 +68,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2TokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -300,33 +303,85 @@ def tiny_flux2_pipeline(seed: int = 0) -> Flux2Pipeline:
                 image_token_index=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
             )
         )
-        vae = AutoencoderKLFlux2(
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            patch_size=(2, 2),
-        )
-        # Latent statistics as a trained VAE has them (a fresh one's are 0 and 1, which would hide their handling).
-        vae.bn.running_mean.normal_(0.0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
         return Flux2Pipeline(
             scheduler=flux_scheduler(),
-            vae=vae,
+            vae=_flux2_vae(),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
-            transformer=Flux2Transformer2DModel(
-                in_channels=16,
-                num_layers=1,
-                num_single_layers=1,
-                attention_head_dim=16,
-                num_attention_heads=2,
-                joint_attention_dim=3 * 32,
-                timestep_guidance_channels=32,
-                axes_dims_rope=(4, 4, 4, 4),
-            ),
+            transformer=_flux2_transformer(joint_attention_dim=3 * 32, guidance_embeds=True),
+        )
+
+    return _build(factory, seed)
+
+
+def _flux2_vae() -> AutoencoderKLFlux2:
+    """FLUX.2's VAE (2×2-patchified latents normalised by its batch-norm statistics), tiny."""
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        patch_size=(2, 2),
+    )
+    # Latent statistics as a trained VAE has them (a fresh one's are 0 and 1, which would hide their handling).
+    vae.bn.running_mean.normal_(0.0, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def _flux2_transformer(joint_attention_dim: int, guidance_embeds: bool) -> Flux2Transformer2DModel:
+    """FLUX.2's transformer (4-axis RoPE), one double- and one single-stream block."""
+    return Flux2Transformer2DModel(
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_attention_dim,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+
+
+# Qwen3's chat template as the FLUX.2 [klein] pipeline renders it (a user turn, the assistant's turn opened, and the
+# empty reasoning block that enable_thinking=False writes).
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = False) -> Flux2KleinPipeline:
+    """A Flux2KleinPipeline (FLUX.2 [klein]: a Qwen3 text encoder read at hidden layers 9, 18 and 27, FLUX.2's VAE and
+    transformer without a guidance embedding), 32×32 images. ``is_distilled=False`` is the base checkpoint (true CFG
+    against the empty prompt, the one made for fine-tuning); ``True`` the step-distilled one (no CFG)."""
+
+    def factory():
+        tokenizer = _qwen_tokenizer()
+        tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+        text_encoder = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=27,  # the pipeline reads hidden states 9, 18 and 27
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                max_position_embeddings=1024,
+            )
+        )
+        return Flux2KleinPipeline(
+            scheduler=flux_scheduler(),
+            vae=_flux2_vae(),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=_flux2_transformer(joint_attention_dim=3 * 32, guidance_embeds=False),
+            is_distilled=is_distilled,
         )
 
     return _build(factory, seed)
@@ -794,6 +849,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "flux-kontext": tiny_flux_kontext_pipeline,
     "flux2": tiny_flux2_pipeline,
+    "flux2-klein": tiny_flux2_klein_pipeline,
     "sd3": tiny_sd3_pipeline,
     "sd": tiny_sd_pipeline,
     "sd2": tiny_sd2_pipeline,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from diffusers import (
     DiffusionPipeline,
+    Flux2KleinPipeline,
     Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
@@ -19,7 +20,7 @@ from diffusers import (
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
-from .flux import Flux2Policy, FluxKontextPolicy, FluxPolicy
+from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
@@ -61,6 +62,7 @@ for _pipeline, _policy in (
     (FluxPipeline, FluxPolicy),
     (FluxKontextPipeline, FluxKontextPolicy),
     (Flux2Pipeline, Flux2Policy),
+    (Flux2KleinPipeline, Flux2KleinPolicy),
     (QwenImagePipeline, QwenImagePolicy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
@@ -95,6 +97,7 @@ __all__ = [
     "Conditioning",
     "DiffusionPolicy",
     "FlowMatchingPolicy",
+    "Flux2KleinPolicy",
     "Flux2Policy",
     "FluxKontextPolicy",
     "FluxPolicy",

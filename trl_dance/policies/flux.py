@@ -254,3 +254,16 @@ class Flux2Policy(FluxPolicy):
         unpacked = pipeline._unpatchify_latents(unpacked * std + mean)
         decoded = vae.decode(unpacked.to(vae.dtype), return_dict=False)[0]
         return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))
+
+
+class Flux2KleinPolicy(Flux2Policy):
+    """Policy over a :class:`~diffusers.Flux2KleinPipeline` (FLUX.2 [klein] 4B / 9B): FLUX.2's latents, ids and
+    schedule, a Qwen3 text encoder read at hidden layers 9, 18 and 27, and no guidance embedding. The base checkpoints
+    (``is_distilled: false``, e.g. FLUX.2-klein-base-4B, the ones made for fine-tuning) sample with true CFG against
+    the empty prompt when ``guidance_scale`` > 1, as the pipeline does; the step-distilled ones (FLUX.2-klein-4B,
+    4 steps) use none.
+    """
+
+    @property
+    def supports_cfg(self) -> bool:
+        return not self.pipeline.config.get("is_distilled", False)
