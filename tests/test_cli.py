@@ -103,9 +103,9 @@ def test_installed_cli_trains_and_evaluates_outside_the_repository(tmp_path):
     out = run(
         "eval", "--model_name_or_path", "tiny-flux", "--prompts_file", "prompts.txt",
         "--checkpoints", "run/checkpoint-1", "run", "tiny-flux/transformer", "--reward_funcs", "brightness", "--num_images_per_prompt", "2",
-        "--max_sequence_length", "16", "--output_dir", "eval",
+        "--max_sequence_length", "16", "--num_inference_steps", "4", "--output_dir", "eval",
     )  # fmt: skip
-    # Without size flags a tiny pipeline samples at the size it was saved with, not FLUX's 1024² × 28 steps.
+    # Without size flags a tiny pipeline samples at the size it was saved with, not FLUX's 1024² (steps given here).
     assert "a tiny pipeline: sampling defaults {'height': 32, 'width': 32, 'num_inference_steps': 8}" in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     names = ["base", "run-checkpoint-1", "run", "tiny-flux-transformer"]
