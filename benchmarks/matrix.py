@@ -27,7 +27,8 @@ def _real(script: str, model: str, lora_rank: int, *more: str) -> list[str]:
     return [script, "--model", model, "--bf16", "--lora-rank", str(lora_rank), *more]
 
 
-_LARGE = ("--gradient-checkpointing", "--batch", "4", "--generations", "2", "--rounds", "1", "--skip-batch1")
+_ONE_ROUND = ("--batch", "4", "--generations", "2", "--rounds", "1", "--skip-batch1")
+_LARGE = ("--gradient-checkpointing", *_ONE_ROUND)
 
 CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
     "cpu": {
@@ -54,10 +55,11 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-flux-full-gc": _real("grpo_iteration.py", "flux-dev", 0, "--gradient-checkpointing"),
         # Rollout batch 4, one timed round, no batch-1 run: at 2 rounds of 8 with the batch-1 comparison the Wan VAE's
         # decodes at 480×832×33 did not finish in 320 s on an H200.
+        # One round of 4: at 2 rounds of 8 with the batch-1 comparison its VAE decodes at 480×832×33 did not finish in
+        # 320 s on an H200.
         "grpo-wan-lora64": _real(
-            "grpo_iteration.py", "wan21-1.3b", 64, "--resolution", "480", "--frames", "33",
-            "--batch", "4", "--generations", "2", "--rounds", "1", "--skip-batch1",
-        ),  # fmt: skip
+            "grpo_iteration.py", "wan21-1.3b", 64, "--resolution", "480", "--frames", "33", *_ONE_ROUND
+        ),
         "dpo-flux-lora64": _real("dpo_step.py", "flux-dev", 64, "--batch", "4"),
         "dpo-sd35-lora64": _real("dpo_step.py", "sd35-medium", 64, "--batch", "4"),
         # Full-size families (rollout batch 4, one timed round, no batch-size-1 comparison: under 10 minutes each).
