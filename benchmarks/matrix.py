@@ -53,8 +53,6 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-sd35-full": _real("grpo_iteration.py", "sd35-medium", 0),
         "grpo-sd35-full-gc": _real("grpo_iteration.py", "sd35-medium", 0, "--gradient-checkpointing"),
         "grpo-flux-full-gc": _real("grpo_iteration.py", "flux-dev", 0, "--gradient-checkpointing"),
-        # Rollout batch 4, one timed round, no batch-1 run: at 2 rounds of 8 with the batch-1 comparison the Wan VAE's
-        # decodes at 480×832×33 did not finish in 320 s on an H200.
         # One round of 4: at 2 rounds of 8 with the batch-1 comparison its VAE decodes at 480×832×33 did not finish in
         # 320 s on an H200.
         "grpo-wan-lora64": _real(
