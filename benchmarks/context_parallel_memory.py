@@ -117,9 +117,10 @@ def measure(
     results = []
     for size in sizes:
         for checkpointing in (True, False) if size in no_checkpointing else (True,):
-            model.gradient_checkpointing = False
             if checkpointing:
                 model.enable_gradient_checkpointing()
+            else:
+                model.disable_gradient_checkpointing()
             frames, height, width = _RANK_GRIDS[size]
             latents = torch.randn(2, 16, frames, height, width, device=device, dtype=torch.bfloat16)
             record = {"context_parallel": size, "checkpointing": checkpointing, "tokens_per_rank": frames * height * width // 4,
