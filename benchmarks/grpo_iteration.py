@@ -140,6 +140,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--timestep-fraction", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up: 6 (tiny), 2 (real)")
     parser.add_argument("--torch-compile", action="store_true", help="the Trainer's torch_compile (the denoiser)")
+    parser.add_argument("--guidance-scale", type=float, default=3.5, help="the config's (Z-Image-Turbo: 0, no CFG)")
     parser.add_argument(
         "--no-floor",
         action="store_true",
@@ -183,6 +184,7 @@ def _benchmark(options) -> dict:
                 num_inference_steps=options.steps,
                 timestep_fraction=options.timestep_fraction,
                 eta=1.0,
+                guidance_scale=options.guidance_scale,
                 height=size,
                 width=size,
                 num_frames=num_frames(options),

@@ -45,6 +45,9 @@ STEPS = 6
         ("wan-i2v", 5.0, None),
         ("wan22-5b", 5.0, None),
         ("wan22-5b-i2v", 5.0, None),
+        ("z-image", 0.0, None),  # Z-Image-Turbo: no CFG at guidance_scale 0
+        ("z-image", 4.0, None),  # c + 4 (c − u) against the empty prompt
+        ("z-image", 4.0, "blurry, dark"),
     ],
 )
 def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, negative_prompt, monkeypatch):
@@ -123,7 +126,7 @@ def _assert_policy_reproduces_pipeline(
 
         kwargs = (
             {"max_sequence_length": 16}
-            if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "sd3", "skyreels-i2v")
+            if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "sd3", "skyreels-i2v", "z-image")
             or kind.startswith(("wan", "hunyuan"))
             else {}
         )
@@ -132,7 +135,7 @@ def _assert_policy_reproduces_pipeline(
             negative_prompt = "" if negative_prompt is None and guidance > 1 else negative_prompt
             guidance = None if kind == "qwen-image" else 1.0  # SkyReels: the guidance embedding's 1.0
         result = pipeline(
-            prompt=PROMPTS,
+            prompt=list(PROMPTS),  # a copy: Z-Image's pipeline writes its chat template into the list
             height=32,
             width=32,
             num_inference_steps=STEPS,

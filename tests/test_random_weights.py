@@ -17,6 +17,7 @@ PUBLISHED = {
     "wan21-14b": 14.29,
     "wan22-a14b": 14.29,
     "hunyuan-video": 12.82,
+    "z-image-turbo": 6.15,
 }
 
 

@@ -14,7 +14,7 @@ def _generate(pipeline, kind, seed=0):
         "generator": torch.Generator().manual_seed(seed),
     }
     video = kind.startswith(("wan", "hunyuan", "skyreels"))
-    if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "qwen-image") or video:
+    if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "qwen-image", "z-image") or video:
         kwargs["max_sequence_length"] = 16
     if kind.endswith("i2v") or kind == "flux-kontext":
         kwargs["image"] = tiny_condition_images(1)[0]

@@ -18,7 +18,7 @@ from diffusers import DiffusionPipeline
 
 MODEL_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
 
-_DEPTHS = ("num_layers", "num_single_layers", "num_hidden_layers", "depth")  # the stacks ``layers`` shrinks
+_DEPTHS = ("num_layers", "num_single_layers", "num_hidden_layers", "depth", "n_layers")  # the stacks ``layers`` shrinks
 
 
 def random_weight_models() -> list[str]:
@@ -29,10 +29,15 @@ def random_weight_models() -> list[str]:
 def _tokenizer(class_name: str):
     from . import testing
 
+    def qwen_tokenizer():
+        tokenizer = testing._qwen_tokenizer()
+        tokenizer.chat_template = testing._QWEN3_CHAT_TEMPLATE  # Z-Image and FLUX.2 [klein] template their prompts
+        return tokenizer
+
     for prefix, build in (
         ("CLIP", testing._clip_tokenizer),
         ("T5", testing._t5_tokenizer),
-        ("Qwen2", testing._qwen_tokenizer),
+        ("Qwen2", qwen_tokenizer),
         ("Llama", testing._llama_tokenizer),
     ):
         if class_name.startswith(prefix):

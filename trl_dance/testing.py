@@ -50,6 +50,8 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanImageToVideoPipeline,
     WanPipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
     WanTransformer3DModel,
 )
 from transformers import (
@@ -70,6 +72,7 @@ from transformers import (
     Qwen2TokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -382,6 +385,49 @@ def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = False) -> Flux
             tokenizer=tokenizer,
             transformer=_flux2_transformer(joint_attention_dim=3 * 32, guidance_embeds=False),
             is_distilled=is_distilled,
+        )
+
+    return _build(factory, seed)
+
+
+def tiny_z_image_pipeline(seed: int = 0) -> ZImagePipeline:
+    """A ZImagePipeline (Z-Image / Z-Image-Turbo: a Qwen3 text encoder read at its second-to-last layer, FLUX.1's
+    16-channel-style VAE with its published scaling and shift, a single-stream DiT with noise and context refiners,
+    FlowMatchEuler with the static shift 3 the checkpoints ship), 32×32 images."""
+
+    def factory():
+        tokenizer = _qwen_tokenizer()
+        tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+        text_encoder = Qwen3Model(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                max_position_embeddings=1024,
+            )
+        )
+        return ZImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
+            vae=_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=ZImageTransformer2DModel(
+                all_patch_size=(2,),
+                all_f_patch_size=(1,),
+                in_channels=4,
+                dim=32,
+                n_layers=2,
+                n_refiner_layers=1,
+                n_heads=2,
+                n_kv_heads=2,
+                cap_feat_dim=32,
+                axes_dims=[4, 6, 6],  # sums to the head dimension, as Z-Image's (32, 48, 48) to 128
+                axes_lens=[1536, 512, 512],
+            ),
         )
 
     return _build(factory, seed)
@@ -851,6 +897,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux2": tiny_flux2_pipeline,
     "flux2-klein": tiny_flux2_klein_pipeline,
     "sd3": tiny_sd3_pipeline,
+    "z-image": tiny_z_image_pipeline,
     "sd": tiny_sd_pipeline,
     "sd2": tiny_sd2_pipeline,
     "sdxl": tiny_sdxl_pipeline,

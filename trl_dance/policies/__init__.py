@@ -16,6 +16,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
     WanImageToVideoPipeline,
     WanPipeline,
+    ZImagePipeline,
 )
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
@@ -26,6 +27,7 @@ from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
+from .z_image import ZImagePolicy
 
 _POLICIES: dict[type[DiffusionPipeline], type[DiffusionPolicy]] = {}
 
@@ -71,6 +73,7 @@ for _pipeline, _policy in (
     (StableDiffusionPipeline, StableDiffusionPolicy),
     (WanPipeline, WanPolicy),
     (WanImageToVideoPipeline, WanImageToVideoPolicy),
+    (ZImagePipeline, ZImagePolicy),
 ):
     register_policy(_pipeline, _policy)
 
@@ -110,6 +113,7 @@ __all__ = [
     "StableDiffusionXLPolicy",
     "WanImageToVideoPolicy",
     "WanPolicy",
+    "ZImagePolicy",
     "make_policy",
     "policy_class",
     "register_policy",

@@ -12,6 +12,23 @@ from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 
 
+def linear_sigmas_with_shift(config, steps: int, image_seq_len: int) -> dict:
+    """``set_timesteps`` arguments of FLUX.1 and Z-Image: the unshifted sigmas linspace(1, 1/N, N) (not the
+    scheduler's default grid, which ends at the last training sigma), shifted by ``mu`` from the image's token count
+    when the scheduler shifts dynamically (else by its static ``shift``)."""
+    kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
+    if not config.get("use_dynamic_shifting", False):
+        return kwargs
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    return {**kwargs, "mu": mu}
+
+
 class FluxPolicy(FlowMatchingPolicy):
     """Policy over a :class:`~diffusers.FluxPipeline`. Latents are packed tokens: (B, H/16 · W/16, 4 · C).
 
@@ -36,22 +53,11 @@ class FluxPolicy(FlowMatchingPolicy):
         super().__init__(pipeline, settings)
 
     def _scheduler_kwargs(self) -> dict:
-        # FluxPipeline sets the unshifted sigmas linspace(1, 1/N, N), not the scheduler's default grid (which ends
-        # at the last training sigma), then shifts them with mu.
-        steps = self.settings.num_inference_steps
-        kwargs = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
-        config = self.pipeline.scheduler.config
-        if not config.get("use_dynamic_shifting", False):
-            return kwargs
-        seq_len = (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2)
-        mu = calculate_shift(
-            seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
+        return linear_sigmas_with_shift(
+            self.pipeline.scheduler.config,
+            self.settings.num_inference_steps,
+            (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2),
         )
-        return {**kwargs, "mu": mu}
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

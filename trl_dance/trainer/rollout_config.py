@@ -32,7 +32,8 @@ class RolloutConfig(DiffusionTrainingConfig):
         num_frames (`int` or `None`, defaults to `None`): Frames per video (video pipelines only; Wan: 1 + a
             multiple of 4). `None`: the family's default (81 for Wan).
         guidance_scale (`float`, defaults to `3.5`): FLUX: the guidance embedding (no CFG). SD3: CFG scale, the
-            loss then goes through the CFG-combined prediction (1 disables CFG).
+            loss then goes through the CFG-combined prediction (1 disables CFG). Z-Image: its pipeline's scale,
+            CFG ``c + s (c − u)`` when above 0 (Z-Image-Turbo: 0).
         max_sequence_length (`int`, defaults to `512`): T5 tokens of the prompt.
         negative_prompt (`str` or `None`, defaults to `None`): The prompt of CFG's unconditional branch (with CFG
             only). `None`: the pipeline's own unconditional embedding (the empty prompt; zeros for SDXL base).
