@@ -18,7 +18,13 @@ from diffusers import DiffusionPipeline
 
 MODEL_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
 
-_DEPTHS = ("num_layers", "num_single_layers", "num_hidden_layers", "depth", "n_layers")  # the stacks ``layers`` shrinks
+_DEPTHS = (
+    "num_layers",
+    "num_single_layers",
+    "num_hidden_layers",
+    "depth",
+    "n_layers",
+)  # the stacks ``layers`` shrinks
 
 
 def random_weight_models() -> list[str]:

@@ -50,9 +50,9 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanImageToVideoPipeline,
     WanPipeline,
+    WanTransformer3DModel,
     ZImagePipeline,
     ZImageTransformer2DModel,
-    WanTransformer3DModel,
 )
 from transformers import (
     CLIPImageProcessor,
