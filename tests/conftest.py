@@ -11,6 +11,7 @@ os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from trl_dance.lora import load_lora_into_pipeline  # noqa: E402
 from trl_dance.testing import TINY_VIDEO_FRAMES, save_tiny_pipeline  # noqa: E402
 
 # Two pytest-xdist workers share two cores: one intra-op thread each. TRL_DANCE_TEST_THREADS and
@@ -151,7 +152,7 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(batch)])
     steps = torch.tensor([0, 3] * (batch // 2) + [1] * (batch % 2))
     base, reloaded = DiffusionPipeline.from_pretrained(model_dir), DiffusionPipeline.from_pretrained(model_dir)
-    reloaded.load_lora_weights(lora_dir)
+    load_lora_into_pipeline(reloaded, trainer.policy.denoiser_name, trainer.policy.lora_name, lora_dir)
     with torch.no_grad():
         trained = trainer.policy.predict(trainer.model, latents, steps, cond)
         loaded = make_policy(reloaded, settings).predict(reloaded.transformer, latents, steps, cond)

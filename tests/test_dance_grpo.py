@@ -52,6 +52,7 @@ def _mean_reward(trainer, rounds):
         ("flux2", 4.0),
         ("flux2-klein", 4.0),  # true CFG through both branches
         ("z-image", 4.0),  # CFG from guidance_scale > 0, through its list-taking transformer
+        ("hunyuan-video15", 6.0),  # the guider's CFG
     ],
 )
 def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guidance):
@@ -123,6 +124,7 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
         ("qwen-image", 30, 3e-2, 0.03),
         ("flux2", 30, 3e-2, 0.02),
         ("z-image", 15, 3e-2, 0.015),
+        ("hunyuan-video15", 10, 3e-2, 0.03),
     ],
 )
 def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, learning_rate, margin):
@@ -136,6 +138,7 @@ def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, learning_rate,
         learning_rate=learning_rate,
         guidance_scale={"flux": 3.5, "flux2": 4.0, "z-image": 0.0}.get(kind, 1.0),  # Z-Image: no CFG below 0
         seed=LEARNING_SEED,
+        **family_overrides(kind),
     )
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind), "brightness", args=args, train_dataset=_dataset(), peft_config=_lora()
@@ -187,10 +190,17 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize(
     ("kind", "guidance"),
-    [("flux", 3.5), ("qwen-image", 4.0), ("flux2", 4.0), ("flux2-klein", 4.0), ("z-image", 4.0)],
+    [
+        ("flux", 3.5),
+        ("qwen-image", 4.0),
+        ("flux2", 4.0),
+        ("flux2-klein", 4.0),
+        ("z-image", 4.0),
+        ("hunyuan-video15", 6.0),
+    ],
 )
 def test_saved_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, guidance):
-    args = tiny_grpo_config(tmp_path / "run", max_steps=2, guidance_scale=guidance)
+    args = tiny_grpo_config(tmp_path / "run", max_steps=2, guidance_scale=guidance, **family_overrides(kind))
     trainer = DanceGRPOTrainer(
         tiny_model_dir(kind),
         "brightness",

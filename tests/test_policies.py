@@ -157,6 +157,73 @@ def _assert_policy_reproduces_pipeline(
     return policy
 
 
+@pytest.mark.parametrize(
+    ("guidance", "negative_prompt", "prompts"),
+    [
+        (6.0, None, PROMPTS),  # the guider's CFG against the empty prompt
+        (1.0, None, PROMPTS),
+        (6.0, "blurry, dark", PROMPTS),
+        (6.0, None, ['a sign saying "hello"', "a cat"]),  # quoted text: ByT5 glyph embeddings for one prompt
+    ],
+)
+def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prompts):
+    """HunyuanVideo 1.5 samples with CFG from its guider (its scale there) and decodes one video at a time (its VAE's
+    attention breaks on batches in diffusers 0.42.1), so the pipeline runs per prompt; its 1000-token text padding
+    and 729 masked image slots against the policy's 64 and none give the same videos."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    pipeline = TINY_PIPELINES["hunyuan-video15"](0)
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    settings = SamplerSettings(
+        num_inference_steps=STEPS,
+        height=32,
+        width=32,
+        guidance_scale=guidance,
+        eta=0.0,
+        sigma_schedule="pipeline",
+        max_sequence_length=64,
+        negative_prompt=negative_prompt,
+        num_frames=TINY_VIDEO_FRAMES,
+    )
+    policy = make_policy(pipeline, settings)
+    initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
+    with torch.no_grad():
+        cond, latents = policy.encode_prompts(list(prompts)), initial
+        for i in range(STEPS):
+            index = torch.full((len(prompts),), i)
+            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
+            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
+        ours = policy.decode(latents)
+        expected = torch.cat(
+            [
+                pipeline(
+                    prompt=[prompt],
+                    negative_prompt=negative_prompt,
+                    height=32,
+                    width=32,
+                    num_frames=TINY_VIDEO_FRAMES,
+                    num_inference_steps=STEPS,
+                    latents=initial[b : b + 1].clone(),
+                    output_type="pt",
+                ).frames
+                for b, prompt in enumerate(prompts)
+            ]
+        )
+    assert ours.shape == expected.shape == (len(prompts), TINY_VIDEO_FRAMES, 3, 32, 32)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():
+    from diffusers.guiders import AdaptiveProjectedGuidance, ClassifierFreeGuidance
+
+    pipeline = TINY_PIPELINES["hunyuan-video15"](0)
+    settings = SamplerSettings(height=32, width=32, guidance_scale=6.0, num_frames=TINY_VIDEO_FRAMES)
+    for guider in (ClassifierFreeGuidance(guidance_scale=6.0, guidance_rescale=0.7), AdaptiveProjectedGuidance()):
+        pipeline.guider = guider
+        with pytest.raises(ValueError, match="reproduces a ClassifierFreeGuidance guider"):
+            make_policy(pipeline, settings)
+
+
 @pytest.mark.parametrize(("kind", "guidance"), [("flux", 3.5), ("sd3", 1.0)])
 def test_a_negative_prompt_without_cfg_is_refused(kind, guidance):
     settings = SamplerSettings(height=32, width=32, guidance_scale=guidance, negative_prompt="blurry")

@@ -7,6 +7,7 @@ import os
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.loaders.lora_base import LoraBaseMixin
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -52,14 +53,50 @@ def save_lora(
     """
     layers = get_peft_model_state_dict(denoiser, state_dict=state_dict)
     layers = {key: value.detach().to("cpu").contiguous() for key, value in layers.items()}
+    metadata = denoiser.peft_config["default"].to_dict()
+    if not hasattr(pipeline_class, "save_lora_weights"):
+        # A pipeline without diffusers' LoRA loader (HunyuanVideo 1.5 in 0.42.1): the same file, which the denoiser's
+        # load_lora_adapter reads (see load_lora_into_pipeline).
+        LoraBaseMixin._save_lora_weights(
+            output_dir, {denoiser_name: layers}, {denoiser_name: metadata}, safe_serialization=True
+        )
+        return
     pipeline_class.save_lora_weights(
         output_dir,
-        **{
-            f"{denoiser_name}_lora_layers": layers,
-            f"{denoiser_name}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict(),
-        },
+        **{f"{denoiser_name}_lora_layers": layers, f"{denoiser_name}_lora_adapter_metadata": metadata},
         safe_serialization=True,
     )
+
+
+def lora_loading_code(pipeline_class: type[DiffusionPipeline], denoiser_name: str, lora_name: str, path: str) -> str:
+    """The line that loads a LoRA saved by :func:`save_lora` into ``pipeline`` (for model cards)."""
+    if not hasattr(pipeline_class, "load_lora_weights"):
+        return (
+            f"pipeline.{denoiser_name}.load_lora_adapter({path!r}, weight_name={LORA_WEIGHTS_NAME!r}, "
+            f"prefix={lora_name!r})"
+        )
+    # A LoRA of Wan 2.2's second expert is saved under "transformer" and loaded with load_into_transformer_2.
+    into = f", load_into_{denoiser_name}=True" if denoiser_name != lora_name else ""
+    return f"pipeline.load_lora_weights({path!r}{into})"
+
+
+def load_lora_into_pipeline(pipeline: DiffusionPipeline, denoiser_name: str, lora_name: str, directory: str) -> None:
+    """Load a LoRA saved by :func:`save_lora` into ``pipeline``'s denoiser ``denoiser_name`` (the file's key prefix
+    is ``lora_name``), with the pipeline's ``load_lora_weights`` where it has one."""
+    if not hasattr(pipeline, "load_lora_weights"):
+        denoiser = getattr(pipeline, denoiser_name)
+        denoiser.load_lora_adapter(directory, weight_name=LORA_WEIGHTS_NAME, prefix=lora_name)
+        return
+    into = {f"load_into_{denoiser_name}": True} if denoiser_name != lora_name else {}
+    pipeline.load_lora_weights(directory, **into)
+
+
+def unload_lora_from_pipeline(pipeline: DiffusionPipeline, denoiser_name: str) -> None:
+    """Undo :func:`load_lora_into_pipeline`."""
+    if hasattr(pipeline, "unload_lora_weights"):
+        pipeline.unload_lora_weights()
+    else:
+        getattr(pipeline, denoiser_name).unload_lora()
 
 
 def load_lora(denoiser_name: str, denoiser: torch.nn.Module, directory: str) -> None:

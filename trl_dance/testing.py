@@ -14,16 +14,20 @@ of a second on one core.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import string
+import tempfile
 from collections.abc import Callable
 
+import jinja2
 import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DDIMScheduler,
@@ -37,6 +41,8 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     HunyuanSkyreelsImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     PNDMScheduler,
@@ -55,6 +61,8 @@ from diffusers import (
     ZImageTransformer2DModel,
 )
 from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
     CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
@@ -69,6 +77,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
     Qwen2TokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -666,9 +676,10 @@ _QWEN_IMAGE_TEMPLATE = (
 )
 
 
-def _qwen_tokenizer() -> Qwen2TokenizerFast:
-    """A byte-level BPE Qwen2 tokenizer with Qwen2-VL's special tokens, trained on Qwen-Image's prompt template so that
-    its words are single tokens and the template's system prefix is 34 tokens, as with the real tokenizer."""
+def _qwen_tokenizer(corpus: str | None = None, vocab_size: int = 600) -> Qwen2TokenizerFast:
+    """A byte-level BPE Qwen2 tokenizer with Qwen2-VL's special tokens, trained on ``corpus`` (default: Qwen-Image's
+    prompt template, so that its words are single tokens and the template's system prefix is 34 tokens, as with the
+    real tokenizer) with ``vocab_size`` entries."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
@@ -677,12 +688,12 @@ def _qwen_tokenizer() -> Qwen2TokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=specials,
         show_progress=False,
     )
-    backend.train_from_iterator([_QWEN_IMAGE_TEMPLATE.format("a")] * 50, trainer)
+    backend.train_from_iterator([corpus or _QWEN_IMAGE_TEMPLATE.format("a")] * 50, trainer)
     tokenizer = Qwen2TokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
     )
@@ -880,6 +891,85 @@ def tiny_skyreels_i2v_pipeline(seed: int = 0) -> HunyuanSkyreelsImageToVideoPipe
     return _build(lambda: HunyuanSkyreelsImageToVideoPipeline(**_hunyuan_components(image_to_video=True)), seed)
 
 
+def tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
+    """A HunyuanVideo15Pipeline (HunyuanVideo 1.5 text-to-video): the Qwen2.5-VL text model read three layers from the
+    top, a ByT5 encoder for quoted (glyph) text, the HunyuanVideo 1.5 VAE (4× spatial compression here: 8×8 latents at
+    32×32; the real one's 16× would leave 2×2), a transformer taking the noisy latents with zero condition latents
+    and mask channels, CFG through a ``ClassifierFreeGuidance`` guider (6, as the checkpoints ship), and the 480p
+    checkpoints' FlowMatchEuler shift 5."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    def factory():
+        # Trained on the pipeline's chat-templated system message, so that its words are single tokens, and reloaded
+        # (as from_pretrained does, with Qwen2's own pre-tokenizer): the prefix is then the real tokenizer's 108
+        # tokens, the crop the pipeline applies, and what remains is the prompt's own tokens.
+        template = jinja2.Template(_QWEN3_CHAT_TEMPLATE)
+        system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "a"}]
+        with tempfile.TemporaryDirectory() as folder:
+            _qwen_tokenizer(template.render(messages=messages, add_generation_prompt=True)).save_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+        text_encoder = Qwen2_5_VLTextModel(
+            Qwen2_5_VLTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,  # the pipeline reads hidden_states[-3]
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        byt5 = ByT5Tokenizer()
+        latent_channels = 4
+        return HunyuanVideo15Pipeline(
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=HunyuanVideo15Transformer3DModel(
+                in_channels=2 * latent_channels + 1,  # noisy latents, condition latents, condition mask
+                out_channels=latent_channels,
+                num_attention_heads=2,
+                attention_head_dim=16,
+                num_layers=2,
+                num_refiner_layers=1,
+                text_embed_dim=32,
+                text_embed_2_dim=32,
+                image_embed_dim=16,
+                rope_axes_dim=(4, 6, 6),
+                target_size=TINY_RESOLUTION,
+                task_type="t2v",
+            ),
+            vae=AutoencoderKLHunyuanVideo15(
+                block_out_channels=(8, 16, 16),
+                layers_per_block=1,
+                latent_channels=latent_channels,
+                spatial_compression_ratio=4,
+                temporal_compression_ratio=4,
+            ),
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+            text_encoder_2=T5EncoderModel(
+                T5Config(
+                    vocab_size=len(byt5),
+                    d_model=32,
+                    d_ff=64,
+                    d_kv=8,
+                    num_layers=1,
+                    num_heads=4,
+                    is_encoder_decoder=False,
+                )
+            ),
+            tokenizer_2=byt5,
+            guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        )
+
+    return _build(factory, seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -904,6 +994,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "qwen-image": tiny_qwen_image_pipeline,
     "wan": tiny_wan_pipeline,
     "hunyuan-video": tiny_hunyuan_video_pipeline,
+    "hunyuan-video15": tiny_hunyuan_video15_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,

@@ -9,6 +9,7 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     HunyuanSkyreelsImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -23,6 +24,7 @@ from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
+from .hunyuan_video15 import HunyuanVideo15Policy
 from .qwen_image import QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
@@ -68,6 +70,7 @@ for _pipeline, _policy in (
     (QwenImagePipeline, QwenImagePolicy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
+    (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -105,6 +108,7 @@ __all__ = [
     "FluxKontextPolicy",
     "FluxPolicy",
     "HunyuanSkyreelsImageToVideoPolicy",
+    "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
     "QwenImagePolicy",
     "SD3Policy",

@@ -249,7 +249,8 @@ class DiffusionPolicy(ABC):
         """Warn once if prompts are longer than a text encoder reads (CLIP: 77 tokens; T5: ``max_sequence_length``):
         the pipeline truncates them."""
         for name, tokenizer in self.pipeline.components.items():
-            if not name.startswith("tokenizer") or tokenizer is None:
+            # ByT5 (HunyuanVideo 1.5's glyph encoder) reads only a prompt's quoted text, at its own fixed length.
+            if not name.startswith("tokenizer") or tokenizer is None or type(tokenizer).__name__ == "ByT5Tokenizer":
                 continue
             clip = "CLIP" in type(tokenizer).__name__
             limit = tokenizer.model_max_length if clip else self.settings.max_sequence_length

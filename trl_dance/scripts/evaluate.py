@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from trl_dance.data import load_prompt_dataset
-from trl_dance.lora import LORA_WEIGHTS_NAME
+from trl_dance.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline, unload_lora_from_pipeline
 from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
 from trl_dance.rewards import get_reward_function, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
@@ -81,12 +81,11 @@ def _weights_of(policy: DiffusionPolicy, checkpoint: str | None):
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"checkpoint {checkpoint!r} is not a folder")
     if os.path.isfile(os.path.join(checkpoint, LORA_WEIGHTS_NAME)):
-        into = {f"load_into_{policy.denoiser_name}": True} if policy.denoiser_name != policy.lora_name else {}
-        pipeline.load_lora_weights(checkpoint, **into)
+        load_lora_into_pipeline(pipeline, policy.denoiser_name, policy.lora_name, checkpoint)
         try:
             yield
         finally:
-            pipeline.unload_lora_weights()
+            unload_lora_from_pipeline(pipeline, policy.denoiser_name)
         return
     if not os.path.isfile(os.path.join(checkpoint, "config.json")):
         raise ValueError(f"checkpoint {checkpoint!r} holds neither {LORA_WEIGHTS_NAME} nor a saved denoiser")

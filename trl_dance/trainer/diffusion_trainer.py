@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .._compat import RepeatSampler, _BaseTrainer
 from ..flops import DenoiserFlops
-from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, save_lora
+from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loading_code, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
@@ -339,13 +339,9 @@ class DiffusionTrainer(_BaseTrainer):
         pipeline_class = type(pipeline).__name__
         name = model_name or self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
         if lora:
-            # A LoRA of Wan 2.2's second expert is saved under "transformer" and loaded with load_into_transformer_2.
-            target = self.policy.denoiser_name
-            into = f", load_into_{target}=True" if target != self.policy.lora_name else ""
-            usage = (
-                f"pipeline = {pipeline_class}.from_pretrained({base_model!r})\n"
-                f"pipeline.load_lora_weights({(self.args.hub_model_id or self.args.output_dir)!r}{into})"
-            )
+            path = self.args.hub_model_id or self.args.output_dir
+            loading = lora_loading_code(type(pipeline), self.policy.denoiser_name, self.policy.lora_name, path)
+            usage = f"pipeline = {pipeline_class}.from_pretrained({base_model!r})\n{loading}"
         else:
             usage = (
                 f"{self.policy.denoiser_name} = {denoiser_class}.from_pretrained({(self.args.hub_model_id or self.args.output_dir)!r})\n"

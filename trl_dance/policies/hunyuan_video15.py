@@ -1,0 +1,148 @@
+"""HunyuanVideo 1.5 (8.3B rectified-flow video DiT on a Qwen2.5-VL text model and a ByT5 glyph encoder, 16×-compressing
+VAE): text-to-video with CFG through the pipeline's guider."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import HunyuanVideo15Pipeline
+from diffusers.guiders import ClassifierFreeGuidance
+from diffusers.utils import logging
+
+from ..flops import SAMPLE, FlopLayout
+from .base import Conditioning, SamplerSettings
+from .flow_matching import FlowMatchingPolicy
+from .hunyuan_video import HunyuanVideoPolicy
+
+logger = logging.get_logger(__name__)
+
+
+class HunyuanVideo15Policy(FlowMatchingPolicy):
+    """Policy over a :class:`~diffusers.HunyuanVideo15Pipeline` (HunyuanVideo 1.5 T2V, 480p / 720p). Latents are
+    (B, C, F', H/16, W/16) with F' = (F − 1)/4 + 1; the transformer reads them with zero condition latents and a zero
+    mask channel concatenated (the image-to-video inputs, empty for text-to-video), as the pipeline does.
+
+    CFG is what the pipeline's ``guider`` does, a :class:`~diffusers.guiders.ClassifierFreeGuidance`: both branches,
+    ``u + w (c − u)`` against the empty prompt or ``negative_prompt``, at ``guidance_scale`` (the pipeline reads its
+    scale from the guider's config instead, 6.0 as shipped: keep the two equal to sample as the pipeline does). Guiders
+    this policy does not reproduce (other classes, ``guidance_rescale``, a step window) are refused.
+
+    Text: the Qwen2.5-VL hidden states three layers from the top after the pipeline's 108-token system-prompt crop,
+    padded to ``max_sequence_length`` (the pipeline pads to 1000; the transformer moves padding behind the valid
+    tokens and masks it, so the length changes nothing), and ByT5 embeddings of quoted text (zeros and an empty mask
+    when a prompt has none). The pipeline's 729 image-embedding slots, all masked in text-to-video, and the ByT5 padding
+    beyond the longest quoted text encoded so far are left out of the sequence (the same outputs, less work). The VAE decodes one video at a time: its mid-block attention breaks
+    on batches of several in diffusers 0.42.1. No context-parallel plan ships for this transformer.
+    """
+
+    pipeline: HunyuanVideo15Pipeline
+    is_video = True
+    masks_text = True
+    default_num_frames = 121
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_embed|time_text_embed|norm1\w*\.linear|norm_out\.linear|\.norm_out\.linear", SAMPLE),
+            (r"^context_embedder\.", "mllm"),
+            (r"^context_embedder_2\.", "byt5"),
+            (r"^image_embedder\.", "vision"),
+            (r"add_[qkv]_proj|to_add_out|ff_context", "text"),
+        ),
+        attention=((r"token_refiner", "mllm", "mllm"), (r"transformer_blocks", "image+text", "image+text")),
+    )
+
+    def __init__(self, pipeline: HunyuanVideo15Pipeline, settings: SamplerSettings):
+        settings = self._with_num_frames(pipeline, settings)
+        super().__init__(pipeline, settings)
+        guider = pipeline.guider
+        config = guider.config if isinstance(guider, ClassifierFreeGuidance) else None
+        if config is None or config.guidance_rescale or (config.start, config.stop) != (0.0, 1.0):
+            raise ValueError(
+                "HunyuanVideo15Policy reproduces a ClassifierFreeGuidance guider without guidance_rescale over all "
+                f"steps; this pipeline's guider is {guider!r}"
+            )
+        self._glyph_tokens = 0  # the longest ByT5 glyph text encoded so far (host-side; see _forward)
+        shipped = config.guidance_scale if config.enabled else 1.0
+        if max(shipped, 1.0) != max(settings.guidance_scale, 1.0):
+            logger.warning(
+                f"training with guidance_scale {settings.guidance_scale}; the pipeline samples with its guider's "
+                f"{shipped}"
+            )
+
+    pipeline_tag = "text-to-video"
+    _scheduler_kwargs = HunyuanVideoPolicy._scheduler_kwargs  # the pipeline's linspace(1, 0, N + 1)[:-1], shifted
+    _postprocess = HunyuanVideoPolicy._postprocess
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        pipeline = self.pipeline
+        embeds, mask = pipeline._get_mllm_prompt_embeds(
+            text_encoder=pipeline.text_encoder,
+            tokenizer=pipeline.tokenizer,
+            prompt=prompts,
+            device=self.device,
+            tokenizer_max_length=self.settings.max_sequence_length,
+            system_message=pipeline.system_message,
+            crop_start=pipeline.prompt_template_encode_start_idx,
+        )
+        glyphs, glyph_mask = pipeline._get_byt5_prompt_embeds(
+            tokenizer=pipeline.tokenizer_2,
+            text_encoder=pipeline.text_encoder_2,
+            prompt=prompts,
+            device=self.device,
+            tokenizer_max_length=pipeline.tokenizer_2_max_length,
+        )
+        # Read once per encoding (not per forward): the forwards keep only the glyph tokens some prompt has.
+        self._glyph_tokens = max(self._glyph_tokens, int(glyph_mask.sum(dim=1).max()))
+        return {
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "prompt_embeds_2": glyphs,
+            "prompt_embeds_mask_2": glyph_mask,
+        }
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        settings = self.settings
+        return self.pipeline.prepare_latents(
+            len(generators),
+            self.pipeline.num_channels_latents,
+            settings.height,
+            settings.width,
+            settings.num_frames,
+            torch.float32,
+            self.device,
+            generators,
+        )
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        dtype = self.denoiser.dtype
+        batch, channels, frames, height, width = latents.shape
+        condition = latents.new_zeros(batch, channels + 1, frames, height, width)  # condition latents and mask
+        return model(
+            hidden_states=torch.cat([latents, condition], dim=1).to(dtype),
+            timestep=timestep.to(dtype),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            encoder_attention_mask=cond["prompt_embeds_mask"],
+            # Beyond the longest glyph text encoded so far every sample's ByT5 tokens are masked padding (all 256 of
+            # them for prompts without quoted text), which the transformer would only move aside and mask.
+            encoder_hidden_states_2=cond["prompt_embeds_2"][:, : self._glyph_tokens].to(dtype),
+            encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, : self._glyph_tokens],
+            image_embeds=latents.new_zeros(batch, 0, self.denoiser.config.image_embed_dim, dtype=dtype),
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return torch.cat([super(HunyuanVideo15Policy, self).decode(video[None]) for video in latents])
+
+    def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
+        hidden = inputs["hidden_states"]
+        patch, patch_t = self.denoiser.config.patch_size, self.denoiser.config.patch_size_t
+        frames, height, width = hidden.shape[2] // patch_t, hidden.shape[3] // patch, hidden.shape[4] // patch
+        mllm, byt5 = inputs["encoder_hidden_states"].shape[1], inputs["encoder_hidden_states_2"].shape[1]
+        vision = inputs["image_embeds"].shape[1]
+        return {
+            "image": frames * height * width,
+            "mllm": mllm,
+            "byt5": byt5,
+            "vision": vision,
+            "text": mllm + byt5 + vision,
+            SAMPLE: 1,
+        }
