@@ -1,5 +1,5 @@
 """Benchmark models: the tiny offline pipelines, and real architectures (FLUX.1-dev, SD3.5-medium, Wan 2.1 1.3B and
-14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo) built with random weights from the published configurations shipped in
+14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5) built with random weights from the published configurations shipped in
 ``trl_dance/model_configs`` (no download; see :mod:`trl_dance.random_weights`)."""
 
 from __future__ import annotations
@@ -22,16 +22,19 @@ TINY = {
     "tiny-skyreels-i2v": "skyreels-i2v",
     "tiny-flux2-klein": "flux2-klein",
     "tiny-z-image": "z-image",
+    "tiny-hunyuan-video15": "hunyuan-video15",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
     "tiny-wan",
     "tiny-hunyuan-video",
     "tiny-skyreels-i2v",
+    "tiny-hunyuan-video15",
     "wan21-1.3b",
     "wan21-14b",
     "wan22-a14b",
     "hunyuan-video",
+    "hunyuan-video15",
 )
 IMAGE_CONDITIONED_MODELS = ("tiny-flux-kontext", "tiny-skyreels-i2v")  # rows carry an `image` column
 

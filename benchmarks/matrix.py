@@ -46,6 +46,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-skyreels-i2v": ["grpo_iteration.py", "--model", "tiny-skyreels-i2v"],
         "grpo-tiny-flux2-klein": ["grpo_iteration.py", "--model", "tiny-flux2-klein"],
         "grpo-tiny-z-image": ["grpo_iteration.py", "--model", "tiny-z-image", "--guidance-scale", "0"],
+        "grpo-tiny-hunyuan-video15": ["grpo_iteration.py", "--model", "tiny-hunyuan-video15", "--guidance-scale", "6"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },
@@ -75,6 +76,18 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         ),
         "grpo-z-image-turbo-1024-lora64-gc": _real(
             "grpo_iteration.py", "z-image-turbo", 64, "--resolution", "1024", "--guidance-scale", "0", *_LARGE
+        ),
+        "grpo-hunyuan15-33f-lora64-gc": _real(
+            "grpo_iteration.py",
+            "hunyuan-video15",
+            64,
+            "--resolution",
+            "480",
+            "--frames",
+            "33",
+            "--guidance-scale",
+            "6",
+            *_VIDEO_LARGE,
         ),
         "grpo-wan14b-81f-lora64-gc": _real(
             "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "81", *_VIDEO_LARGE

@@ -18,6 +18,7 @@ PUBLISHED = {
     "wan22-a14b": 14.29,
     "hunyuan-video": 12.82,
     "z-image-turbo": 6.15,
+    "hunyuan-video15": 8.33,
 }
 
 

@@ -47,6 +47,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo", "grpo_flux2_tiny", "flux2"),
         ("grpo", "grpo_flux2_klein_tiny", "flux2-klein"),
         ("grpo", "grpo_z_image_tiny", "z-image"),
+        ("grpo", "grpo_hunyuan_video15_tiny", "hunyuan-video15"),
         ("spo", "spo_sd_tiny", "sd"),
         ("online_dpo", "online_dpo_sd3_tiny", "sd3"),
     ],
@@ -63,7 +64,7 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
     assert "reward: first step" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
-    strip = 4 if kind in ("wan", "hunyuan-video") else 1  # videos are shown as strips of 4 frames
+    strip = 4 if kind in ("wan", "hunyuan-video", "hunyuan-video15") else 1  # videos: strips of 4 frames
     # Two columns of 128-pixel pictures with a gap, a label column (before / after), a caption row (the prompts).
     assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 30)
 

@@ -15,6 +15,7 @@ import diffusers
 import torch
 import transformers
 from diffusers import DiffusionPipeline
+from transformers import ByT5Tokenizer
 
 MODEL_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
 
@@ -43,6 +44,7 @@ def _tokenizer(class_name: str):
     for prefix, build in (
         ("CLIP", testing._clip_tokenizer),
         ("T5", testing._t5_tokenizer),
+        ("ByT5", lambda: ByT5Tokenizer()),  # byte-level: no vocabulary file
         ("Qwen2", qwen_tokenizer),
         ("Llama", testing._llama_tokenizer),
     ):
