@@ -68,6 +68,16 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
     )
 
 
+def _sample_deterministically(policy, latents, prompts, columns=None):
+    """The policy's sampler from ``latents`` with its settings' noise level (0 here), decoded: (B, ...) in [0, 1]."""
+    cond = policy.encode_prompts(list(prompts), **(columns or {}))
+    for i in range(STEPS):
+        index = torch.full((len(prompts),), i)
+        output = policy.predict_step(policy.denoiser, latents, i, index, cond)
+        latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
+    return policy.decode(policy.final_latents(latents, cond))
+
+
 def _assert_policy_reproduces_pipeline(
     kind, guidance, negative_prompt=None, guidance_scale_2=None, monkeypatch=None, **settings
 ):
@@ -117,12 +127,7 @@ def _assert_policy_reproduces_pipeline(
     )
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
     with torch.no_grad():
-        cond, latents = policy.encode_prompts(PROMPTS, **columns), initial
-        for i in range(STEPS):
-            index = torch.full((len(PROMPTS),), i)
-            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
-            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
-        ours = policy.decode(policy.final_latents(latents, cond))
+        ours = _sample_deterministically(policy, initial, PROMPTS, columns)
 
         kwargs = (
             {"max_sequence_length": 16}
@@ -188,12 +193,7 @@ def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prom
     policy = make_policy(pipeline, settings)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
     with torch.no_grad():
-        cond, latents = policy.encode_prompts(list(prompts)), initial
-        for i in range(STEPS):
-            index = torch.full((len(prompts),), i)
-            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
-            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
-        ours = policy.decode(latents)
+        ours = _sample_deterministically(policy, initial, prompts)
         expected = torch.cat(
             [
                 pipeline(

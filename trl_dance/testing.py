@@ -952,17 +952,7 @@ def tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
                 temporal_compression_ratio=4,
             ),
             scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-            text_encoder_2=T5EncoderModel(
-                T5Config(
-                    vocab_size=len(byt5),
-                    d_model=32,
-                    d_ff=64,
-                    d_kv=8,
-                    num_layers=1,
-                    num_heads=4,
-                    is_encoder_decoder=False,
-                )
-            ),
+            text_encoder_2=_t5_encoder(byt5, d_model=32),  # a ByT5 encoder reads bytes: its vocabulary is 384
             tokenizer_2=byt5,
             guider=ClassifierFreeGuidance(guidance_scale=6.0),
         )
