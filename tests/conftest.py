@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(items):
 
     items.sort(key=group)
 
+
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 # Attention plus output projections (FLUX proj_mlp, UNet conv_out); names a family lacks are skipped by peft.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out", "proj_mlp", "conv_out"]
