@@ -20,22 +20,6 @@ from trl_dance.testing import TINY_VIDEO_FRAMES, save_tiny_pipeline  # noqa: E40
 torch.set_num_threads(int(os.environ.get("TRL_DANCE_TEST_THREADS", "1")))
 LEARNING_SEED = int(os.environ.get("TRL_DANCE_TEST_SEED", "42"))
 
-# Modules of multi-process runs (a minute or more each, like the learning tests).
-_MULTIPROCESS_MODULES = ("test_deepspeed", "test_fsdp", "test_multiprocess", "test_context_parallel")
-
-
-def pytest_collection_modifyitems(items):
-    """Longest first: the learning tests (``slow``), then the multi-process ones, then the rest, each group in
-    collection order. xdist hands tests out in this order, so the last minutes are not one worker's long test while
-    the other idles (the suite on two workers took 31.4 min in collection order)."""
-
-    def group(item) -> int:
-        if item.get_closest_marker("slow"):
-            return 0
-        return 1 if item.module.__name__.rsplit(".", 1)[-1] in _MULTIPROCESS_MODULES else 2
-
-    items.sort(key=group)
-
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 # Attention plus output projections (FLUX proj_mlp, UNet conv_out); names a family lacks are skipped by peft.

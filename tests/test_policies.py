@@ -166,7 +166,6 @@ def _assert_policy_reproduces_pipeline(
     ("guidance", "negative_prompt", "prompts"),
     [
         (6.0, None, PROMPTS),  # the guider's CFG against the empty prompt
-        (1.0, None, PROMPTS),
         (6.0, "blurry, dark", PROMPTS),
         (6.0, None, ['a sign saying "hello"', "a cat"]),  # quoted text: ByT5 glyph embeddings for one prompt
     ],

@@ -46,7 +46,6 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo", "grpo_hunyuan_video_tiny", "hunyuan-video"),
         ("grpo", "grpo_flux2_tiny", "flux2"),
         ("grpo", "grpo_flux2_klein_tiny", "flux2-klein"),
-        ("grpo", "grpo_z_image_tiny", "z-image"),
         ("grpo", "grpo_hunyuan_video15_tiny", "hunyuan-video15"),
         ("spo", "spo_sd_tiny", "sd"),
         ("online_dpo", "online_dpo_sd3_tiny", "sd3"),

@@ -30,8 +30,9 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
     padded to ``max_sequence_length`` (the pipeline pads to 1000; the transformer moves padding behind the valid
     tokens and masks it, so the length changes nothing), and ByT5 embeddings of quoted text (zeros and an empty mask
     when a prompt has none). The pipeline's 729 image-embedding slots, all masked in text-to-video, and the ByT5 padding
-    beyond the longest quoted text encoded so far are left out of the sequence (the same outputs, less work). The VAE decodes one video at a time: its mid-block attention breaks
-    on batches of several in diffusers 0.42.1. No context-parallel plan ships for this transformer.
+    beyond the batch's longest quoted text are left out of the sequence (the same outputs, less work). The VAE decodes
+    one video at a time: its mid-block attention breaks on batches of several in diffusers 0.42.1. No
+    context-parallel plan ships for this transformer.
     """
 
     pipeline: HunyuanVideo15Pipeline
@@ -59,7 +60,6 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
                 "HunyuanVideo15Policy reproduces a ClassifierFreeGuidance guider without guidance_rescale over all "
                 f"steps; this pipeline's guider is {guider!r}"
             )
-        self._glyph_tokens = 0  # the longest ByT5 glyph text encoded so far (host-side; see _forward)
         shipped = config.guidance_scale if config.enabled else 1.0
         if max(shipped, 1.0) != max(settings.guidance_scale, 1.0):
             logger.warning(
@@ -90,8 +90,6 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             device=self.device,
             tokenizer_max_length=pipeline.tokenizer_2_max_length,
         )
-        # Read once per encoding (not per forward): the forwards keep only the glyph tokens some prompt has.
-        self._glyph_tokens = max(self._glyph_tokens, int(glyph_mask.sum(dim=1).max()))
         return {
             "prompt_embeds": embeds,
             "prompt_embeds_mask": mask,
@@ -116,15 +114,17 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
         dtype = self.denoiser.dtype
         batch, channels, frames, height, width = latents.shape
         condition = latents.new_zeros(batch, channels + 1, frames, height, width)  # condition latents and mask
+        # Beyond the batch's longest quoted text every ByT5 token is masked padding (all 256 for prompts without
+        # quoted text), which the transformer would only move aside and mask. Reading the length is a host sync, as
+        # are this transformer's own reads of its masks in every forward.
+        glyphs = int(cond["prompt_embeds_mask_2"].sum(dim=1).max())
         return model(
             hidden_states=torch.cat([latents, condition], dim=1).to(dtype),
             timestep=timestep.to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_embeds_mask"],
-            # Beyond the longest glyph text encoded so far every sample's ByT5 tokens are masked padding (all 256 of
-            # them for prompts without quoted text), which the transformer would only move aside and mask.
-            encoder_hidden_states_2=cond["prompt_embeds_2"][:, : self._glyph_tokens].to(dtype),
-            encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, : self._glyph_tokens],
+            encoder_hidden_states_2=cond["prompt_embeds_2"][:, :glyphs].to(dtype),
+            encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, :glyphs],
             image_embeds=latents.new_zeros(batch, 0, self.denoiser.config.image_embed_dim, dtype=dtype),
             return_dict=False,
         )[0]
