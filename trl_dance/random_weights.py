@@ -36,16 +36,11 @@ def random_weight_models() -> list[str]:
 def _tokenizer(class_name: str):
     from . import testing
 
-    def qwen_tokenizer():
-        tokenizer = testing._qwen_tokenizer()
-        tokenizer.chat_template = testing._QWEN3_CHAT_TEMPLATE  # Z-Image and FLUX.2 [klein] template their prompts
-        return tokenizer
-
     for prefix, build in (
         ("CLIP", testing._clip_tokenizer),
         ("T5", testing._t5_tokenizer),
         ("ByT5", lambda: ByT5Tokenizer()),  # byte-level: no vocabulary file
-        ("Qwen2", qwen_tokenizer),
+        ("Qwen2", testing._qwen3_tokenizer),  # with Qwen3's chat template, which Z-Image applies
         ("Llama", testing._llama_tokenizer),
     ):
         if class_name.startswith(prefix):

@@ -368,26 +368,37 @@ _QWEN3_CHAT_TEMPLATE = (
 )
 
 
+def _qwen3_tokenizer() -> Qwen2TokenizerFast:
+    """The tiny Qwen tokenizer with Qwen3's chat template (FLUX.2 [klein] and Z-Image template their prompts)."""
+    tokenizer = _qwen_tokenizer()
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _qwen3(cls: type, tokenizer: Qwen2TokenizerFast, layers: int) -> Qwen3Model | Qwen3ForCausalLM:
+    """A tiny Qwen3 text encoder of class ``cls`` with ``layers`` layers."""
+    return cls(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=1024,
+        )
+    )
+
+
 def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = False) -> Flux2KleinPipeline:
     """A Flux2KleinPipeline (FLUX.2 [klein]: a Qwen3 text encoder read at hidden layers 9, 18 and 27, FLUX.2's VAE and
     transformer without a guidance embedding), 32×32 images. ``is_distilled=False`` is the base checkpoint (true CFG
     against the empty prompt, the one made for fine-tuning); ``True`` the step-distilled one (no CFG)."""
 
     def factory():
-        tokenizer = _qwen_tokenizer()
-        tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
-        text_encoder = Qwen3ForCausalLM(
-            Qwen3Config(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=27,  # the pipeline reads hidden states 9, 18 and 27
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-                max_position_embeddings=1024,
-            )
-        )
+        tokenizer = _qwen3_tokenizer()
+        text_encoder = _qwen3(Qwen3ForCausalLM, tokenizer, layers=27)  # the pipeline reads hidden states 9, 18, 27
         return Flux2KleinPipeline(
             scheduler=flux_scheduler(),
             vae=_flux2_vae(),
@@ -406,20 +417,8 @@ def tiny_z_image_pipeline(seed: int = 0) -> ZImagePipeline:
     FlowMatchEuler with the static shift 3 the checkpoints ship), 32×32 images."""
 
     def factory():
-        tokenizer = _qwen_tokenizer()
-        tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
-        text_encoder = Qwen3Model(
-            Qwen3Config(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-                max_position_embeddings=1024,
-            )
-        )
+        tokenizer = _qwen3_tokenizer()
+        text_encoder = _qwen3(Qwen3Model, tokenizer, layers=2)  # the pipeline reads the second-to-last
         return ZImagePipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
             vae=_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159),

@@ -41,7 +41,7 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
     default_num_frames = 121
     flop_layout = FlopLayout(
         streams=(
-            (r"time_embed|time_text_embed|norm1\w*\.linear|norm_out\.linear|\.norm_out\.linear", SAMPLE),
+            (r"time_embed|time_text_embed|norm1\w*\.linear|norm_out\.linear", SAMPLE),
             (r"^context_embedder\.", "mllm"),
             (r"^context_embedder_2\.", "byt5"),
             (r"^image_embedder\.", "vision"),
