@@ -63,7 +63,7 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
     """The pipeline ``name`` (one of :func:`random_weight_models`, or a folder of the same layout) with random
     weights, built on the current default device and dtype (``with torch.device("cuda")`` and
     ``torch.set_default_dtype(torch.bfloat16)`` build a 12B model in seconds without a host copy). ``layers``
-    shrinks every transformer and text-encoder stack to that depth (smoke tests)."""
+    shrinks every transformer stack to that depth, and text-encoder stacks to at least 3 (smoke tests)."""
     folder = name if os.path.isdir(name) else os.path.join(MODEL_CONFIGS, name)
     if not os.path.isdir(folder):
         raise ValueError(f"unknown model {name!r}; shipped: {random_weight_models()}")
@@ -92,6 +92,8 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
         else:
             cls = getattr(transformers, class_name)
             with open(os.path.join(folder, key, "config.json")) as handle:
-                config = _shrunk(json.load(handle), layers)
+                # Text encoders keep 3 layers: pipelines read hidden states 2 or 3 from the end (Z-Image,
+                # HunyuanVideo 1.5); FLUX.2's fixed depths 10/20/30 still need its full stack.
+                config = _shrunk(json.load(handle), None if layers is None else max(layers, 3))
             components[key] = cls(cls.config_class.from_dict(config))
     return getattr(diffusers, index["_class_name"])(**components)
