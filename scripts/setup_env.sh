@@ -34,5 +34,11 @@ if [ "$covered" != 1 ]; then
     "$venv/bin/pip" install -q ${TORCH_SPEC:-torch==2.13.0} 2> >(grep -v "^WARNING: Location" >&2)
     "$venv/bin/pip" install -q -e ".${extras:+[$extras]}" 2> >(grep -v "^WARNING: Location" >&2)
     "$venv/bin/python" -c "import trl_dance, torch, trl, diffusers" # fail loudly if the install did not work
+    case ",$extras," in *,deepspeed,*)
+        # DeepSpeed compiles its CPU shared-memory collectives on first use (about a minute): once, at install.
+        "$venv/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+            > /dev/null 2> >(grep -v "^\[" >&2)
+        ;;
+    esac
     echo "$want" > "$stamp"
 fi
