@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from trl_dance.lora import load_lora_into_pipeline  # noqa: E402
-from trl_dance.testing import TINY_VIDEO_FRAMES, save_tiny_pipeline  # noqa: E402
+from trl_dance.testing import TINY_VIDEO_FRAMES, load_tiny_pipeline, save_tiny_pipeline  # noqa: E402
 
 # Two pytest-xdist workers share two cores: one intra-op thread each. TRL_DANCE_TEST_THREADS and
 # TRL_DANCE_TEST_SEED let benchmarks/learning_spread.py rerun the learning tests under other reduction orders and
@@ -41,8 +41,31 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def family_overrides(kind: str) -> dict:
-    """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan and HunyuanVideo."""
+    """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan and HunyuanVideo,
+    room for the source image's tokens in Qwen-Image-Edit's prompt embeddings."""
+    if kind.startswith("qwen-image-edit"):
+        return {"max_sequence_length": 64}
     return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan", "skyreels")) else {}
+
+
+SMALL_SOURCE_AREA, SMALL_PROMPT_IMAGE_AREA = 32 * 32, 28 * 28
+
+
+@pytest.fixture
+def small_edit_sources(monkeypatch):
+    """Qwen-Image-Edit's source images at the tiny output's 32² (the VAE's) and 28² (the text encoder's), in the
+    policies and the pipelines, instead of the pipelines' fixed 1024² and 384² (65k source tokens on the tiny VAE)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from trl_dance.policies import QwenImageEditPlusPolicy, QwenImageEditPolicy
+
+    real = edit.calculate_dimensions
+    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: real(min(area, SMALL_SOURCE_AREA), ratio))
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", SMALL_SOURCE_AREA)
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", SMALL_PROMPT_IMAGE_AREA)
+    monkeypatch.setattr(QwenImageEditPolicy, "source_image_area", SMALL_SOURCE_AREA)
+    monkeypatch.setattr(QwenImageEditPlusPolicy, "prompt_image_area", SMALL_PROMPT_IMAGE_AREA)
 
 
 def tiny_online_values(output_dir) -> dict:
@@ -141,23 +164,27 @@ def assert_learned(metric: str, first: float, last: float, noise: float, margin:
     assert gain > margin and gain > 2 * noise, record
 
 
-def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str, cond: dict) -> None:
+def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str, prompts: list, **columns) -> None:
     """The LoRA ``trainer`` saved in ``lora_dir``, loaded into a fresh pipeline from ``model_dir`` with diffusers'
-    ``load_lora_weights``, predicts what the trained model predicts (to 1e-5), and training changed the prediction."""
-    from diffusers import DiffusionPipeline
+    ``load_lora_weights``, predicts on ``prompts`` (and condition ``columns``) what the trained model predicts (to
+    1e-5), and training changed the prediction. Each policy encodes the conditioning itself."""
 
     from trl_dance.policies import SamplerSettings, make_policy
 
     settings = SamplerSettings.from_config(trainer.args)
-    batch = next(iter(cond.values())).shape[0]
+    batch = len(prompts)
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(i) for i in range(batch)])
     steps = torch.tensor([0, 3] * (batch // 2) + [1] * (batch % 2))
-    base, reloaded = DiffusionPipeline.from_pretrained(model_dir), DiffusionPipeline.from_pretrained(model_dir)
+    base, reloaded = load_tiny_pipeline(model_dir), load_tiny_pipeline(model_dir)
     load_lora_into_pipeline(reloaded, trainer.policy.denoiser_name, trainer.policy.lora_name, lora_dir)
+
+    def predict(policy, model):
+        return policy.predict(model, latents, steps, policy.encode_prompts(prompts, **columns))
+
     with torch.no_grad():
-        trained = trainer.policy.predict(trainer.model, latents, steps, cond)
-        loaded = make_policy(reloaded, settings).predict(reloaded.transformer, latents, steps, cond)
-        base_out = make_policy(base, settings).predict(base.transformer, latents, steps, cond)
+        trained = predict(trainer.policy, trainer.model)
+        loaded = predict(make_policy(reloaded, settings), reloaded.transformer)
+        base_out = predict(make_policy(base, settings), base.transformer)
     assert (trained - base_out).abs().max() > 1e-3  # training changed the model...
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)  # ...and the saved LoRA reproduces it
 

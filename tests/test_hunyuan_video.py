@@ -47,8 +47,9 @@ def test_hunyuan_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path / "run", FRAMES["video"], max_steps=2)
     trainer.train()
     trainer.save_model(str(tmp_path / "lora"))
-    cond = trainer.policy.encode_prompts(PROMPTS[:2])
-    assert_saved_lora_reproduces_training(trainer, tiny_model_dir("hunyuan-video"), str(tmp_path / "lora"), cond)
+    assert_saved_lora_reproduces_training(
+        trainer, tiny_model_dir("hunyuan-video"), str(tmp_path / "lora"), PROMPTS[:2]
+    )
 
 
 def test_hunyuan_frame_count_must_fit_the_vae(tiny_model_dir, tmp_path):
@@ -111,7 +112,10 @@ def test_skyreels_ratio_is_one_with_cfg_and_the_image_conditions_every_sample(ti
     trainer.save_model(str(tmp_path / "lora"))
     trainer.create_model_card()
     assert "pipeline_tag: image-to-video" in (tmp_path / "lora" / "README.md").read_text()
-    assert_saved_lora_reproduces_training(trainer, tiny_model_dir("skyreels-i2v"), str(tmp_path / "lora"), cond)
+    images = [dataset[0]["image"], dataset[1]["image"]]
+    assert_saved_lora_reproduces_training(
+        trainer, tiny_model_dir("skyreels-i2v"), str(tmp_path / "lora"), ["a cat"] * 2, image=images
+    )
 
 
 # One optimizer update per round, as the DanceGRPO paper recommends for SkyReels-I2V; CFG 6 in sampling and loss. Gains

@@ -1,5 +1,6 @@
-"""Image editing (FLUX.1 Kontext): a dataset row is an instruction and a source image; the source conditions every
-sample, rewards receive it as a column, and the trained LoRA loads into the editing pipeline."""
+"""Image editing (FLUX.1 Kontext, Qwen-Image-Edit, Qwen-Image-Edit-Plus): a dataset row is an instruction and a source
+image; the source conditions every sample, rewards receive it as a column, and the trained LoRA loads into the editing
+pipeline."""
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from conftest import (
     LORA_TARGETS,
     assert_learned,
     assert_saved_lora_reproduces_training,
+    family_overrides,
     max_ratio_deviation,
     tiny_grpo_config,
 )
@@ -16,10 +18,15 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer
-from trl_dance.testing import tiny_condition_images
+from trl_dance.testing import load_tiny_pipeline, tiny_condition_images
 
 INSTRUCTIONS = ["make it red", "make it blue", "add a cat", "make it darker", "add snow", "make it old", "sunset", "x"]
-EDITING = [("flux-kontext", 2.5)]
+EDITING = [("flux-kontext", 2.5), ("qwen-image-edit", 4.0), ("qwen-image-edit-plus", 4.0)]
+
+
+@pytest.fixture(autouse=True)
+def _small_sources(small_edit_sources):
+    """Qwen-Image-Edit's sources at the tiny size (see conftest)."""
 
 
 def _dataset():
@@ -43,9 +50,9 @@ def test_editing_ratio_is_one_and_the_source_image_conditions_every_sample(tiny_
         return source_fidelity(prompts, images, image)
 
     trainer = DanceGRPOTrainer(
-        tiny_model_dir(kind),
+        load_tiny_pipeline(tiny_model_dir(kind)),
         reward,
-        args=tiny_grpo_config(tmp_path, guidance_scale=guidance),
+        args=tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind)),
         train_dataset=dataset,
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian"),
     )
@@ -67,18 +74,18 @@ def test_editing_ratio_is_one_and_the_source_image_conditions_every_sample(tiny_
 def test_editing_needs_its_source_image_column(tiny_model_dir, tmp_path, kind, guidance):
     with pytest.raises(ValueError, match=r"conditions every sample on the dataset columns \['image'\]"):
         DanceGRPOTrainer(
-            tiny_model_dir(kind),
+            load_tiny_pipeline(tiny_model_dir(kind)),
             "brightness",
-            args=tiny_grpo_config(tmp_path, guidance_scale=guidance),
+            args=tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind)),
             train_dataset=Dataset.from_dict({"prompt": INSTRUCTIONS}),
         )
 
 
 @pytest.mark.parametrize(("kind", "guidance"), EDITING)
 def test_editing_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, guidance):
-    args = tiny_grpo_config(tmp_path / "run", max_steps=2, guidance_scale=guidance)
+    args = tiny_grpo_config(tmp_path / "run", max_steps=2, guidance_scale=guidance, **family_overrides(kind))
     trainer = DanceGRPOTrainer(
-        tiny_model_dir(kind),
+        load_tiny_pipeline(tiny_model_dir(kind)),
         source_fidelity,
         args=args,
         train_dataset=_dataset(),
@@ -86,8 +93,10 @@ def test_editing_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, 
     )
     trainer.train()
     trainer.save_model(str(tmp_path / "lora"))
-    cond = trainer.policy.encode_prompts(INSTRUCTIONS[:2], image=tiny_condition_images(2))
-    assert_saved_lora_reproduces_training(trainer, tiny_model_dir(kind), str(tmp_path / "lora"), cond)
+    lora = str(tmp_path / "lora")
+    assert_saved_lora_reproduces_training(
+        trainer, tiny_model_dir(kind), lora, INSTRUCTIONS[:2], image=tiny_condition_images(2)
+    )
 
 
 # Gains 0.0214-0.0229 over seeds 42, 1, 2 (sample std 0.0025-0.0032), first 3 -> last 3 of 30 rounds.

@@ -46,6 +46,8 @@ from diffusers import (
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     PNDMScheduler,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -80,6 +82,7 @@ from transformers import (
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
     Qwen2TokenizerFast,
+    Qwen2VLProcessor,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -673,6 +676,14 @@ _QWEN_IMAGE_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
     "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
+# Qwen-Image-Edit's system prompt (Edit-Plus adds "Picture 1: " before each source image).
+_QWEN_IMAGE_EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\nPicture 1: <|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def _qwen_tokenizer(corpus: str | None = None, vocab_size: int = 600) -> Qwen2TokenizerFast:
@@ -749,36 +760,84 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
+def _qwen_image_components(zero_cond_t: bool = False, editing: bool = False) -> dict:
+    """Qwen-Image's components (MMDiT, Qwen2.5-VL text encoder, Wan-style VAE with per-channel latent statistics), the
+    tokenizer trained on the editing pipelines' system prompt with ``editing``."""
+    tokenizer = _qwen_tokenizer(_QWEN_IMAGE_EDIT_TEMPLATE.format("a") if editing else None)
+    return {
+        "scheduler": qwen_image_scheduler(),
+        "vae": AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            # The first 4 channels' statistics of Qwen-Image's published VAE config.
+            latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+            latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+        ),
+        "text_encoder": _qwen25_vl(tokenizer),
+        "tokenizer": tokenizer,
+        "transformer": QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+            zero_cond_t=zero_cond_t,
+        ),
+    }
+
+
 def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
     """A QwenImagePipeline (MMDiT, Qwen2.5-VL text encoder, Wan-style VAE with per-channel latent statistics)."""
+    return _build(lambda: QwenImagePipeline(**_qwen_image_components()), seed)
+
+
+def _qwen2_vl_processor(tokenizer: Qwen2TokenizerFast, image_processor=None) -> Qwen2VLProcessor:
+    """Qwen-Image-Edit's ``Qwen2VLProcessor``: Qwen2-VL's image processor with its shipped settings (patch 14, merge 2,
+    CLIP statistics; the PIL backend: the default one needs torchvision, which CPU-only torch lacks) and ``tokenizer``.
+    transformers 5.24 type-checks even an absent video processor against a class that needs torchvision, so that
+    check is skipped for it (``video_processor=None``)."""
+    from unittest import mock
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def check_present(self, name, argument):
+        return None if argument is None else check(self, name, argument)
+
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_present):
+        return Qwen2VLProcessor(
+            image_processor=image_processor or Qwen2VLImageProcessorPil(),
+            tokenizer=tokenizer,
+            video_processor=None,
+        )
+
+
+def tiny_qwen_image_edit_pipeline(seed: int = 0) -> QwenImageEditPipeline:
+    """A QwenImageEditPipeline (Qwen-Image-Edit): Qwen-Image's components and Qwen2-VL's processor, whose images the
+    text encoder's vision tower reads with the instruction."""
 
     def factory():
-        tokenizer = _qwen_tokenizer()
-        return QwenImagePipeline(
-            scheduler=qwen_image_scheduler(),
-            vae=AutoencoderKLQwenImage(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1, 2],
-                num_res_blocks=1,
-                temperal_downsample=[False],
-                # The first 4 channels' statistics of Qwen-Image's published VAE config.
-                latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
-                latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
-            ),
-            text_encoder=_qwen25_vl(tokenizer),
-            tokenizer=tokenizer,
-            transformer=QwenImageTransformer2DModel(
-                patch_size=2,
-                in_channels=16,
-                out_channels=4,
-                num_layers=2,
-                attention_head_dim=16,
-                num_attention_heads=2,
-                joint_attention_dim=32,
-                axes_dims_rope=(4, 6, 6),
-            ),
-        )
+        components = _qwen_image_components(editing=True)
+        return QwenImageEditPipeline(**components, processor=_qwen2_vl_processor(components["tokenizer"]))
+
+    return _build(factory, seed)
+
+
+def tiny_qwen_image_edit_plus_pipeline(seed: int = 0) -> QwenImageEditPlusPipeline:
+    """A QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511, several source images), with the 2511 transformer's
+    ``zero_cond_t`` (the source tokens modulated at timestep 0)."""
+
+    def factory():
+        components = _qwen_image_components(zero_cond_t=True, editing=True)
+        return QwenImageEditPlusPipeline(**components, processor=_qwen2_vl_processor(components["tokenizer"]))
 
     return _build(factory, seed)
 
@@ -981,6 +1040,8 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "sd2": tiny_sd2_pipeline,
     "sdxl": tiny_sdxl_pipeline,
     "qwen-image": tiny_qwen_image_pipeline,
+    "qwen-image-edit": tiny_qwen_image_edit_pipeline,
+    "qwen-image-edit-plus": tiny_qwen_image_edit_plus_pipeline,
     "wan": tiny_wan_pipeline,
     "hunyuan-video": tiny_hunyuan_video_pipeline,
     "hunyuan-video15": tiny_hunyuan_video15_pipeline,
@@ -1004,10 +1065,38 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
     ``directory``, with its sampling settings in ``TINY_SAMPLING_FILE``."""
     if kind not in TINY_PIPELINES:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
-    TINY_PIPELINES[kind](seed).save_pretrained(directory)
+    pipeline = TINY_PIPELINES[kind](seed)
+    processor = pipeline.components.get("processor")
+    if processor is None:
+        pipeline.save_pretrained(directory)
+    else:  # transformers cannot save a processor without its video processor: its parts, then the index entry
+        pipeline.register_modules(processor=None)
+        pipeline.save_pretrained(directory)
+        processor.image_processor.save_pretrained(os.path.join(directory, "processor"))
+        processor.tokenizer.save_pretrained(os.path.join(directory, "processor"))
+        index_path = os.path.join(directory, "model_index.json")
+        with open(index_path) as handle:
+            index = json.load(handle)
+        with open(index_path, "w") as handle:
+            json.dump({**index, "processor": ["transformers", type(processor).__name__]}, handle, indent=2)
     with open(os.path.join(directory, TINY_SAMPLING_FILE), "w") as handle:
         json.dump({"kind": kind, **TINY_SAMPLING}, handle)
     return directory
+
+
+def load_tiny_pipeline(directory: str) -> DiffusionPipeline:
+    """``DiffusionPipeline.from_pretrained(directory)`` of a saved tiny pipeline. A Qwen-Image-Edit folder's processor
+    is built from its saved parts and handed in: transformers loads a ``Qwen2VLProcessor`` only with torchvision (its
+    video processor), which CPU-only torch lacks; with torchvision, ``from_pretrained`` alone loads it."""
+    folder = os.path.join(directory, "processor")
+    if not os.path.isdir(folder):
+        return DiffusionPipeline.from_pretrained(directory)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = _qwen2_vl_processor(
+        AutoTokenizer.from_pretrained(folder), Qwen2VLImageProcessorPil.from_pretrained(folder)
+    )
+    return DiffusionPipeline.from_pretrained(directory, processor=processor)
 
 
 def tiny_preference_dataset(

@@ -11,6 +11,8 @@ from diffusers import (
     HunyuanSkyreelsImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -25,7 +27,7 @@ from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .hunyuan_video15 import HunyuanVideo15Policy
-from .qwen_image import QwenImagePolicy
+from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
@@ -68,6 +70,8 @@ for _pipeline, _policy in (
     (Flux2Pipeline, Flux2Policy),
     (Flux2KleinPipeline, Flux2KleinPolicy),
     (QwenImagePipeline, QwenImagePolicy),
+    (QwenImageEditPipeline, QwenImageEditPolicy),
+    (QwenImageEditPlusPipeline, QwenImageEditPlusPolicy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
@@ -110,6 +114,8 @@ __all__ = [
     "HunyuanSkyreelsImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
+    "QwenImageEditPlusPolicy",
+    "QwenImageEditPolicy",
     "QwenImagePolicy",
     "SD3Policy",
     "SamplerSettings",

@@ -340,9 +340,14 @@ class DiffusionPolicy(ABC):
         if not self.use_cfg:
             return self._call(model, latents, timestep, cond)
         scale = self.guidance_scale if guidance_scale is None else guidance_scale
-        negative = self._negative_cond(latents.shape[0])
-        # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches.
-        both = {key: torch.cat([negative.get(key, cond[key]), cond[key]]) for key in cond}
+        negative = self._negative_cond(latents.shape[0], cond)
+        # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches; a
+        # per-sample negative's own entries (``negative_*``, editing) are not model inputs.
+        both = {
+            key: torch.cat([negative.get(key, value), value])
+            for key, value in cond.items()
+            if not key.startswith("negative_")
+        }
         output = self._call(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
         uncond, text = output.chunk(2)
         return self.combine_guidance(uncond, text, scale)
@@ -420,8 +425,10 @@ class DiffusionPolicy(ABC):
                 return self._encode([""], negative=True)
             return self._encode([self.settings.negative_prompt])
 
-    def _negative_cond(self, batch: int) -> Conditioning:
-        # Encoded once, then expanded to the batch (no copy).
+    def _negative_cond(self, batch: int, cond: Conditioning) -> Conditioning:
+        """The unconditional branch's conditioning of a batch of ``batch`` samples with conditioning ``cond`` (keys
+        it lacks are taken from ``cond``). By default :meth:`negative_conditioning`, encoded once and expanded to the
+        batch (no copy); a family whose negative depends on the sample (its source image) overrides this."""
         if self._negative is None or next(iter(self._negative.values())).device != self.device:
             with torch.no_grad():
                 self._negative = self.negative_conditioning()
