@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig
 
+from trl_dance.policies import QwenImageEditPolicy
 from trl_dance.random_weights import random_weight_models, random_weight_pipeline
-from trl_dance.testing import save_tiny_pipeline
+from trl_dance.testing import TINY_RESOLUTION, load_tiny_pipeline, save_tiny_pipeline
 
 TINY = {
     "tiny-flux": "flux",
@@ -23,6 +24,7 @@ TINY = {
     "tiny-flux2-klein": "flux2-klein",
     "tiny-z-image": "z-image",
     "tiny-hunyuan-video15": "hunyuan-video15",
+    "tiny-qwen-image-edit": "qwen-image-edit",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
@@ -36,14 +38,20 @@ VIDEO_MODELS = (
     "hunyuan-video",
     "hunyuan-video15",
 )
-IMAGE_CONDITIONED_MODELS = ("tiny-flux-kontext", "tiny-skyreels-i2v")  # rows carry an `image` column
+IMAGE_CONDITIONED_MODELS = ("tiny-flux-kontext", "tiny-skyreels-i2v", "tiny-qwen-image-edit")  # rows carry `image`
 
 
 def build_model(name: str, workdir: str, layers: int | None = None):
     """A pipeline folder (tiny models, loaded through ``from_pretrained``) or a pipeline instance (real sizes, in
     bf16 on the GPU when there is one: saving 12B random parameters would only measure the disk)."""
     if name in TINY:
-        return save_tiny_pipeline(TINY[name], f"{workdir}/{name}")
+        folder = save_tiny_pipeline(TINY[name], f"{workdir}/{name}")
+        if name == "tiny-qwen-image-edit":
+            # Its pipeline's 1024² sources would be 65k tokens on the tiny VAE: sources at the tiny output size; and
+            # its processor loads without torchvision only through load_tiny_pipeline.
+            QwenImageEditPolicy.source_image_area = TINY_RESOLUTION**2
+            return load_tiny_pipeline(folder)
+        return folder
     cuda = torch.cuda.is_available()
     default_dtype = torch.get_default_dtype()
     # Built directly on the GPU in bf16: FLUX plus T5-XXL in float32 would not fit beside each other.

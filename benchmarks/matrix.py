@@ -47,6 +47,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-flux2-klein": ["grpo_iteration.py", "--model", "tiny-flux2-klein"],
         "grpo-tiny-z-image": ["grpo_iteration.py", "--model", "tiny-z-image", "--guidance-scale", "0"],
         "grpo-tiny-hunyuan-video15": ["grpo_iteration.py", "--model", "tiny-hunyuan-video15", "--guidance-scale", "6"],
+        "grpo-tiny-qwen-image-edit": ["grpo_iteration.py", "--model", "tiny-qwen-image-edit", "--guidance-scale", "4"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

@@ -212,6 +212,58 @@ def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prom
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("kind", "guidance", "negative_prompt", "sources"),
+    [
+        ("qwen-image-edit", 1.0, None, (0, 1)),
+        ("qwen-image-edit", 4.0, None, (0, 1)),  # the empty negative prompt, read with each sample's source
+        ("qwen-image-edit", 4.0, "blurry, dark", (0, 1)),
+        ("qwen-image-edit-plus", 4.0, None, ((0, 2), (1, 0))),  # two sources per sample
+    ],
+)
+def test_qwen_image_edit_reproduces_the_pipeline(kind, guidance, negative_prompt, sources, small_edit_sources):
+    """Qwen-Image-Edit(-Plus): other sources per sample (the pipelines take one prompt at a time: Edit-Plus allows no
+    more), each encoded by the VAE and read by the text encoder's vision tower, at the tiny sizes of conftest's
+    ``small_edit_sources``; 2511's ``zero_cond_t`` in the Plus pipeline."""
+    pipeline = TINY_PIPELINES[kind](0)
+    images = tiny_condition_images(3)
+    pick = [[images[i] for i in row] if isinstance(row, tuple) else images[row] for row in sources]
+    prompts = ["make it red", "add a cat"]
+    settings = SamplerSettings(
+        num_inference_steps=STEPS,
+        height=32,
+        width=32,
+        guidance_scale=guidance,
+        eta=0.0,
+        sigma_schedule="pipeline",
+        max_sequence_length=64,
+        negative_prompt=negative_prompt,
+    )
+    policy = make_policy(pipeline, settings)
+    initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
+    negative = "" if negative_prompt is None and guidance > 1 else negative_prompt  # spelled out for the pipeline
+    with torch.no_grad():
+        ours = _sample_deterministically(policy, initial, prompts, {"image": pick})
+        expected = torch.cat(
+            [
+                pipeline(
+                    image=pick[b],
+                    prompt=prompt,
+                    negative_prompt=negative,
+                    true_cfg_scale=guidance,
+                    height=32,
+                    width=32,
+                    num_inference_steps=STEPS,
+                    latents=initial[b : b + 1].clone(),
+                    output_type="pt",
+                ).images
+                for b, prompt in enumerate(prompts)
+            ]
+        )
+    assert ours.shape == expected.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
 def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():
     from diffusers.guiders import AdaptiveProjectedGuidance, ClassifierFreeGuidance
 

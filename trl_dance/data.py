@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from datasets import Dataset, Image, IterableDataset, Value, load_dataset, load_from_disk
+from datasets import Dataset, Image, IterableDataset, List, Value, load_dataset, load_from_disk
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -43,8 +43,8 @@ def load_prompt_dataset(
         dataset_config, split: passed to ``load_dataset``.
         prompt_column: the column holding the prompts; renamed to ``prompt``.
 
-    An ``image`` column (the conditioning image of image-to-video models) holding file paths or URLs is cast to
-    ``datasets.Image``, so rows carry PIL images.
+    An ``image`` column (the conditioning image of image-to-video and editing models) holding file paths or URLs, or
+    lists of them (several source images), is cast to ``datasets.Image``, so rows carry PIL images.
     """
     if (prompts_file is None) == (dataset_name is None):
         raise ValueError("give exactly one of prompts_file or dataset_name")
@@ -58,8 +58,14 @@ def load_prompt_dataset(
         raise ValueError(f"no column {prompt_column!r} in the prompts dataset; columns: {dataset.column_names}")
     if prompt_column != "prompt":
         dataset = dataset.rename_column(prompt_column, "prompt")
-    if "image" in dataset.column_names and dataset.features["image"] == Value("string"):
-        dataset = dataset.cast_column("image", Image())
+    if "image" in dataset.column_names:
+        feature = dataset.features["image"]
+        if feature == Value("string"):
+            dataset = dataset.cast_column("image", Image())
+        elif isinstance(feature, List) and feature.feature == Value(
+            "string"
+        ):  # several sources (Qwen-Image-Edit-Plus)
+            dataset = dataset.cast_column("image", List(Image()))
     return dataset
 
 

@@ -764,6 +764,10 @@ def _qwen_image_components(zero_cond_t: bool = False, editing: bool = False) -> 
     """Qwen-Image's components (MMDiT, Qwen2.5-VL text encoder, Wan-style VAE with per-channel latent statistics), the
     tokenizer trained on the editing pipelines' system prompt with ``editing``."""
     tokenizer = _qwen_tokenizer(_QWEN_IMAGE_EDIT_TEMPLATE.format("a") if editing else None)
+    if editing:  # as it loads back (its saved pre-tokenizer splits "Picture 1: " otherwise than the trained one)
+        with tempfile.TemporaryDirectory() as folder:
+            tokenizer.save_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
     return {
         "scheduler": qwen_image_scheduler(),
         "vae": AutoencoderKLQwenImage(
