@@ -25,6 +25,7 @@ TINY = {
     "tiny-z-image": "z-image",
     "tiny-hunyuan-video15": "hunyuan-video15",
     "tiny-qwen-image-edit": "qwen-image-edit",
+    "tiny-hunyuan-video15-i2v": "hunyuan-video15-i2v",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
@@ -32,13 +33,20 @@ VIDEO_MODELS = (
     "tiny-hunyuan-video",
     "tiny-skyreels-i2v",
     "tiny-hunyuan-video15",
+    "tiny-hunyuan-video15-i2v",
     "wan21-1.3b",
     "wan21-14b",
     "wan22-a14b",
     "hunyuan-video",
     "hunyuan-video15",
 )
-IMAGE_CONDITIONED_MODELS = ("tiny-flux-kontext", "tiny-skyreels-i2v", "tiny-qwen-image-edit")  # rows carry `image`
+# Rows carry an `image` column.
+IMAGE_CONDITIONED_MODELS = (
+    "tiny-flux-kontext",
+    "tiny-skyreels-i2v",
+    "tiny-qwen-image-edit",
+    "tiny-hunyuan-video15-i2v",
+)
 
 
 def build_model(name: str, workdir: str, layers: int | None = None):

@@ -150,36 +150,42 @@ def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, learning_rate,
     assert_learned("brightness", first, last, initial_std, margin)
 
 
-# DDPO as a configuration, on brightness: DDPO's own JPEG-compressibility task rose chaotically on the tiny SD (its
-# onset after 5 to 45 rounds, then sometimes falling back), so a test of it needed two noise streams of 50 rounds of 32
-# samples (250 s on a 2-core CPU); that reward's learning is tested on Wan (test_video, test_diffusion_nft). Gains and
-# margin in docs/correctness.md.
+# DDPO's rise on the tiny SD is chaotic: its onset comes after 5 to 45 rounds, and after it the reward can fall back.
+# With 16 samples per round at lr 3e-2 over 30 rounds, the gain of the last 3 rounds ranged 0.04-0.57 kB over seeds and
+# CPUs (the reason this test once failed on another machine). With 32 samples at lr 2e-2 over 50 rounds and the best
+# 3-round mean of the second half (robust to a fall back), 7 of 8 (seed, threads) runs gained 0.38-0.62 kB and one, whose
+# onset came late, 0.051. So the test averages two noise streams (seeds s and s + 1); figures over seeds and threads in
+# the README. Control: training on jpeg_incompressibility in the same setting does not raise it (-0.024, +0.003 kB
+# after 40 rounds), so the rise is learned, not a drift of the tiny model.
 @pytest.mark.slow
-def test_ddpo_configuration_learns(tiny_model_dir, tmp_path):
-    """DDPO as a configuration: DDIM η=1, per-prompt statistics, all trainable steps, per-sample noise, no CFG."""
-    args = tiny_grpo_config(
-        tmp_path,
-        scale_rewards="per_prompt",
-        share_initial_noise="none",
-        guidance_scale=1.0,
-        generation_batch_size=16,
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=5,
-        max_steps=DDPO_ROUNDS,
-        learning_rate=3e-2,
-        seed=LEARNING_SEED,
-    )
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("sd"), "brightness", args=args, train_dataset=_dataset(), peft_config=_lora()
-    )
-    trainer.train()
-    first, last, rewards = _mean_reward(trainer, 3)
-    print(f"DDPO: per round {rewards}")
-    assert len(trainer.stat_tracker.buffers) == len(set(_dataset()["prompt"]))  # every prompt has its statistics
-    assert_learned("brightness", first, last, trainer.state.log_history[0]["reward_std"], 0.01)
-
-
-DDPO_ROUNDS = int(__import__("os").environ.get("DDPO_ROUNDS", "30"))
+def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path):
+    """DDPO as a configuration: DDIM η=1, per-prompt statistics, all trainable steps, per-sample noise."""
+    runs = []
+    for seed in (LEARNING_SEED, LEARNING_SEED + 1):
+        args = tiny_grpo_config(
+            tmp_path / str(seed),
+            scale_rewards="per_prompt",
+            num_generations=4,
+            generation_batch_size=32,
+            share_initial_noise="none",
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=10,
+            guidance_scale=1.0,
+            max_steps=50,
+            learning_rate=2e-2,
+            seed=seed,
+        )
+        trainer = DanceGRPOTrainer(
+            tiny_model_dir("sd"), "jpeg_compressibility", args=args, train_dataset=_dataset(), peft_config=_lora()
+        )
+        trainer.train()
+        first, _, rewards = _mean_reward(trainer, 3)
+        best = max(sum(rewards[i : i + 3]) / 3 for i in range(len(rewards) // 2, len(rewards) - 2))
+        runs.append((first, best, trainer.state.log_history[0]["reward_std"]))
+        print(f"seed {seed}: per round {rewards}")
+        assert len(trainer.stat_tracker.buffers) == 8  # every prompt has its running statistics
+    first, best, noise = (sum(values) / len(runs) for values in zip(*runs))
+    assert_learned("jpeg_compressibility", first, best, noise, 0.1)
 
 
 @pytest.mark.parametrize(

@@ -163,20 +163,26 @@ def _assert_policy_reproduces_pipeline(
 
 
 @pytest.mark.parametrize(
-    ("guidance", "negative_prompt", "prompts"),
+    ("guidance", "negative_prompt", "prompts", "image_to_video"),
     [
-        (6.0, None, PROMPTS),  # the guider's CFG against the empty prompt
-        (6.0, "blurry, dark", PROMPTS),
-        (6.0, None, ['a sign saying "hello"', "a cat"]),  # quoted text: ByT5 glyph embeddings for one prompt
+        (6.0, None, PROMPTS, False),  # the guider's CFG against the empty prompt
+        (6.0, "blurry, dark", PROMPTS, False),
+        (6.0, None, ['a sign saying "hello"', "a cat"], False),  # quoted text: ByT5 glyph embeddings for one prompt
+        (6.0, None, PROMPTS, True),
+        (6.0, "blurry, dark", PROMPTS, True),
+        (1.0, None, PROMPTS, True),
     ],
 )
-def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prompts):
+def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prompts, image_to_video):
     """HunyuanVideo 1.5 samples with CFG from its guider (its scale there) and decodes one video at a time (its VAE's
     attention breaks on batches in diffusers 0.42.1), so the pipeline runs per prompt; its 1000-token text padding
-    and 729 masked image slots against the policy's 64 and none give the same videos."""
+    and 729 masked image slots against the policy's 64 and none give the same videos. Image-to-video: another image
+    per prompt, as first-frame condition latents and SigLIP embeddings."""
     from diffusers.guiders import ClassifierFreeGuidance
 
-    pipeline = TINY_PIPELINES["hunyuan-video15"](0)
+    pipeline = TINY_PIPELINES["hunyuan-video15-i2v" if image_to_video else "hunyuan-video15"](0)
+    images = tiny_condition_images(len(prompts)) if image_to_video else [None] * len(prompts)
+    columns = {"image": images} if image_to_video else {}
     pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance)
     settings = SamplerSettings(
         num_inference_steps=STEPS,
@@ -192,18 +198,17 @@ def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prom
     policy = make_policy(pipeline, settings)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
     with torch.no_grad():
-        ours = _sample_deterministically(policy, initial, prompts)
+        ours = _sample_deterministically(policy, initial, prompts, columns)
         expected = torch.cat(
             [
                 pipeline(
                     prompt=[prompt],
                     negative_prompt=negative_prompt,
-                    height=32,
-                    width=32,
                     num_frames=TINY_VIDEO_FRAMES,
                     num_inference_steps=STEPS,
                     latents=initial[b : b + 1].clone(),
                     output_type="pt",
+                    **({"image": images[b]} if image_to_video else {"height": 32, "width": 32}),
                 ).frames
                 for b, prompt in enumerate(prompts)
             ]
@@ -337,3 +342,13 @@ def test_register_policy_and_unregistered_pipelines():
         register_policy(MyFlux, object)
     with pytest.raises(TypeError, match="DiffusionPipeline subclass"):
         register_policy("FluxPipeline", MyFluxPolicy)
+
+
+def test_z_image_guidance_one_is_cfg_and_says_so(caplog):
+    """Z-Image's pipeline turns CFG off at 0, not 1: 1.0 (other families' no-CFG, several methods' default) warns."""
+    settings = SamplerSettings(height=32, width=32, guidance_scale=1.0, max_sequence_length=16)
+    assert make_policy(TINY_PIPELINES["z-image"](0), settings).use_cfg
+    assert "on Z-Image is classifier-free guidance" in caplog.text
+    caplog.clear()
+    assert not make_policy(TINY_PIPELINES["z-image"](0), settings.__class__(guidance_scale=0.0)).use_cfg
+    assert "classifier-free" not in caplog.text

@@ -31,8 +31,12 @@ def _generate(pipeline, kind, seed=0):
     if kind.startswith("qwen-image-edit"):  # Edit-Plus takes one prompt at a time
         image = tiny_condition_images(1)[0]
         return torch.cat([pipeline(prompt=p, image=image, **kwargs).images for p in ["a red cat", "a blue dog"]])
-    if kind == "hunyuan-video15":  # its VAE's attention breaks on batches of several videos (diffusers 0.42.1)
+    if kind.startswith(
+        "hunyuan-video15"
+    ):  # its VAE's attention breaks on batches of several videos (diffusers 0.42.1)
         del kwargs["max_sequence_length"]  # its text lengths are fixed
+        if kind.endswith("i2v"):  # the image sets the size
+            del kwargs["height"], kwargs["width"]
         return torch.cat(
             [pipeline(prompt=[p], num_frames=TINY_VIDEO_FRAMES, **kwargs).frames for p in ["a red cat", "a blue dog"]]
         )

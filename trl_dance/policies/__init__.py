@@ -9,6 +9,7 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     HunyuanSkyreelsImageToVideoPipeline,
+    HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
     QwenImageEditPipeline,
@@ -26,7 +27,7 @@ from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
-from .hunyuan_video15 import HunyuanVideo15Policy
+from .hunyuan_video15 import HunyuanVideo15ImageToVideoPolicy, HunyuanVideo15Policy
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
@@ -75,6 +76,7 @@ for _pipeline, _policy in (
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
+    (HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15ImageToVideoPolicy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -112,6 +114,7 @@ __all__ = [
     "FluxKontextPolicy",
     "FluxPolicy",
     "HunyuanSkyreelsImageToVideoPolicy",
+    "HunyuanVideo15ImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
     "QwenImageEditPlusPolicy",

@@ -60,6 +60,11 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
                 "HunyuanVideo15Policy reproduces a ClassifierFreeGuidance guider without guidance_rescale over all "
                 f"steps; this pipeline's guider is {guider!r}"
             )
+        if pipeline.transformer.config.get("use_meanflow", False):
+            raise ValueError(
+                "HunyuanVideo 1.5 MeanFlow (step-distilled) checkpoints condition each step on the next timestep too; "
+                "this policy samples the base checkpoints only"
+            )
         shipped = config.guidance_scale if config.enabled else 1.0
         if max(shipped, 1.0) != max(settings.guidance_scale, 1.0):
             logger.warning(
@@ -110,10 +115,15 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             generators,
         )
 
+    def _condition(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C + 1, F', h, w) condition latents and mask channels, and (B, T, D) image embeddings: none here."""
+        batch, channels, frames, height, width = latents.shape
+        embeds = latents.new_zeros(batch, 0, self.denoiser.config.image_embed_dim)
+        return latents.new_zeros(batch, channels + 1, frames, height, width), embeds
+
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
-        batch, channels, frames, height, width = latents.shape
-        condition = latents.new_zeros(batch, channels + 1, frames, height, width)  # condition latents and mask
+        condition, image_embeds = self._condition(latents, cond)
         # Beyond the batch's longest quoted text every ByT5 token is masked padding (all 256 for prompts without
         # quoted text), which the transformer would only move aside and mask. Reading the length is a host sync, as
         # are this transformer's own reads of its masks in every forward.
@@ -125,7 +135,7 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             encoder_attention_mask=cond["prompt_embeds_mask"],
             encoder_hidden_states_2=cond["prompt_embeds_2"][:, :glyphs].to(dtype),
             encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, :glyphs],
-            image_embeds=latents.new_zeros(batch, 0, self.denoiser.config.image_embed_dim, dtype=dtype),
+            image_embeds=image_embeds.to(dtype),
             return_dict=False,
         )[0]
 
@@ -146,3 +156,43 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             "text": mllm + byt5 + vision,
             SAMPLE: 1,
         }
+
+
+class HunyuanVideo15ImageToVideoPolicy(HunyuanVideo15Policy):
+    """Policy over a :class:`~diffusers.HunyuanVideo15ImageToVideoPipeline` (HunyuanVideo 1.5 I2V): each prompt comes
+    with the image its videos start from (dataset column ``image``). As in the pipeline, the image, resized and
+    center-cropped to ``height`` × ``width``, enters as VAE latents in the first latent frame of the condition channels
+    (zeros after it) with a mask channel 1 there, and as SigLIP embeddings in the transformer's sequence; both are
+    shared by the CFG branches, which differ in the prompt only. The pipeline instead picks the output size from the
+    image's aspect ratio and the transformer's ``target_size`` bucket: train at that size to sample as it does.
+    """
+
+    condition_columns = ("image",)
+    pipeline_tag = "image-to-video"
+
+    def _encode_columns(self, image: list) -> Conditioning:
+        pipeline, settings, device = self.pipeline, self.settings, self.device
+        latents, embeds = [], []
+        for picture in image:
+            sized = pipeline.video_processor.resize(
+                picture, height=settings.height, width=settings.width, resize_mode="crop"
+            )
+            latents.append(
+                pipeline._get_image_latents(
+                    pipeline.vae, pipeline.video_processor, sized, settings.height, settings.width, device
+                ).float()
+            )
+            embeds.append(
+                pipeline._get_image_embeds(pipeline.image_encoder, pipeline.feature_extractor, sized, device).float()
+            )
+        return {"image_latents": torch.cat(latents), "image_embeds": torch.cat(embeds)}
+
+    def _condition(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, frames, height, width = latents.shape
+        first = cond["image_latents"].to(latents.dtype)  # (B, C, 1, h, w)
+        rest = latents.new_zeros(batch, first.shape[1], frames - 1, height, width)
+        mask = torch.cat(
+            [latents.new_ones(batch, 1, 1, height, width), latents.new_zeros(batch, 1, frames - 1, height, width)],
+            dim=2,
+        )
+        return torch.cat([torch.cat([first, rest], dim=2), mask], dim=1), cond["image_embeds"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import torch
 from diffusers import ZImagePipeline
+from diffusers.utils import logging
 
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 from .flux import linear_sigmas_with_shift
+
+logger = logging.get_logger(__name__)
 
 _SEQUENCE_MULTIPLE = 32  # the transformer pads each sample's image and caption tokens to a multiple of this
 
@@ -51,6 +54,12 @@ class ZImagePolicy(FlowMatchingPolicy):
         scale = pipeline.vae_scale_factor
         self._latent_hw = (2 * (settings.height // (2 * scale)), 2 * (settings.width // (2 * scale)))
         super().__init__(pipeline, settings)
+        if 0 < settings.guidance_scale <= 1:
+            # Other families' "no CFG" (1.0, several methods' default) is CFG here, at twice the cost.
+            logger.warning(
+                f"guidance_scale {settings.guidance_scale} on Z-Image is classifier-free guidance (c + s (c - u), "
+                "both branches): its pipeline turns CFG off at 0, which Z-Image-Turbo samples with"
+            )
 
     @property
     def use_cfg(self) -> bool:
