@@ -82,6 +82,9 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-hunyuan-33f-lora64-gc": _real(
             "grpo_iteration.py", "hunyuan-video", 64, "--resolution", "480", "--frames", "33", *_VIDEO_LARGE
         ),
+        "grpo-flux2-klein-base-1024-lora64-gc": _real(
+            "grpo_iteration.py", "flux2-klein-base-4b", 64, "--resolution", "1024", "--guidance-scale", "4", *_LARGE
+        ),
         "grpo-z-image-turbo-1024-lora64-gc": _real(
             "grpo_iteration.py", "z-image-turbo", 64, "--resolution", "1024", "--guidance-scale", "0", *_LARGE
         ),

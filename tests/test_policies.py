@@ -68,6 +68,20 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
     )
 
 
+def _deterministic(guidance, negative_prompt=None, **more) -> SamplerSettings:
+    """The policy's deterministic sampler (η 0) on the pipeline's σ grid, STEPS steps at 32²."""
+    return SamplerSettings(
+        num_inference_steps=STEPS,
+        height=32,
+        width=32,
+        guidance_scale=guidance,
+        eta=0.0,
+        sigma_schedule="pipeline",
+        negative_prompt=negative_prompt,
+        **more,
+    )
+
+
 def _sample_deterministically(policy, latents, prompts, columns=None):
     """The policy's sampler from ``latents`` with its settings' noise level (0 here), decoded: (B, ...) in [0, 1]."""
     cond = policy.encode_prompts(list(prompts), **(columns or {}))
@@ -111,19 +125,7 @@ def _assert_policy_reproduces_pipeline(
     if guidance_scale_2 is not None:
         video["guidance_scale_2"] = guidance_scale_2
     policy = make_policy(
-        pipeline,
-        SamplerSettings(
-            num_inference_steps=STEPS,
-            height=32,
-            width=32,
-            guidance_scale=guidance,
-            eta=0.0,
-            sigma_schedule="pipeline",
-            max_sequence_length=16,
-            negative_prompt=negative_prompt,
-            **video,
-            **settings,
-        ),
+        pipeline, _deterministic(guidance, negative_prompt, max_sequence_length=16, **video, **settings)
     )
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
     with torch.no_grad():
@@ -184,17 +186,7 @@ def test_hunyuan_video15_reproduces_the_pipeline(guidance, negative_prompt, prom
     images = tiny_condition_images(len(prompts)) if image_to_video else [None] * len(prompts)
     columns = {"image": images} if image_to_video else {}
     pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance)
-    settings = SamplerSettings(
-        num_inference_steps=STEPS,
-        height=32,
-        width=32,
-        guidance_scale=guidance,
-        eta=0.0,
-        sigma_schedule="pipeline",
-        max_sequence_length=64,
-        negative_prompt=negative_prompt,
-        num_frames=TINY_VIDEO_FRAMES,
-    )
+    settings = _deterministic(guidance, negative_prompt, max_sequence_length=64, num_frames=TINY_VIDEO_FRAMES)
     policy = make_policy(pipeline, settings)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
     with torch.no_grad():
@@ -234,17 +226,7 @@ def test_qwen_image_edit_reproduces_the_pipeline(kind, guidance, negative_prompt
     images = tiny_condition_images(3)
     pick = [[images[i] for i in row] if isinstance(row, tuple) else images[row] for row in sources]
     prompts = ["make it red", "add a cat"]
-    settings = SamplerSettings(
-        num_inference_steps=STEPS,
-        height=32,
-        width=32,
-        guidance_scale=guidance,
-        eta=0.0,
-        sigma_schedule="pipeline",
-        max_sequence_length=64,
-        negative_prompt=negative_prompt,
-    )
-    policy = make_policy(pipeline, settings)
+    policy = make_policy(pipeline, _deterministic(guidance, negative_prompt, max_sequence_length=64))
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
     negative = "" if negative_prompt is None and guidance > 1 else negative_prompt  # spelled out for the pipeline
     with torch.no_grad():

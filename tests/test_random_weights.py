@@ -19,6 +19,9 @@ PUBLISHED = {
     "hunyuan-video": 12.82,
     "z-image-turbo": 6.15,
     "hunyuan-video15": 8.33,
+    # FLUX.2 [klein] base 4B: 5 double and 20 single blocks of 24 heads, Qwen3-4B's 3 × 2560 text width (the
+    # configuration as public reimplementations of the gated checkpoint read it; not checked against its own file).
+    "flux2-klein-base-4b": 3.88,
 }
 
 
@@ -32,10 +35,11 @@ def test_every_shipped_configuration_builds_at_its_published_size():
     with torch.device("meta"):
         wan22 = random_weight_pipeline("wan22-a14b", layers=1)
     assert wan22.config.boundary_ratio == 0.875 and len(wan22.transformer_2.blocks) == 1
-    assert len(wan22.transformer.blocks) == 1 and wan22.text_encoder.config.num_layers == 1
+    # Text encoders keep 3 layers: pipelines read hidden states up to 3 from the end (HunyuanVideo 1.5, Z-Image).
+    assert len(wan22.transformer.blocks) == 1 and wan22.text_encoder.config.num_layers == 3
     with torch.device("meta"):  # Qwen2.5-VL lists one attention type per layer: shrunk with the depth
         qwen = random_weight_pipeline("qwen-image", layers=1)
-    assert qwen.text_encoder.config.text_config.layer_types == ["full_attention"]
+    assert qwen.text_encoder.config.text_config.layer_types == ["full_attention"] * 3
     with pytest.raises(ValueError, match="unknown model 'flux-schnell'"):
         random_weight_pipeline("flux-schnell")
 

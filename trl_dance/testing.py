@@ -825,26 +825,26 @@ def _qwen2_vl_processor(tokenizer: Qwen2TokenizerFast, image_processor=None) -> 
         )
 
 
-def tiny_qwen_image_edit_pipeline(seed: int = 0) -> QwenImageEditPipeline:
-    """A QwenImageEditPipeline (Qwen-Image-Edit): Qwen-Image's components and Qwen2-VL's processor, whose images the
+def _qwen_image_edit(cls: type, seed: int, zero_cond_t: bool) -> DiffusionPipeline:
+    """A Qwen-Image-Edit pipeline of class ``cls``: Qwen-Image's components and Qwen2-VL's processor, whose images the
     text encoder's vision tower reads with the instruction."""
 
     def factory():
-        components = _qwen_image_components(editing=True)
-        return QwenImageEditPipeline(**components, processor=_qwen2_vl_processor(components["tokenizer"]))
+        components = _qwen_image_components(zero_cond_t=zero_cond_t, editing=True)
+        return cls(**components, processor=_qwen2_vl_processor(components["tokenizer"]))
 
     return _build(factory, seed)
+
+
+def tiny_qwen_image_edit_pipeline(seed: int = 0) -> QwenImageEditPipeline:
+    """A QwenImageEditPipeline (Qwen-Image-Edit, one source image)."""
+    return _qwen_image_edit(QwenImageEditPipeline, seed, zero_cond_t=False)
 
 
 def tiny_qwen_image_edit_plus_pipeline(seed: int = 0) -> QwenImageEditPlusPipeline:
     """A QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511, several source images), with the 2511 transformer's
     ``zero_cond_t`` (the source tokens modulated at timestep 0)."""
-
-    def factory():
-        components = _qwen_image_components(zero_cond_t=True, editing=True)
-        return QwenImageEditPlusPipeline(**components, processor=_qwen2_vl_processor(components["tokenizer"]))
-
-    return _build(factory, seed)
+    return _qwen_image_edit(QwenImageEditPlusPipeline, seed, zero_cond_t=True)
 
 
 # Llama 3's pre-tokenizer pattern: with it, a BPE trained on HunyuanVideo's prompt template splits the template's

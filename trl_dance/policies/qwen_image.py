@@ -1,5 +1,6 @@
 """Qwen-Image (rectified flow, MMDiT on a Qwen2.5-VL text encoder): true CFG with a negative prompt and norm-rescaled
-guidance, 2×2-packed latents of a Wan-style VAE."""
+guidance, 2×2-packed latents of a Wan-style VAE; Qwen-Image-Edit(-Plus): source images' latents after the noisy
+tokens, and the instruction read with the source images."""
 
 from __future__ import annotations
 
