@@ -26,6 +26,7 @@ TINY = {
     "tiny-z-image": "z-image",
     "tiny-hunyuan-video15": "hunyuan-video15",
     "tiny-qwen-image-edit": "qwen-image-edit",
+    "tiny-qwen-image21": "qwen-image21",
     "tiny-hunyuan-video15-i2v": "hunyuan-video15-i2v",
 }
 MODELS = [*TINY, *random_weight_models()]

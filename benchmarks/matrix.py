@@ -48,6 +48,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-z-image": ["grpo_iteration.py", "--model", "tiny-z-image", "--guidance-scale", "0"],
         "grpo-tiny-hunyuan-video15": ["grpo_iteration.py", "--model", "tiny-hunyuan-video15", "--guidance-scale", "6"],
         "grpo-tiny-qwen-image-edit": ["grpo_iteration.py", "--model", "tiny-qwen-image-edit", "--guidance-scale", "4"],
+        "grpo-tiny-qwen-image21": ["grpo_iteration.py", "--model", "tiny-qwen-image21"],
         "grpo-tiny-hunyuan-video15-i2v": [
             "grpo_iteration.py",
             "--model",

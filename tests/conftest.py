@@ -42,8 +42,8 @@ def tiny_model_dir(tmp_path_factory):
 
 def family_overrides(kind: str) -> dict:
     """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan and HunyuanVideo,
-    room for the source image's tokens in Qwen-Image-Edit's prompt embeddings."""
-    if kind.startswith("qwen-image-edit"):
+    room for the source image's tokens in Qwen-Image-Edit's prompt embeddings (and Qwen-Image 2.1's template)."""
+    if kind.startswith("qwen-image-edit") or kind == "qwen-image21":  # (2.1: its template's tokens)
         return {"max_sequence_length": 64}
     return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan", "skyreels")) else {}
 

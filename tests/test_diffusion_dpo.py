@@ -80,14 +80,15 @@ def test_loss_types_are_checked(tmp_path):
     assert _config(tmp_path, loss_type="hinge").loss_type == ["hinge"]  # a string, as TRL accepts
 
 
-@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "flux", "wan"])
+@pytest.mark.parametrize("kind", ["sd", "sdxl", "sd3", "flux", "wan", "qwen-image21"])
 def test_loss_is_ln2_at_lora_initialisation(tiny_model_dir, tmp_path, kind):
     """With the LoRA at its initialisation the policy is the reference: z = 0, loss ln 2, implicit accuracy ½ (Wan:
-    video pairs, (B, 2, F, 3, H, W) pixels)."""
+    video pairs, (B, 2, F, 3, H, W) pixels; Qwen-Image 2.1: RGB pairs its RGBA VAE encodes)."""
     data = _synthetic_pairs(kind, count=4)
     video = {"num_frames": TINY_VIDEO_FRAMES} if kind == "wan" else {}
+    text = {"max_sequence_length": 64} if kind == "qwen-image21" else {}  # its template's tokens
     trainer = DiffusionDPOTrainer(
-        tiny_model_dir(kind), args=_config(tmp_path, **video), train_dataset=data, peft_config=_lora()
+        tiny_model_dir(kind), args=_config(tmp_path, **video, **text), train_dataset=data, peft_config=_lora()
     )
     batch = trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(4)]))
     assert batch["pixel_values"].shape[1:3] == ((2, TINY_VIDEO_FRAMES) if video else (2, 3))

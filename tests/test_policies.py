@@ -71,21 +71,23 @@ def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
 def _deterministic(guidance, negative_prompt=None, **more) -> SamplerSettings:
     """The policy's deterministic sampler (η 0) on the pipeline's σ grid, STEPS steps at 32²."""
     return SamplerSettings(
-        num_inference_steps=STEPS,
-        height=32,
-        width=32,
-        guidance_scale=guidance,
-        eta=0.0,
-        sigma_schedule="pipeline",
-        negative_prompt=negative_prompt,
-        **more,
+        **{
+            "num_inference_steps": STEPS,
+            "height": 32,
+            "width": 32,
+            "guidance_scale": guidance,
+            "eta": 0.0,
+            "sigma_schedule": "pipeline",
+            "negative_prompt": negative_prompt,
+            **more,
+        }
     )
 
 
 def _sample_deterministically(policy, latents, prompts, columns=None):
     """The policy's sampler from ``latents`` with its settings' noise level (0 here), decoded: (B, ...) in [0, 1]."""
     cond = policy.encode_prompts(list(prompts), **(columns or {}))
-    for i in range(STEPS):
+    for i in range(policy.num_steps):
         index = torch.full((len(prompts),), i)
         output = policy.predict_step(policy.denoiser, latents, i, index, cond)
         latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
@@ -249,6 +251,51 @@ def test_qwen_image_edit_reproduces_the_pipeline(kind, guidance, negative_prompt
         )
     assert ours.shape == expected.shape == (2, 3, 32, 32)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("guidance", "negative_prompt", "steps"),
+    [
+        (1.0, None, 8),  # the shipped 8-step sample_sigmas grid, which the pipeline takes whatever its step count
+        (4.0, None, 6),  # that grid interpolated to 6 steps (passed to the pipeline as its sigmas)
+        (4.0, "blurry, dark", 6),
+    ],
+)
+def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
+    """Qwen-Image 2.1: prompts of three lengths in one batch, each image equal to the pipeline's call on its prompt
+    alone (its prompt keys and values cached or recomputed), and unchanged when sampled without the other prompts."""
+    from trl_dance.policies.qwen_image21 import resampled_sigmas
+
+    pipeline = TINY_PIPELINES["qwen-image21"](0)
+    prompts = ["a red cat", "a photograph of a blue dog", "a red car"]
+    policy = make_policy(
+        pipeline, _deterministic(guidance, negative_prompt, max_sequence_length=64, num_inference_steps=steps)
+    )
+    initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
+    sigmas = None if steps == 8 else list(resampled_sigmas(pipeline.config.sample_sigmas, steps))
+    negative = {"negative_prompt": negative_prompt or ""} if guidance > 1 else {}
+    with torch.no_grad():
+        ours = _sample_deterministically(policy, initial, prompts)
+        alone = _sample_deterministically(policy, initial[1:2], prompts[1:2])
+        for use_kv_cache in (False, True):
+            expected = torch.cat(
+                [
+                    pipeline(
+                        prompt=prompt,
+                        height=32,
+                        width=32,
+                        sigmas=sigmas,
+                        true_cfg_scale=guidance,
+                        latents=initial[i : i + 1].clone(),
+                        output_type="pt",
+                        use_kv_cache=use_kv_cache,
+                        **negative,
+                    ).images[:, :3]  # the VAE's RGBA: its RGB
+                    for i, prompt in enumerate(prompts)
+                ]
+            )
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(alone, ours[1:2], rtol=0, atol=1e-6)
 
 
 def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():

@@ -29,6 +29,7 @@ from diffusers import (
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
+    AutoencoderKLQwenImage21,
     AutoencoderKLWan,
     DDIMScheduler,
     DiffusionPipeline,
@@ -47,6 +48,8 @@ from diffusers import (
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     PNDMScheduler,
+    QwenImage21Pipeline,
+    QwenImage21Transformer2DModel,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -87,6 +90,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -802,11 +808,14 @@ def tiny_qwen_image_pipeline(seed: int = 0) -> QwenImagePipeline:
     return _build(lambda: QwenImagePipeline(**_qwen_image_components()), seed)
 
 
-def _qwen2_vl_processor(tokenizer: Qwen2TokenizerFast, image_processor=None) -> Qwen2VLProcessor:
-    """Qwen-Image-Edit's ``Qwen2VLProcessor``: Qwen2-VL's image processor with its shipped settings (patch 14, merge 2,
-    CLIP statistics; the PIL backend: the default one needs torchvision, which CPU-only torch lacks) and ``tokenizer``.
-    transformers 5.24 type-checks even an absent video processor against a class that needs torchvision, so that
-    check is skipped for it (``video_processor=None``)."""
+def _qwen2_vl_processor(
+    tokenizer: Qwen2TokenizerFast, image_processor=None, cls: type = Qwen2VLProcessor
+) -> Qwen2VLProcessor | Qwen3VLProcessor:
+    """Qwen-Image-Edit's ``Qwen2VLProcessor`` (Qwen-Image 2.1's ``Qwen3VLProcessor`` with ``cls``): Qwen2-VL's image
+    processor with its shipped settings (patch 14, merge 2, CLIP statistics; the PIL backend: the default one needs
+    torchvision, which CPU-only torch lacks) and ``tokenizer`` (and its chat template). transformers 5.24 type-checks
+    even an absent video processor against a class that needs torchvision, so that check is skipped for it
+    (``video_processor=None``)."""
     from unittest import mock
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -818,10 +827,11 @@ def _qwen2_vl_processor(tokenizer: Qwen2TokenizerFast, image_processor=None) -> 
         return None if argument is None else check(self, name, argument)
 
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", check_present):
-        return Qwen2VLProcessor(
+        return cls(
             image_processor=image_processor or Qwen2VLImageProcessorPil(),
             tokenizer=tokenizer,
             video_processor=None,
+            chat_template=tokenizer.chat_template,
         )
 
 
@@ -845,6 +855,96 @@ def tiny_qwen_image_edit_plus_pipeline(seed: int = 0) -> QwenImageEditPlusPipeli
     """A QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511, several source images), with the 2511 transformer's
     ``zero_cond_t`` (the source tokens modulated at timestep 0)."""
     return _qwen_image_edit(QwenImageEditPlusPipeline, seed, zero_cond_t=True)
+
+
+# Qwen-Image 2.1's text-to-image prompt template, and a Qwen-VL chat template that renders its system message (the
+# pipeline drops as many leading tokens as that message has).
+_QWEN_IMAGE21_TEMPLATE = (
+    "<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+_QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{% if message.content is string %}"
+    "{{ message.content }}{% else %}{% for part in message.content %}{% if part.type == 'text' %}{{ part.text }}"
+    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_qwen_image21_pipeline(seed: int = 0) -> QwenImage21Pipeline:
+    """A QwenImage21Pipeline (Qwen-Image 2.1: a single-stream block-causal transformer on unpatched 64-channel latents
+    here 8, a Qwen3-VL text encoder read before its final norm, a 16× RGBA VAE with per-channel statistics, a shipped
+    ``sample_sigmas`` grid of 8 steps), 32×32 images (one 2×2 latent group)."""
+
+    def factory():
+        tokenizer = _qwen_tokenizer(_QWEN_IMAGE21_TEMPLATE.format("a"))
+        tokenizer.chat_template = _QWEN_VL_CHAT_TEMPLATE
+        ids = tokenizer.convert_tokens_to_ids
+        text_encoder = Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(
+                text_config={
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 8,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": 32,
+                    "patch_size": 16,  # one merged vision token per 32×32 pixels: a 2×2 group of 16× latents
+                    "spatial_merge_size": 2,
+                    "temporal_patch_size": 2,
+                    "num_position_embeddings": 64,
+                    "deepstack_visual_indexes": [0],
+                },
+                image_token_id=ids("<|image_pad|>"),
+                video_token_id=ids("<|video_pad|>"),
+                vision_start_token_id=ids("<|vision_start|>"),
+                vision_end_token_id=ids("<|vision_end|>"),
+            )
+        )
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+        channels = 8
+        return QwenImage21Pipeline(
+            # Qwen-Image's scheduler (resolution-dependent shift) and a non-uniform shipped grid of 8 σ before shifting.
+            scheduler=qwen_image_scheduler(),
+            vae=AutoencoderKLQwenImage21(
+                base_dim=8,
+                decoder_base_dim=8,
+                z_dim=channels,
+                dim_mult=[1, 1, 1, 1, 1],  # five stages: the 16× spatial compression the pipeline assumes
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True, True],
+                # The first 8 channels' statistics of the published VAE's defaults.
+                latents_mean=[0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722],
+                latents_std=[3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.7910],
+            ),
+            text_encoder=text_encoder,
+            processor=_qwen2_vl_processor(tokenizer, image_processor, Qwen3VLProcessor),
+            transformer=QwenImage21Transformer2DModel(
+                patch_size=1,
+                in_channels=channels,
+                out_channels=channels,
+                num_layers=2,
+                attention_head_dim=16,
+                num_attention_heads=2,
+                context_in_dim=32,
+                mlp_ratio=2,
+                axes_dims_rope=(4, 6, 6),
+            ),
+            sample_sigmas=[1.0, 0.96, 0.9, 0.8, 0.65, 0.45, 0.25, 0.1],
+        )
+
+    return _build(factory, seed)
 
 
 # Llama 3's pre-tokenizer pattern: with it, a BPE trained on HunyuanVideo's prompt template splits the template's
@@ -1057,7 +1157,7 @@ def tiny_condition_images(count: int, seed: int = 0) -> list:
     return to_pil(images)
 
 
-_IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl", "qwen-image")
+_IMAGE_KINDS = ("flux", "sd3", "sd", "sd2", "sdxl", "qwen-image", "qwen-image21")
 TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "flux": tiny_flux_pipeline,
     "flux-kontext": tiny_flux_kontext_pipeline,
@@ -1071,6 +1171,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "qwen-image": tiny_qwen_image_pipeline,
     "qwen-image-edit": tiny_qwen_image_edit_pipeline,
     "qwen-image-edit-plus": tiny_qwen_image_edit_plus_pipeline,
+    "qwen-image21": tiny_qwen_image21_pipeline,
     "wan": tiny_wan_pipeline,
     "hunyuan-video": tiny_hunyuan_video_pipeline,
     "hunyuan-video15": tiny_hunyuan_video15_pipeline,
@@ -1114,19 +1215,22 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
     return directory
 
 
-def load_tiny_pipeline(directory: str) -> DiffusionPipeline:
-    """``DiffusionPipeline.from_pretrained(directory)`` of a saved tiny pipeline. A Qwen-Image-Edit folder's processor
-    is built from its saved parts and handed in: transformers loads a ``Qwen2VLProcessor`` only with torchvision (its
-    video processor), which CPU-only torch lacks; with torchvision, ``from_pretrained`` alone loads it."""
+def load_tiny_pipeline(directory: str, **kwargs) -> DiffusionPipeline:
+    """``DiffusionPipeline.from_pretrained(directory)`` of a saved tiny pipeline. A Qwen-Image-Edit or Qwen-Image 2.1
+    folder's processor is built from its saved parts and handed in: transformers loads a ``Qwen2VLProcessor`` /
+    ``Qwen3VLProcessor`` only with torchvision (its video processor), which CPU-only torch lacks; with torchvision,
+    ``from_pretrained`` alone loads it. ``kwargs`` go to ``from_pretrained``."""
     folder = os.path.join(directory, "processor")
     if not os.path.isdir(folder):
-        return DiffusionPipeline.from_pretrained(directory)
+        return DiffusionPipeline.from_pretrained(directory, **kwargs)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    with open(os.path.join(directory, "model_index.json")) as handle:
+        cls = {"Qwen3VLProcessor": Qwen3VLProcessor}.get(json.load(handle)["processor"][1], Qwen2VLProcessor)
     processor = _qwen2_vl_processor(
-        AutoTokenizer.from_pretrained(folder), Qwen2VLImageProcessorPil.from_pretrained(folder)
+        AutoTokenizer.from_pretrained(folder), Qwen2VLImageProcessorPil.from_pretrained(folder), cls
     )
-    return DiffusionPipeline.from_pretrained(directory, processor=processor)
+    return DiffusionPipeline.from_pretrained(directory, processor=processor, **kwargs)
 
 
 def tiny_preference_dataset(
@@ -1151,6 +1255,8 @@ def tiny_preference_dataset(
     extra = {"max_sequence_length": 32} if kind in ("flux", "wan") else {}
     if kind == "wan":
         extra["num_frames"] = num_frames
+    if kind != "qwen-image21":  # (its pipeline has no guidance_scale: true_cfg_scale, 1 by default)
+        extra["guidance_scale"] = 1.0
     with torch.no_grad():
         output = TINY_PIPELINES[kind](seed)(
             prompts,
@@ -1158,11 +1264,10 @@ def tiny_preference_dataset(
             height=TINY_RESOLUTION,
             width=TINY_RESOLUTION,
             output_type="pt",
-            guidance_scale=1.0,
             generator=torch.Generator().manual_seed(seed),
             **extra,
         )
-    media = output.frames if kind == "wan" else output.images  # (B, F, 3, H, W) or (B, 3, H, W)
+    media = output.frames if kind == "wan" else output.images[:, :3]  # (B, F, 3, H, W) or (B, 3, H, W): RGB of RGBA
     shift = offset * torch.tensor(color, dtype=media.dtype).view(3, 1, 1)
 
     def pil(values: torch.Tensor):

@@ -12,6 +12,7 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
+    QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
@@ -29,6 +30,7 @@ from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .hunyuan_video15 import HunyuanVideo15ImageToVideoPolicy, HunyuanVideo15Policy
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
+from .qwen_image21 import QwenImage21Policy
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
@@ -73,6 +75,7 @@ for _pipeline, _policy in (
     (QwenImagePipeline, QwenImagePolicy),
     (QwenImageEditPipeline, QwenImageEditPolicy),
     (QwenImageEditPlusPipeline, QwenImageEditPlusPolicy),
+    (QwenImage21Pipeline, QwenImage21Policy),
     (HunyuanVideoPipeline, HunyuanVideoPolicy),
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
@@ -117,6 +120,7 @@ __all__ = [
     "HunyuanVideo15ImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
+    "QwenImage21Policy",
     "QwenImageEditPlusPolicy",
     "QwenImageEditPolicy",
     "QwenImagePolicy",

@@ -63,6 +63,13 @@ def _without_zero3_init(args):
         set_hf_deepspeed_config(dschf)
 
 
+def _is_tiny(folder: str) -> bool:
+    """Whether ``folder`` holds a tiny test pipeline saved by :func:`trl_dance.testing.save_tiny_pipeline`."""
+    from ..testing import TINY_SAMPLING_FILE
+
+    return os.path.isfile(os.path.join(folder, TINY_SAMPLING_FILE))
+
+
 def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | None = None) -> DiffusionPipeline:
     """A pipeline instance from a Hub id or local folder (``from_pretrained`` of ``pipeline_class``, a diffusers
     pipeline class name, default the folder's own, with ``args.model_init_kwargs``), or as given.
@@ -87,7 +94,12 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
             raise ValueError(f"pipeline_class must name a diffusers pipeline class, got {pipeline_class!r}")
     try:
         with _without_zero3_init(args):
-            pipeline = loader.from_pretrained(model, **kwargs)
+            if pipeline_class is None and os.path.isdir(os.path.join(model, "processor")) and _is_tiny(model):
+                from ..testing import load_tiny_pipeline  # its Qwen-VL processor is rebuilt from saved parts
+
+                pipeline = load_tiny_pipeline(model, **kwargs)
+            else:
+                pipeline = loader.from_pretrained(model, **kwargs)
     except OSError as err:  # huggingface_hub's "not found / offline" errors; a local folder's own errors pass
         if os.path.isdir(model):
             raise

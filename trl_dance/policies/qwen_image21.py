@@ -1,0 +1,164 @@
+"""Qwen-Image 2.1 (single-stream, block-causal rectified-flow transformer on a Qwen3-VL text encoder): unpatched
+latent tokens (B, H/16 · W/16, C) of a 16× RGBA VAE after the prompt's tokens in one sequence, the sampler's σ grid
+shipped with the checkpoint (``sample_sigmas``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import QwenImage21Pipeline
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+from ..flops import SAMPLE, FlopLayout
+from .base import Conditioning, SamplerSettings
+from .flow_matching import FlowMatchingPolicy
+
+_SLOT = 4  # latent tokens per image slot of the text encoder's sequence (a 2×2 group)
+
+
+def resampled_sigmas(grid: list[float], steps: int) -> np.ndarray:
+    """``steps`` noise levels along a shipped σ grid (without its terminal 0): the grid itself at its own length,
+    else the grid linearly interpolated at ``steps`` evenly spaced fractional indices (first and last kept)."""
+    grid = np.asarray(grid, dtype=np.float64)
+    if steps == len(grid):
+        return grid
+    return np.interp(np.linspace(0, len(grid) - 1, steps), np.arange(len(grid)), grid)
+
+
+class QwenImage21Policy(FlowMatchingPolicy):
+    """Policy over a :class:`~diffusers.QwenImage21Pipeline` (Qwen-Image 2.1, text-to-image).
+
+    The transformer reads one sequence: the prompt's tokens (the Qwen3-VL encoder's last layer before its final norm,
+    system prefix dropped), then the image's latent tokens; text is causal, the image block bidirectional, and the
+    text's length moves the image's rotary position (the frame axis continues from the last text token). So a sample
+    is only reproduced at its own text length: the conditioning is stored padded to ``max_sequence_length`` with a
+    mask (so batches stack), and each forward runs the samples of one valid length together, unpadded, as the
+    pipeline runs a single prompt (the pipeline batching prompts of different lengths pads the shorter ones, which
+    moves their images by ~1e-3). This reads the mask on the host once per forward (the transformer itself builds its
+    positions on the host every call).
+
+    Sampling: the σ grid is the checkpoint's ``sample_sigmas`` (with ``sigma_schedule="pipeline"``; at another
+    ``num_inference_steps`` the grid interpolated to that many steps), shifted by the scheduler for the image's token
+    count as the pipeline does. ``guidance_scale`` is the pipeline's ``true_cfg_scale`` (CFG ``u + s (c − u)``
+    against the empty prompt or ``negative_prompt``). The pipeline caches the prompt's keys and values after its
+    first step (``use_kv_cache``); the policy recomputes them (the same values up to rounding), since training
+    forwards need them with gradients. The VAE decodes RGBA: images are its RGB channels (what ``.convert("RGB")``
+    of the pipeline's output gives), and images to encode (Diffusion-DPO) get an opaque alpha channel.
+    """
+
+    pipeline: QwenImage21Pipeline
+    masks_text = True
+    supports_cfg = True
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_text_embed|^modulation|norm_out\.linear", SAMPLE),
+            (r"^txt_in", "text"),
+            (r"^img_in", "image"),
+        ),
+        # Text queries against the text keys (causal, computed whole), image queries against all keys: one product
+        # over the (query, key) pairs that flop_tokens counts.
+        attention=((r"transformer_blocks", "one", "pairs"),),
+        default="image+text",  # the blocks and proj_out read the joint sequence
+    )
+
+    def __init__(self, pipeline: QwenImage21Pipeline, settings: SamplerSettings):
+        scale = pipeline.vae_scale_factor
+        self._latent_hw = (2 * (settings.height // (2 * scale)), 2 * (settings.width // (2 * scale)))
+        super().__init__(pipeline, settings)
+
+    def _scheduler_kwargs(self) -> dict:
+        steps, config = self.settings.num_inference_steps, self.pipeline.scheduler.config
+        grid = self.pipeline.config.get("sample_sigmas")
+        sigmas = resampled_sigmas(grid, steps) if grid else np.linspace(1.0, 1 / steps, steps)
+        h, w = self._latent_hw
+        mu = calculate_shift(
+            h * w,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": sigmas, "mu": mu}
+
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # the transformer takes σ (the pipeline's timestep / 1000)
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        length = self.settings.max_sequence_length
+        rows = [self.pipeline.encode_prompt([prompt], device=self.device)[0][0] for prompt in prompts]  # (L, D) each
+        longest = max(len(row) for row in rows)
+        if longest > length:
+            raise ValueError(
+                f"a prompt is {longest} tokens after Qwen-Image 2.1's template, more than max_sequence_length "
+                f"({length}): raise it"
+            )
+        embeds = torch.zeros(len(rows), length, rows[0].shape[-1], dtype=rows[0].dtype, device=self.device)
+        mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
+        for index, row in enumerate(rows):
+            embeds[index, : len(row)], mask[index, : len(row)] = row, True
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        settings = self.settings
+        latents, _ = self.pipeline.prepare_latents(
+            None,
+            len(generators),
+            self.denoiser.config.in_channels,
+            settings.height,
+            settings.width,
+            torch.float32,
+            self.device,
+            generators,
+        )
+        return latents
+
+    def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
+        dtype, (h, w) = self.denoiser.dtype, self._latent_hw
+        tokens = latents.shape[1]
+        lengths = cond["prompt_embeds_mask"].sum(dim=1).tolist()
+        output = None
+        for length in sorted(set(lengths)):
+            rows = [index for index, value in enumerate(lengths) if value == length]
+            index = torch.tensor(rows, device=latents.device)
+            text = cond["prompt_embeds"][index, :length].to(dtype)
+            slots = torch.zeros(len(rows), length + tokens // _SLOT, dtype=torch.bool, device=latents.device)
+            slots[:, length:] = True  # the image's slots after the prompt's tokens
+            velocity = model(
+                hidden_states=latents[index].to(dtype),
+                timestep=timestep[index].to(dtype),
+                encoder_hidden_states=text,
+                img_shapes=[[(1, h, w)]] * len(rows),
+                img_mask=slots,
+                return_dict=False,
+            )[0][:, -tokens:]
+            if len(rows) == len(lengths):
+                return velocity
+            if output is None:
+                output = velocity.new_empty(latents.shape[0], *velocity.shape[1:])
+            output[index] = velocity
+        return output
+
+    def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
+        image, batch = inputs["hidden_states"].shape[1], inputs["hidden_states"].shape[0]
+        text = inputs["encoder_hidden_states"].shape[1]
+        rows = batch + 1 if self.denoiser.config.causal_condition else batch  # + the t = 0 row of the prompt tokens
+        pairs = text * text + image * (text + image)
+        return {"image": image, "text": text, SAMPLE: rows / batch, "one": 1, "pairs": pairs}
+
+    def encode_images(
+        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        opaque = torch.cat([images, torch.ones_like(images[:, :1])], dim=1)  # RGBA, alpha 1 in [-1, 1]
+        latents = super().encode_images(opaque.unsqueeze(2), generator)  # (B, C, 1, h, w)
+        batch, channels, _, height, width = latents.shape
+        return self.pipeline._pack_latents(latents, batch, channels, height, width)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        unpacked = self.pipeline._unpack_latents(
+            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
+        )  # (B, C, 1, h, w)
+        return super().decode(unpacked)
+
+    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
+        return super()._postprocess(decoded[:, :3, 0])  # RGB of the one RGBA frame
