@@ -86,15 +86,19 @@ def _launch(
 
 
 def _assert_same_training(case: tuple[str, str, str], one: dict, first: dict, second: dict) -> None:
-    """Both ranks of the group hold bit-identical rollouts and weights; they equal one process's rollouts within 1e-5
-    and its weights after two updates within 1e-3 of how far they moved; each rank's output projection sees half the
+    """Both ranks of the group hold bit-identical rollouts and weights; they equal one process's first rollouts within
+    1e-5 (later ones within 1e-3) and its weights after two updates within 1e-3 of how far they moved; each rank's output projection sees half the
     tokens (the split is on)."""
     assert (one["world"], first["world"]) == (1, 2)
     assert [2 * n for n in first["tokens"]] == one["tokens"] == [2 * n for n in second["tokens"]], case
     assert len(one["rounds"]) == len(first["rounds"]) == (0 if case[1] == "dpo" else 2)
-    for a, b, c in zip(one["rounds"], first["rounds"], second["rounds"]):
+    for index, (a, b, c) in enumerate(zip(one["rounds"], first["rounds"], second["rounds"])):
         assert torch.equal(b["latents"], c["latents"]) and torch.equal(b["advantages"], c["advantages"])
-        torch.testing.assert_close(b["latents"], a["latents"], atol=1e-5, rtol=1e-5)
+        # After an update the rollouts inherit the weights' difference (allowed below: 1e-3 of their move). Measured:
+        # FLUX full fine-tuning on two "machines", weights 3.9e-5 off after a 0.89 move, round-2 latents 2.2e-4 off
+        # on one CPU (the gradient's summation order over the ranks); earlier CPUs had passed at 1e-5.
+        tolerance = 1e-5 if index == 0 else 1e-3
+        torch.testing.assert_close(b["latents"], a["latents"], atol=tolerance, rtol=tolerance)
         if a["log_probs"] is not None:
             assert torch.equal(b["log_probs"], c["log_probs"])
             torch.testing.assert_close(b["log_probs"], a["log_probs"], atol=1e-5, rtol=1e-5)
