@@ -262,8 +262,9 @@ def test_qwen_image_edit_reproduces_the_pipeline(kind, guidance, negative_prompt
     ],
 )
 def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
-    """Qwen-Image 2.1: prompts of three lengths in one batch, each image equal to the pipeline's call on its prompt
-    alone (its prompt keys and values cached or recomputed), and unchanged when sampled without the other prompts."""
+    """Qwen-Image 2.1: prompts of three lengths, batched as the pipeline batches them (padded to the longest, which
+    moves the shorter prompts' images) and one at a time, each equal to the pipeline's call on the same prompts (its
+    prompt keys and values cached or recomputed); a sample forwarded in another batch keeps its encoded length."""
     from trl_dance.policies.qwen_image21 import resampled_sigmas
 
     pipeline = TINY_PIPELINES["qwen-image21"](0)
@@ -274,28 +275,37 @@ def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
     sigmas = None if steps == 8 else list(resampled_sigmas(pipeline.config.sample_sigmas, steps))
     negative = {"negative_prompt": negative_prompt or ""} if guidance > 1 else {}
+
+    def call(batch, latents, use_kv_cache):
+        return pipeline(
+            prompt=batch,
+            height=32,
+            width=32,
+            sigmas=sigmas,
+            true_cfg_scale=guidance,
+            latents=latents.clone(),
+            output_type="pt",
+            use_kv_cache=use_kv_cache,
+            **({key: [value] * len(batch) for key, value in negative.items()}),
+        ).images[:, :3]  # the VAE's RGBA: its RGB
+
     with torch.no_grad():
-        ours = _sample_deterministically(policy, initial, prompts)
-        alone = _sample_deterministically(policy, initial[1:2], prompts[1:2])
+        batched = _sample_deterministically(policy, initial, prompts)
+        single = torch.cat([_sample_deterministically(policy, initial[i : i + 1], [p]) for i, p in enumerate(prompts)])
         for use_kv_cache in (False, True):
-            expected = torch.cat(
-                [
-                    pipeline(
-                        prompt=prompt,
-                        height=32,
-                        width=32,
-                        sigmas=sigmas,
-                        true_cfg_scale=guidance,
-                        latents=initial[i : i + 1].clone(),
-                        output_type="pt",
-                        use_kv_cache=use_kv_cache,
-                        **negative,
-                    ).images[:, :3]  # the VAE's RGBA: its RGB
-                    for i, prompt in enumerate(prompts)
-                ]
-            )
-            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
-    torch.testing.assert_close(alone, ours[1:2], rtol=0, atol=1e-6)
+            torch.testing.assert_close(batched, call(prompts, initial, use_kv_cache), rtol=0, atol=1e-5)
+            expected = torch.cat([call([p], initial[i : i + 1], use_kv_cache) for i, p in enumerate(prompts)])
+            torch.testing.assert_close(single, expected, rtol=0, atol=1e-5)
+        assert (batched - single).abs().max() > 1e-4  # the padding moved the shorter prompts' images
+        # The first prompt as encoded with the others, forwarded without them: its batched image.
+        cond = policy.encode_prompts(prompts)
+        latents = initial[:1]
+        for i in range(policy.num_steps):
+            index = torch.zeros(1, dtype=torch.long) + i
+            part = {key: value[:1] for key, value in cond.items()}
+            output = policy.predict_step(policy.denoiser, latents, i, index, part)
+            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
+    torch.testing.assert_close(policy.decode(latents), batched[:1], rtol=0, atol=1e-6)
 
 
 def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():

@@ -30,12 +30,14 @@ class QwenImage21Policy(FlowMatchingPolicy):
 
     The transformer reads one sequence: the prompt's tokens (the Qwen3-VL encoder's last layer before its final norm,
     system prefix dropped), then the image's latent tokens; text is causal, the image block bidirectional, and the
-    text's length moves the image's rotary position (the frame axis continues from the last text token). So a sample
-    is only reproduced at its own text length: the conditioning is stored padded to ``max_sequence_length`` with a
-    mask (so batches stack), and each forward runs the samples of one valid length together, unpadded, as the
-    pipeline runs a single prompt (the pipeline batching prompts of different lengths pads the shorter ones, which
-    moves their images by ~1e-3). This reads the mask on the host once per forward (the transformer itself builds its
-    positions on the host every call).
+    text's length, padding included, moves the image's rotary position (the frame axis continues from the last text
+    token). The pipeline pads a batch's prompts to its longest one, so a prompt's image depends on the prompts it is
+    encoded with (by ~1e-3 in diffusers' own test); the policy reproduces that: the prompts encoded together are
+    padded to their longest (``prompt_length``, stored per sample), and each forward runs the samples of one stored
+    length together at that length, whatever they are batched with afterwards (rollout and training batch differently:
+    this keeps the ratio at 1). A prompt encoded alone is the pipeline's single-prompt result. The conditioning is kept
+    padded to ``max_sequence_length`` with a mask so batches stack; forwards read the lengths on the host (the
+    transformer builds its positions on the host every call anyway).
 
     Sampling: the σ grid is the checkpoint's ``sample_sigmas`` (with ``sigma_schedule="pipeline"``; at another
     ``num_inference_steps`` the grid interpolated to that many steps), shifted by the scheduler for the image's token
@@ -85,19 +87,20 @@ class QwenImage21Policy(FlowMatchingPolicy):
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
-        length = self.settings.max_sequence_length
-        rows = [self.pipeline.encode_prompt([prompt], device=self.device)[0][0] for prompt in prompts]  # (L, D) each
-        longest = max(len(row) for row in rows)
-        if longest > length:
+        embeds, mask, _ = self.pipeline.encode_prompt(list(prompts), device=self.device)  # padded to the longest
+        batch, length = embeds.shape[:2]
+        if length > self.settings.max_sequence_length:
             raise ValueError(
-                f"a prompt is {longest} tokens after Qwen-Image 2.1's template, more than max_sequence_length "
-                f"({length}): raise it"
+                f"a prompt is {length} tokens after Qwen-Image 2.1's template, more than max_sequence_length "
+                f"({self.settings.max_sequence_length}): raise it"
             )
-        embeds = torch.zeros(len(rows), length, rows[0].shape[-1], dtype=rows[0].dtype, device=self.device)
-        mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
-        for index, row in enumerate(rows):
-            embeds[index, : len(row)], mask[index, : len(row)] = row, True
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        pad = self.settings.max_sequence_length - length
+        mask = torch.ones(batch, length, dtype=torch.bool, device=embeds.device) if mask is None else mask.bool()
+        return {
+            "prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
+            "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
+            "prompt_length": torch.full((batch,), length, device=embeds.device),
+        }
 
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         settings = self.settings
@@ -116,18 +119,19 @@ class QwenImage21Policy(FlowMatchingPolicy):
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype, (h, w) = self.denoiser.dtype, self._latent_hw
         tokens = latents.shape[1]
-        lengths = cond["prompt_embeds_mask"].sum(dim=1).tolist()
+        lengths = cond["prompt_length"].tolist()
         output = None
         for length in sorted(set(lengths)):
             rows = [index for index, value in enumerate(lengths) if value == length]
             index = torch.tensor(rows, device=latents.device)
-            text = cond["prompt_embeds"][index, :length].to(dtype)
+            mask = cond["prompt_embeds_mask"][index, :length]
             slots = torch.zeros(len(rows), length + tokens // _SLOT, dtype=torch.bool, device=latents.device)
-            slots[:, length:] = True  # the image's slots after the prompt's tokens
+            slots[:, length:] = True  # the image's slots after the (padded) prompt
             velocity = model(
                 hidden_states=latents[index].to(dtype),
                 timestep=timestep[index].to(dtype),
-                encoder_hidden_states=text,
+                encoder_hidden_states=cond["prompt_embeds"][index, :length].to(dtype),
+                encoder_hidden_states_mask=None if mask.all() else mask,  # (as the pipeline: none without padding)
                 img_shapes=[[(1, h, w)]] * len(rows),
                 img_mask=slots,
                 return_dict=False,
