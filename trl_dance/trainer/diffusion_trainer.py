@@ -35,7 +35,7 @@ from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
 from .context_parallel import (
-    SHARDING_WITH_CONTEXT_PARALLEL,
+    DEEPSPEED_WITH_CONTEXT_PARALLEL,
     DataParallel,
     check_context_parallel,
     enable_context_parallel,
@@ -223,10 +223,8 @@ class DiffusionTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         if args.context_parallel_size > 1:
-            if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-                raise ValueError(
-                    SHARDING_WITH_CONTEXT_PARALLEL.format("DeepSpeed" if self.is_deepspeed_enabled else "FSDP")
-                )
+            if self.is_deepspeed_enabled:
+                raise ValueError(DEEPSPEED_WITH_CONTEXT_PARALLEL)
             copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
             enable_context_parallel(
                 policy,
