@@ -90,6 +90,8 @@ for case in cases:
         for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
     }
     rank = trainer.accelerator.process_index
+    if os.environ.get("TRL_DANCE_SAVE_MODEL"):  # (every process takes part: FSDP gathers the weights)
+        trainer.save_model(os.path.join(result_dir, f"{name}-saved"))
     torch.save(
         {"rounds": rounds, "before": before, "after": {n: after[n].detach().clone() for n in before},
          "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "fsdp": trainer.is_fsdp_enabled,

@@ -26,12 +26,19 @@ PORT = int(os.environ.get("TRL_DANCE_TEST_PORT", "29600"))
 
 
 def _launch(
-    processes: int, folder, cases: list[tuple[str, str, str, str]], port: int, machines: int = 1, fsdp: bool = False
+    processes: int,
+    folder,
+    cases: list[tuple[str, str, str, str]],
+    port: int,
+    machines: int = 1,
+    fsdp: bool = False,
+    save: bool = False,
 ) -> dict:
     """Run the script on ``processes`` CPU processes: one machine, or ``machines`` "machines" on this host (one
     ``accelerate launch --machine_rank r`` each, as a multi-node job starts them), all in one context-parallel group;
-    with ``fsdp``, under the shipped FSDP2 config (tests/fsdp_on_cpu.py lifts accelerate's accelerator-only check).
-    Returns each case's per-rank results."""
+    with ``fsdp``, under the shipped FSDP2 config (tests/fsdp_on_cpu.py lifts accelerate's accelerator-only check);
+    with ``save``, each trainer saves its model in ``folder / "KIND-METHOD-MODE-saved"``. Returns each case's per-rank
+    results."""
     folder.mkdir()
     if processes == 1:
         launchers = [["--num_processes", "1", "--num_machines", "1"]]
@@ -44,6 +51,8 @@ def _launch(
             for rank in range(machines)
         ]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if save:
+        env["TRL_DANCE_SAVE_MODEL"] = "1"
     if fsdp:
         config = os.path.join(ROOT, "trl_dance", "accelerate_configs", "fsdp2.yaml")
         launchers = [["--config_file", config, "--num_processes", str(processes)]]
@@ -136,12 +145,23 @@ def test_two_machines_splitting_the_sequence_train_as_one_process(tiny_model_dir
 FSDP_CASES = [("wan", "grpo", "lora"), ("wan", "dpo", "full")]
 
 
-def test_fsdp2_splitting_the_sequence_trains_as_one_process(tiny_model_dir, tmp_path):
+def test_fsdp2_splitting_the_sequence_trains_and_saves_as_one_process(tiny_model_dir, tmp_path):
+    """...and saves what it trained (the gathered weights of a full fine-tuning, written as FSDP2 gathers them: views
+    of its all-gather buffer, which safetensors refused before they were copied)."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
     cases = [(*case, tiny_model_dir(case[0])) for case in FSDP_CASES]
     one = _launch(1, tmp_path / "one", cases, PORT + 5)
-    two = _launch(2, tmp_path / "two", cases, PORT + 6, fsdp=True)
+    two = _launch(2, tmp_path / "two", cases, PORT + 6, fsdp=True, save=True)
     for case in FSDP_CASES:
         _assert_same_training(case, one[case][0], *two[case])
+        saved, trained = tmp_path / "two" / f"{'-'.join(case)}-saved", two[case][0]["after"]
+        if case[2] == "lora":
+            assert any("lora_B" in key for key in load_file(saved / "pytorch_lora_weights.safetensors"))
+        else:
+            reloaded = dict(WanTransformer3DModel.from_pretrained(str(saved)).named_parameters())
+            assert all(torch.equal(reloaded[name], value) for name, value in trained.items())
 
 
 def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):

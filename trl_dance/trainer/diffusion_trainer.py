@@ -63,6 +63,14 @@ def _without_zero3_init(args):
         set_hf_deepspeed_config(dschf)
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when it views part of a larger storage (FSDP2's gathered parameters can be views of the
+    all-gather buffer, which safetensors refuses to write)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 def _is_tiny(folder: str) -> bool:
     """Whether ``folder`` holds a tiny test pipeline saved by :func:`trl_dance.testing.save_tiny_pipeline`."""
     from ..testing import TINY_SAMPLING_FILE
@@ -526,11 +534,11 @@ class DiffusionTrainer(_BaseTrainer):
         elif state_dict is None:
             denoiser.save_pretrained(output_dir, max_shard_size=MAX_SHARD_SIZE)
         else:
-            # DeepSpeed ZeRO-3 hands over the gathered weights: the module's own parameters are empty shards. Written
+            # DeepSpeed ZeRO-3 and FSDP hand over the gathered weights: the module's own parameters are shards. Written
             # in shards with diffusers' index name, which from_pretrained reads (FLUX in fp32 is 48 GB).
             denoiser.save_config(output_dir)
             save_torch_state_dict(
-                {key: value.detach().to("cpu").contiguous() for key, value in state_dict.items()},
+                {key: _own_storage(value.detach().to("cpu").contiguous()) for key, value in state_dict.items()},
                 output_dir,
                 filename_pattern=_SHARD_PATTERN,
                 max_shard_size=MAX_SHARD_SIZE,
