@@ -177,6 +177,8 @@ def test_what_cannot_split_is_refused_before_any_model_work(tmp_path):
         DanceGRPOConfig(**values, context_parallel_size=2, context_parallel_type="ring", activation_checkpointing=True)
     with pytest.raises(ValueError, match="context_parallel_type must be one of"):
         DanceGRPOConfig(**values, context_parallel_type="zigzag")
+    with pytest.raises(ValueError, match="'ulysses_anything'.*forward only, with no backward"):
+        DanceGRPOConfig(**values, context_parallel_type="ulysses_anything")
 
     def policy(kind, **settings):
         values = {"num_inference_steps": 2, "height": 32, "width": 32, "max_sequence_length": 16, **settings}

@@ -61,6 +61,12 @@ class ContextParallelArguments:
 
     def _check_context_parallel(self) -> None:
         size, world = self.context_parallel_size, self.world_size
+        if self.context_parallel_type in ("ulysses_anything", "ring_anything"):
+            raise ValueError(
+                f"context_parallel_type {self.context_parallel_type!r}: diffusers' *_anything modes (any sequence length "
+                "or head count) run forward only, with no backward to train through: use 'ulysses' or 'ring' with a "
+                "token count and head count the group size divides"
+            )
         if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
             raise ValueError(
                 f"context_parallel_type must be one of {list(CONTEXT_PARALLEL_TYPES)}, got {self.context_parallel_type!r}"
