@@ -7,11 +7,39 @@ from __future__ import annotations
 import torch
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning
+from .base import Conditioning, DiffusionPolicy
 from .flux import FluxPolicy
 
 
-class QwenImagePolicy(FluxPolicy):
+class OneFrameLatents:
+    """Mixin of policies whose pipeline packs the one-frame latents of a video VAE into tokens (Qwen-Image, 2.1):
+    :meth:`encode_images` and :meth:`decode` add and remove the frame axis and the packing around the base policy's
+    VAE calls. Goes before the policy's base class."""
+
+    def _vae_input(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] as the VAE reads them (its own channels)."""
+        return images
+
+    def encode_images(
+        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        latents = DiffusionPolicy.encode_images(
+            self, self._vae_input(images).unsqueeze(2), generator
+        )  # (B, C, 1, h, w)
+        batch, channels, _, height, width = latents.shape
+        return self.pipeline._pack_latents(latents, batch, channels, height, width)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        unpacked = self.pipeline._unpack_latents(
+            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
+        )  # (B, C, 1, h, w)
+        return DiffusionPolicy.decode(self, unpacked)
+
+    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
+        return DiffusionPolicy._postprocess(self, decoded[:, :, 0])  # the one frame of the video VAE
+
+
+class QwenImagePolicy(OneFrameLatents, FluxPolicy):
     """Policy over a :class:`~diffusers.QwenImagePipeline`. Latents are packed tokens (B, H/16 · W/16, 4 · C) as in
     FLUX, with FLUX's resolution-dependent schedule shift.
 
@@ -72,22 +100,6 @@ class QwenImagePolicy(FluxPolicy):
     def combine_guidance(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         combined = super().combine_guidance(uncond, cond, scale)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-
-    def encode_images(
-        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        latents = super(FluxPolicy, self).encode_images(images.unsqueeze(2), generator)  # (B, C, 1, h, w)
-        batch, channels, _, height, width = latents.shape
-        return self.pipeline._pack_latents(latents, batch, channels, height, width)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        unpacked = self.pipeline._unpack_latents(
-            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
-        )  # (B, C, 1, h, w)
-        return super(FluxPolicy, self).decode(unpacked)
-
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return super()._postprocess(decoded[:, :, 0])  # the one frame of the video VAE
 
 
 class QwenImageEditPolicy(QwenImagePolicy):

@@ -12,6 +12,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
+from .qwen_image import OneFrameLatents
 
 _SLOT = 4  # latent tokens per image slot of the text encoder's sequence (a 2×2 group)
 
@@ -25,7 +26,7 @@ def resampled_sigmas(grid: list[float], steps: int) -> np.ndarray:
     return np.interp(np.linspace(0, len(grid) - 1, steps), np.arange(len(grid)), grid)
 
 
-class QwenImage21Policy(FlowMatchingPolicy):
+class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
     """Policy over a :class:`~diffusers.QwenImage21Pipeline` (Qwen-Image 2.1, text-to-image).
 
     The transformer reads one sequence: the prompt's tokens (the Qwen3-VL encoder's last layer before its final norm,
@@ -150,19 +151,8 @@ class QwenImage21Policy(FlowMatchingPolicy):
         pairs = text * text + image * (text + image)
         return {"image": image, "text": text, SAMPLE: rows / batch, "one": 1, "pairs": pairs}
 
-    def encode_images(
-        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        opaque = torch.cat([images, torch.ones_like(images[:, :1])], dim=1)  # RGBA, alpha 1 in [-1, 1]
-        latents = super().encode_images(opaque.unsqueeze(2), generator)  # (B, C, 1, h, w)
-        batch, channels, _, height, width = latents.shape
-        return self.pipeline._pack_latents(latents, batch, channels, height, width)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        unpacked = self.pipeline._unpack_latents(
-            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
-        )  # (B, C, 1, h, w)
-        return super().decode(unpacked)
+    def _vae_input(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.cat([images, torch.ones_like(images[:, :1])], dim=1)  # RGBA, opaque (alpha 1 in [-1, 1])
 
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return super()._postprocess(decoded[:, :3, 0])  # RGB of the one RGBA frame
+        return super()._postprocess(decoded[:, :3])  # RGB of the RGBA frame
