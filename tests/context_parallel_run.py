@@ -94,7 +94,7 @@ for case in cases:
         trainer.save_model(os.path.join(result_dir, f"{name}-saved"))
     torch.save(
         {"rounds": rounds, "before": before, "after": {n: after[n].detach().clone() for n in before},
-         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "fsdp": trainer.is_fsdp_enabled,
+         "world": trainer.accelerator.num_processes, "tokens": sorted(set(lengths)), "sharded": "fsdp" if trainer.is_fsdp_enabled else "zero" if trainer.is_deepspeed_enabled else None,
          "tflops": sum(entry.get("perf/denoiser_tflops", 0.0) for entry in trainer.state.log_history)},
         os.path.join(result_dir, f"{name}-rank{rank}.pt"),
     )  # fmt: skip

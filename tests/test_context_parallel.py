@@ -31,12 +31,13 @@ def _launch(
     cases: list[tuple[str, str, str, str]],
     port: int,
     machines: int = 1,
-    fsdp: bool = False,
+    sharding: str | None = None,
     save: bool = False,
 ) -> dict:
     """Run the script on ``processes`` CPU processes: one machine, or ``machines`` "machines" on this host (one
     ``accelerate launch --machine_rank r`` each, as a multi-node job starts them), all in one context-parallel group;
-    with ``fsdp``, under the shipped FSDP2 config (tests/fsdp_on_cpu.py lifts accelerate's accelerator-only check);
+    with ``sharding`` ("fsdp2", "zero2", "zero3"), under that shipped accelerate config (tests/fsdp_on_cpu.py lifts
+    accelerate's accelerator-only check for FSDP);
     with ``save``, each trainer saves its model in ``folder / "KIND-METHOD-MODE-saved"``. Returns each case's per-rank
     results."""
     folder.mkdir()
@@ -53,12 +54,12 @@ def _launch(
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if save:
         env["TRL_DANCE_SAVE_MODEL"] = "1"
-    if fsdp:
-        config = os.path.join(ROOT, "trl_dance", "accelerate_configs", "fsdp2.yaml")
+    if sharding is not None:
+        config = os.path.join(ROOT, "trl_dance", "accelerate_configs", f"{sharding}.yaml")
         launchers = [["--config_file", config, "--num_processes", str(processes)]]
         env.pop("ACCELERATE_USE_CPU")
     specs = [":".join(case) for case in cases]
-    shim = [os.path.join(ROOT, "tests", "fsdp_on_cpu.py")] if fsdp else []
+    shim = [os.path.join(ROOT, "tests", "fsdp_on_cpu.py")] if sharding == "fsdp2" else []
     running = [
         subprocess.Popen(
             [
@@ -138,23 +139,29 @@ def test_two_machines_splitting_the_sequence_train_as_one_process(tiny_model_dir
     _assert_same_training(CASES[-1], one[CASES[-1]][0], *two[CASES[-1]])
 
 
-# Under FSDP2 (its shards over the splitting group): Wan GRPO LoRA with activation checkpointing, Wan Diffusion-DPO
-# full fine-tuning. Measured: 2.2e-6 and 1e-5 of the move off one process. Wan GRPO full fine-tuning at lr 100 is not
-# a case: there the second update's gradient, taken on rollouts 2e-6 apart, amplifies that to 4e-3 of the move under
-# DDP and FSDP2 alike (the first update matches to 8e-6 under both).
-FSDP_CASES = [("wan", "grpo", "lora"), ("wan", "dpo", "full")]
+# Under FSDP2 and DeepSpeed ZeRO-2/3 (their shards over the splitting group): Wan GRPO LoRA with activation
+# checkpointing, Wan Diffusion-DPO full fine-tuning. Measured, the same under all three: 2.2e-6 and 1e-5 of the move off
+# one process. Wan GRPO full fine-tuning at lr 100 is not a case: there the second update's gradient, taken on
+# rollouts 2e-6 apart, amplifies that to 4e-3 of the move under DDP and FSDP2 alike (the first update matches to 8e-6).
+SHARDED_CASES = [("wan", "grpo", "lora"), ("wan", "dpo", "full")]
 
 
-def test_fsdp2_splitting_the_sequence_trains_and_saves_as_one_process(tiny_model_dir, tmp_path):
-    """...and saves what it trained (the gathered weights of a full fine-tuning, written as FSDP2 gathers them: views
-    of its all-gather buffer, which safetensors refused before they were copied)."""
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
+def test_sharded_splitting_the_sequence_trains_and_saves_as_one_process(tiny_model_dir, tmp_path, sharding):
+    """...and saves what it trained (a full fine-tuning's gathered weights reload bit-identical; FSDP2 gathers views
+    of its all-gather buffer, which safetensors refused before they were copied). ZeRO-2 matched as ZeRO-3 does
+    (measured once, not repeated here: ZeRO-3 also partitions the parameters)."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
-    cases = [(*case, tiny_model_dir(case[0])) for case in FSDP_CASES]
-    one = _launch(1, tmp_path / "one", cases, PORT + 5)
-    two = _launch(2, tmp_path / "two", cases, PORT + 6, fsdp=True, save=True)
-    for case in FSDP_CASES:
+    if sharding.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    cases = [(*case, tiny_model_dir(case[0])) for case in SHARDED_CASES]
+    offset = 5 if sharding == "fsdp2" else 7
+    one = _launch(1, tmp_path / "one", cases, PORT + offset)
+    two = _launch(2, tmp_path / "two", cases, PORT + offset + 1, sharding=sharding, save=True)
+    for case in SHARDED_CASES:
+        assert two[case][0]["sharded"] == two[case][1]["sharded"] == sharding[:4]
         _assert_same_training(case, one[case][0], *two[case])
         saved, trained = tmp_path / "two" / f"{'-'.join(case)}-saved", two[case][0]["after"]
         if case[2] == "lora":

@@ -7,7 +7,7 @@ results do not depend on C) and hold bit-identical latents, log-probabilities an
 splits the sequence. Rewards are computed once per group (its first rank) and every statistic is gathered over data
 parallel only (:class:`DataParallel`). Each rank's backward yields the gradient of its own slice of the sequence
 (diffusers' all-gather hands each rank its slice of the output gradient), so the group's *sum* is the full gradient;
-DDP and FSDP2 average over all ranks, so the denoiser's output gradient is scaled by C (the policy's
+DDP, FSDP2 and DeepSpeed average over all ranks, so the denoiser's output gradient is scaled by C (the policy's
 ``gradient_scale``).
 """
 
@@ -41,7 +41,7 @@ class ContextParallelArguments:
             processes form (num_processes / C) data-parallel groups of C, each a *virtual process* (the batch sizes
             per process count per group). Needs a transformer with a context-parallel plan (Wan 2.1/2.2, FLUX.1,
             FLUX.1 Kontext, FLUX.2, Qwen-Image: diffusers'; HunyuanVideo: trl-dance's), a token count divisible by C
-            (checked, naming sizes that would fit), DDP or FSDP2 (not DeepSpeed yet) and a map-style dataset.
+            (checked, naming sizes that would fit) and a map-style dataset; runs under DDP, FSDP2 and DeepSpeed ZeRO-2/3.
         context_parallel_type (`str`, defaults to `"ulysses"`): `"ulysses"`: an all-to-all over attention heads (the
             head count must divide by C; the `native` attention backend runs it on any device); `"ring"`: keys and
             values passed around the group (needs an attention backend returning the log-sum-exp, e.g. flash
@@ -164,13 +164,6 @@ class GroupReplicatedSampler(Sampler):
                     for _ in range(self.group):
                         yield from batch[start : start + self.block]
                 batch = []
-
-
-DEEPSPEED_WITH_CONTEXT_PARALLEL = (
-    "context_parallel_size > 1 runs under DDP (--accelerate_config ddp or multinode) or FSDP2 (fsdp2); DeepSpeed with "
-    "context parallelism is not supported yet (untested: its engine's gradient reduction and partitioning over a "
-    "splitting group were never compared with one process)"
-)
 
 
 def check_context_parallel(policy, size: int, kind: str) -> None:

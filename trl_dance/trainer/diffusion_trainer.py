@@ -35,7 +35,6 @@ from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from .checkpoints import resolve_checkpoint, write_manifest
 from .context_parallel import (
-    DEEPSPEED_WITH_CONTEXT_PARALLEL,
     DataParallel,
     check_context_parallel,
     enable_context_parallel,
@@ -231,8 +230,6 @@ class DiffusionTrainer(_BaseTrainer):
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         if args.context_parallel_size > 1:
-            if self.is_deepspeed_enabled:
-                raise ValueError(DEEPSPEED_WITH_CONTEXT_PARALLEL)
             copies = [m for m in (policy.frozen_expert, self.ref_model) if m is not None]
             enable_context_parallel(
                 policy,
