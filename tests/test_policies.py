@@ -86,9 +86,13 @@ def _deterministic(guidance, negative_prompt=None, **more) -> SamplerSettings:
 
 def _sample_deterministically(policy, latents, prompts, columns=None):
     """The policy's sampler from ``latents`` with its settings' noise level (0 here), decoded: (B, ...) in [0, 1]."""
-    cond = policy.encode_prompts(list(prompts), **(columns or {}))
+    return _sample_conditioned(policy, latents, policy.encode_prompts(list(prompts), **(columns or {})))
+
+
+def _sample_conditioned(policy, latents, cond):
+    """:func:`_sample_deterministically` from conditioning already encoded."""
     for i in range(policy.num_steps):
-        index = torch.full((len(prompts),), i)
+        index = torch.full((latents.shape[0],), i)
         output = policy.predict_step(policy.denoiser, latents, i, index, cond)
         latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
     return policy.decode(policy.final_latents(latents, cond))
@@ -298,14 +302,9 @@ def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
             torch.testing.assert_close(single, expected, rtol=0, atol=1e-5)
         assert (batched - single).abs().max() > 1e-4  # the padding moved the shorter prompts' images
         # The first prompt as encoded with the others, forwarded without them: its batched image.
-        cond = policy.encode_prompts(prompts)
-        latents = initial[:1]
-        for i in range(policy.num_steps):
-            index = torch.zeros(1, dtype=torch.long) + i
-            part = {key: value[:1] for key, value in cond.items()}
-            output = policy.predict_step(policy.denoiser, latents, i, index, part)
-            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
-    torch.testing.assert_close(policy.decode(latents), batched[:1], rtol=0, atol=1e-6)
+        first = {key: value[:1] for key, value in policy.encode_prompts(prompts).items()}
+        alone = _sample_conditioned(policy, initial[:1], first)
+    torch.testing.assert_close(alone, batched[:1], rtol=0, atol=1e-6)
 
 
 def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():

@@ -11,6 +11,18 @@ from .base import Conditioning, DiffusionPolicy
 from .flux import FluxPolicy
 
 
+def padded_prompt(embeds: torch.Tensor, mask: torch.Tensor | None, length: int, prefix: str = "") -> Conditioning:
+    """(B, L, D) prompt embeddings and their (B, L) mask (None: all valid) padded to ``length`` tokens, as the
+    conditioning entries ``{prefix}prompt_embeds`` and ``{prefix}prompt_embeds_mask``, so that batches stack."""
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    pad = length - embeds.shape[1]
+    return {
+        f"{prefix}prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
+        f"{prefix}prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
+    }
+
+
 class OneFrameLatents:
     """Mixin of policies whose pipeline packs the one-frame latents of a video VAE into tokens (Qwen-Image, 2.1):
     :meth:`encode_images` and :meth:`decode` add and remove the frame axis and the packing around the base policy's
@@ -70,17 +82,8 @@ class QwenImagePolicy(OneFrameLatents, FluxPolicy):
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
         length = self.settings.max_sequence_length
-        return self._padded(*self.pipeline.encode_prompt(prompts, device=self.device, max_sequence_length=length))
-
-    def _padded(self, embeds: torch.Tensor, mask: torch.Tensor | None, prefix: str = "") -> Conditioning:
-        """(B, L, D) prompt embeddings and their mask (None: all valid) padded to ``max_sequence_length``."""
-        if mask is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        pad = self.settings.max_sequence_length - embeds.shape[1]
-        return {
-            f"{prefix}prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
-            f"{prefix}prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
-        }
+        embeds, mask = self.pipeline.encode_prompt(prompts, device=self.device, max_sequence_length=length)
+        return padded_prompt(embeds, mask, length)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
@@ -167,7 +170,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
                     f"the prompt with its source image tokens is {embeds.shape[1]} tokens, more than max_sequence_length "
                     f"({self.settings.max_sequence_length}): raise it (the image tokens grow with the source's pixels)"
                 )
-            cond |= self._padded(embeds, mask, prefix)
+            cond |= padded_prompt(embeds, mask, self.settings.max_sequence_length, prefix)
         return cond
 
     def _encode_columns(self, image: list) -> Conditioning:

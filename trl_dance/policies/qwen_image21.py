@@ -12,7 +12,7 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
-from .qwen_image import OneFrameLatents
+from .qwen_image import OneFrameLatents, padded_prompt
 
 _SLOT = 4  # latent tokens per image slot of the text encoder's sequence (a 2×2 group)
 
@@ -95,12 +95,8 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
                 f"a prompt is {length} tokens after Qwen-Image 2.1's template, more than max_sequence_length "
                 f"({self.settings.max_sequence_length}): raise it"
             )
-        pad = self.settings.max_sequence_length - length
-        mask = torch.ones(batch, length, dtype=torch.bool, device=embeds.device) if mask is None else mask.bool()
-        return {
-            "prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
-            "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
-            "prompt_length": torch.full((batch,), length, device=embeds.device),
+        return padded_prompt(embeds, mask, self.settings.max_sequence_length) | {
+            "prompt_length": torch.full((batch,), length, device=embeds.device)
         }
 
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
