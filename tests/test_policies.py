@@ -390,3 +390,63 @@ def test_z_image_guidance_one_is_cfg_and_says_so(caplog):
     caplog.clear()
     assert not make_policy(TINY_PIPELINES["z-image"](0), settings.__class__(guidance_scale=0.0)).use_cfg
     assert "classifier-free" not in caplog.text
+
+
+LTX2_LEGACY = {  # guidance as diffusers' own LTX-2 tests pin it: CFG only
+    "stg_scale": 0.0,
+    "modality_scale": 1.0,
+    "guidance_rescale": 0.0,
+    "audio_stg_scale": 0.0,
+    "audio_modality_scale": 1.0,
+    "audio_guidance_rescale": 0.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("guidance", "negative_prompt", "pipeline_kwargs"),
+    [
+        (1.0, None, {**LTX2_LEGACY, "audio_guidance_scale": 1.0}),  # no guidance at all: one forward a step
+        (3.0, "blurry, dark", {**LTX2_LEGACY, "audio_guidance_scale": 7.0}),  # CFG, its own scale for the audio
+        (3.0, None, {"spatio_temporal_guidance_blocks": [1]}),  # the defaults: + STG + modality isolation + rescale
+        (3.0, None, {}),  # the defaults as shipped: STG at block 28, beyond the tiny model's two (skipped)
+        (1.0, None, {"frame_rate": 12.0, "motion_speed": 0.5, "use_cross_timestep": False, "stg_scale": 0.5}),
+    ],
+)
+def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs):
+    """LTX-2: video and audio latents from the same generators as the pipeline's, the pipeline's guidance in x0
+    space with every term, both modalities stepped together; the decoded video and the audio latents equal."""
+    pipeline = TINY_PIPELINES["ltx2"](0)
+    settings = _deterministic(
+        guidance,
+        negative_prompt,
+        num_frames=TINY_VIDEO_FRAMES,
+        max_sequence_length=32,
+        pipeline_kwargs=pipeline_kwargs,
+    )
+    policy = make_policy(pipeline, settings)
+    generators = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+    with torch.no_grad():
+        initial = policy.initial_noise(generators)
+        cond = policy.encode_prompts(PROMPTS)
+        latents = initial
+        for i in range(policy.num_steps):
+            index = torch.full((latents.shape[0],), i)
+            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
+            latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
+        ours, audio = policy.decode(latents), policy.decode_audio(latents)
+        expected = pipeline(
+            prompt=PROMPTS,
+            negative_prompt=[negative_prompt or ""] * len(PROMPTS),
+            height=32,
+            width=32,
+            num_frames=TINY_VIDEO_FRAMES,
+            num_inference_steps=STEPS,
+            guidance_scale=guidance,
+            max_sequence_length=32,
+            generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))],
+            output_type="pt",
+            **pipeline_kwargs,
+        )
+    assert ours.shape == expected.frames.shape == (2, TINY_VIDEO_FRAMES, 3, 32, 32)
+    torch.testing.assert_close(ours, expected.frames, rtol=0, atol=1e-5)
+    torch.testing.assert_close(audio, expected.audio, rtol=0, atol=1e-5)

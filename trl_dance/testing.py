@@ -28,6 +28,8 @@ from diffusers import (
     AutoencoderKLFlux2,
     AutoencoderKLHunyuanVideo,
     AutoencoderKLHunyuanVideo15,
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
     AutoencoderKLQwenImage,
     AutoencoderKLQwenImage21,
     AutoencoderKLWan,
@@ -47,6 +49,8 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
     PNDMScheduler,
     QwenImage21Pipeline,
     QwenImage21Transformer2DModel,
@@ -66,6 +70,8 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
@@ -76,6 +82,9 @@ from transformers import (
     CLIPTokenizer,
     CLIPVisionConfig,
     CLIPVisionModel,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    GemmaTokenizer,
     LlamaConfig,
     LlamaModel,
     Mistral3Config,
@@ -1147,6 +1156,183 @@ def tiny_hunyuan_video15_i2v_pipeline(seed: int = 0) -> HunyuanVideo15ImageToVid
     return _build(lambda: HunyuanVideo15ImageToVideoPipeline(**_hunyuan_video15_components(True)), seed)
 
 
+def _gemma_tokenizer() -> GemmaTokenizer:
+    """A Gemma tokenizer (byte-fallback BPE on "▁"-joined words, BOS first, Gemma 3's image tokens) with a small
+    vocabulary trained on the tiny prompts' alphabet."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>", "<end_of_image>"]
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")  # as GemmaTokenizer builds its own
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    trainer = trainers.BpeTrainer(
+        vocab_size=200,
+        special_tokens=[*specials, "<image_soft_token>"],
+        initial_alphabet=list(_CHARS + "▁"),
+        show_progress=False,
+    )
+    backend.train_from_iterator([" ".join(_PREFERENCE_PROMPTS)] * 20, trainer)
+    model = json.loads(backend.to_str())["model"]
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
+    return GemmaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True)
+
+
+def _gemma3(tokenizer: GemmaTokenizer) -> Gemma3ForConditionalGeneration:
+    """A Gemma 3 (LTX-2's text encoder, of which the pipeline reads every hidden state), with a tiny SigLIP tower."""
+    ids = tokenizer.convert_tokens_to_ids
+    return Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 16,
+                "max_position_embeddings": 2048,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            vision_config={
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 16,
+                "patch_size": 8,
+            },
+            mm_tokens_per_image=4,
+            boi_token_index=ids("<start_of_image>"),
+            eoi_token_index=ids("<end_of_image>"),
+            image_token_index=ids("<image_soft_token>"),
+        )
+    )
+
+
+def ltx2_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """LTX-2's published scheduler configuration (exponential shift for the video's token count, terminal σ 0.1)."""
+    return FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+
+
+LTX2_TINY_REGISTERS = 8
+"""Learnable registers of the tiny LTX-2 connectors (128 in the real ones): ``max_sequence_length`` must divide by it."""
+
+
+def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
+    """An LTX2Pipeline (LTX-2.3's architecture: gated attention, cross-attention modulation, perturbed attention for
+    STG, per-modality text projections and learnable registers in the connectors): Gemma 3, a 2× video VAE (5 frames
+    of 32² → 3 × 16 × 16 latents), an audio VAE and vocoder; the video's 0.2 s of audio are 5 latent frames."""
+
+    def factory() -> LTX2Pipeline:
+        tokenizer = _gemma_tokenizer()
+        text_encoder = _gemma3(tokenizer)
+        hidden = text_encoder.config.text_config.hidden_size
+        audio_vae = AutoencoderKLLTX2Audio(
+            base_channels=4,
+            output_channels=2,
+            ch_mult=(1,),
+            num_res_blocks=1,
+            attn_resolutions=None,
+            in_channels=2,
+            resolution=32,
+            latent_channels=2,
+            norm_type="pixel",
+            causality_axis="height",
+            dropout=0.0,
+            mid_block_add_attention=False,
+            sample_rate=16000,
+            mel_hop_length=160,
+            is_causal=True,
+            mel_bins=8,
+        )
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=4,
+            block_out_channels=(8,),
+            decoder_block_out_channels=(8,),
+            layers_per_block=(1,),
+            decoder_layers_per_block=(1, 1),
+            spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,),
+            decoder_inject_noise=(False, False),
+            downsample_type=("spatial",),
+            upsample_residual=(False,),
+            upsample_factor=(1,),
+            timestep_conditioning=False,
+            patch_size=1,
+            patch_size_t=1,
+        )
+        vae.use_framewise_encoding = vae.use_framewise_decoding = False
+        return LTX2Pipeline(
+            scheduler=ltx2_scheduler(),
+            vae=vae,
+            audio_vae=audio_vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            connectors=LTX2TextConnectors(
+                caption_channels=hidden,
+                text_proj_in_factor=text_encoder.config.text_config.num_hidden_layers + 1,
+                video_connector_num_attention_heads=2,
+                video_connector_attention_head_dim=8,
+                video_connector_num_layers=1,
+                video_connector_num_learnable_registers=LTX2_TINY_REGISTERS,
+                video_gated_attn=True,
+                audio_connector_num_attention_heads=2,
+                audio_connector_attention_head_dim=4,
+                audio_connector_num_layers=1,
+                audio_connector_num_learnable_registers=LTX2_TINY_REGISTERS,
+                audio_gated_attn=True,
+                connector_rope_base_seq_len=32,
+                rope_type="split",
+                per_modality_projections=True,
+                video_hidden_dim=16,
+                audio_hidden_dim=8,
+                proj_bias=True,
+            ),
+            transformer=LTX2VideoTransformer3DModel(
+                in_channels=4,
+                out_channels=4,
+                num_attention_heads=2,
+                attention_head_dim=8,
+                cross_attention_dim=16,
+                gated_attn=True,
+                cross_attn_mod=True,
+                audio_in_channels=4,  # latent channels × latent mel bins
+                audio_out_channels=4,
+                audio_num_attention_heads=2,
+                audio_attention_head_dim=4,
+                audio_cross_attention_dim=8,
+                audio_gated_attn=True,
+                audio_cross_attn_mod=True,
+                num_layers=2,
+                caption_channels=hidden,
+                rope_type="split",
+                use_prompt_embeddings=False,
+                perturbed_attn=True,
+            ),
+            vocoder=LTX2Vocoder(
+                in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins,
+                hidden_channels=32,
+                out_channels=2,
+                upsample_kernel_sizes=[4, 4],
+                upsample_factors=[2, 2],
+                resnet_kernel_sizes=[3],
+                resnet_dilations=[[1, 3, 5]],
+                leaky_relu_negative_slope=0.1,
+                output_sampling_rate=16000,
+            ),
+        )
+
+    return _build(factory, seed)
+
+
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
     from .visualization import to_pil
@@ -1176,6 +1362,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "hunyuan-video": tiny_hunyuan_video_pipeline,
     "hunyuan-video15": tiny_hunyuan_video15_pipeline,
     "hunyuan-video15-i2v": tiny_hunyuan_video15_i2v_pipeline,
+    "ltx2": tiny_ltx2_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan22": tiny_wan22_pipeline,

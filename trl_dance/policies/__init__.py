@@ -12,6 +12,7 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
+    LTX2Pipeline,
     QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
@@ -29,6 +30,7 @@ from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .hunyuan_video15 import HunyuanVideo15ImageToVideoPolicy, HunyuanVideo15Policy
+from .ltx2 import LTX2Policy
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .qwen_image21 import QwenImage21Policy
 from .sd3 import SD3Policy
@@ -80,6 +82,7 @@ for _pipeline, _policy in (
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
     (HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15ImageToVideoPolicy),
+    (LTX2Pipeline, LTX2Policy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -120,6 +123,7 @@ __all__ = [
     "HunyuanVideo15ImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
+    "LTX2Policy",
     "QwenImage21Policy",
     "QwenImageEditPlusPolicy",
     "QwenImageEditPolicy",

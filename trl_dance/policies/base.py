@@ -45,6 +45,7 @@ class SamplerSettings:
     negative_prompt: str | None = None
     guidance_scale_2: float | None = None
     train_expert: Literal["high_noise", "low_noise"] = "high_noise"
+    pipeline_kwargs: dict | None = None
 
     @classmethod
     def from_config(cls, args) -> SamplerSettings:
@@ -115,6 +116,10 @@ class DiffusionPolicy(ABC):
     pipeline_tag: str | None = None
     """The Hub task of the trained model (model cards): ``"text-to-image"``/``"text-to-video"`` unless set."""
 
+    pipeline_defaults: dict = {}
+    """Arguments of the pipeline's ``__call__`` the policy reproduces besides the config's own fields, with the
+    pipeline's defaults (LTX-2's guidance terms): ``settings.pipeline_kwargs`` overrides them by name."""
+
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         self.pipeline = pipeline
         self.settings = settings
@@ -133,17 +138,28 @@ class DiffusionPolicy(ABC):
                 f"negative_prompt feeds the unconditional branch of CFG, which {type(pipeline).__name__} with "
                 f"guidance_scale {settings.guidance_scale} does not use"
             )
-        vae_scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
+        unknown = sorted(set(settings.pipeline_kwargs or {}) - set(self.pipeline_defaults))
+        if unknown:
+            known = ", ".join(self.pipeline_defaults) or "none"
+            raise ValueError(
+                f"pipeline_kwargs {unknown} are not arguments {type(self).__name__} reproduces (it takes: {known})"
+            )
+        multiple = self._size_multiple(pipeline)
         for name, size in (("height", settings.height), ("width", settings.width)):
-            if size % (2 * vae_scale):
-                raise ValueError(f"{name}={size} must be a multiple of {2 * vae_scale} for {type(pipeline).__name__}")
+            if size % multiple:
+                raise ValueError(f"{name}={size} must be a multiple of {multiple} for {type(pipeline).__name__}")
+
+    @staticmethod
+    def _size_multiple(pipeline: DiffusionPipeline) -> int:
+        """What ``height`` and ``width`` must divide by: the VAE's factor times the transformer's 2×2 patches."""
+        return 2 * (getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8))
 
     def _with_num_frames(self, pipeline: DiffusionPipeline, settings: SamplerSettings) -> SamplerSettings:
         """Video families, before ``__init__``: ``settings`` with ``num_frames`` defaulted to
         :attr:`default_num_frames`, checked to be 1 + a multiple of the VAE's temporal factor."""
         if settings.num_frames is None:
             settings = dataclasses.replace(settings, num_frames=self.default_num_frames)
-        temporal = pipeline.vae_scale_factor_temporal
+        temporal = getattr(pipeline, "vae_scale_factor_temporal", None) or pipeline.vae_temporal_compression_ratio
         if settings.num_frames < 1 or (settings.num_frames - 1) % temporal:
             raise ValueError(
                 f"num_frames must be 1 + a multiple of {temporal} for this VAE, got {settings.num_frames}"
@@ -352,9 +368,12 @@ class DiffusionPolicy(ABC):
         uncond, text = output.chunk(2)
         return self.combine_guidance(uncond, text, scale)
 
-    def _call(self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning):
-        """:meth:`_forward` in at least float32, its gradient scaled by :attr:`gradient_scale`."""
-        output = _at_least_float32(self._forward(model, latents, timestep, cond))
+    def _call(
+        self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning, **options
+    ) -> torch.Tensor:
+        """:meth:`_forward` (with a family's ``options``) in at least float32, its gradient scaled by
+        :attr:`gradient_scale`."""
+        output = _at_least_float32(self._forward(model, latents, timestep, cond, **options))
         return output if self.gradient_scale == 1 else scale_gradient(output, self.gradient_scale)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:

@@ -43,6 +43,11 @@ class RolloutConfig(DiffusionTrainingConfig):
             among the trained expert's steps.
         guidance_scale_2 (`float` or `None`, defaults to `None`): Two-expert pipelines: the CFG scale of the
             low-noise expert's steps. `None`: `guidance_scale`.
+        pipeline_kwargs (`dict` or `None`, defaults to `None`): Arguments of the pipeline's `__call__` that the
+            family's policy reproduces beyond the fields above, by the pipeline's names (a JSON string on the command
+            line); unset ones keep the pipeline's defaults. LTX-2: `frame_rate`, `stg_scale`, `modality_scale`,
+            `guidance_rescale`, their `audio_*` counterparts, `spatio_temporal_guidance_blocks`, `use_cross_timestep`,
+            `motion_speed`. Other families take none.
         offload_frozen_expert (`bool`, defaults to `False`): Two-expert pipelines: keep the frozen expert on the CPU
             except during rollouts, one transfer each way per round, so training does not hold it (Wan 2.2 A14B:
             28 GB in bf16).
@@ -123,7 +128,7 @@ class RolloutConfig(DiffusionTrainingConfig):
     # round's micro-batches (None: one update per micro-batch). Each method documents its own.
     updates_per_round: ClassVar[int | None] = None
 
-    _VALID_DICT_FIELDS = [*DiffusionTrainingConfig._VALID_DICT_FIELDS, "reward_kwargs"]
+    _VALID_DICT_FIELDS = [*DiffusionTrainingConfig._VALID_DICT_FIELDS, "reward_kwargs", "pipeline_kwargs"]
 
     # Overridden TrainingArguments defaults.
     learning_rate: float = field(
@@ -177,6 +182,10 @@ class RolloutConfig(DiffusionTrainingConfig):
     guidance_scale_2: float | None = field(
         default=None,
         metadata={"help": "Two-expert Wan 2.2: CFG scale of the low-noise steps (default: guidance_scale)."},
+    )
+    pipeline_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Family-specific arguments of the pipeline's __call__ the policy reproduces (LTX-2: JSON)."},
     )
     offload_frozen_expert: bool = field(
         default=False, metadata={"help": "Two-expert Wan 2.2: keep the frozen expert on the CPU except in rollouts."}

@@ -1,0 +1,286 @@
+"""LTX-2 (Lightricks' audio-video rectified-flow transformer on a Gemma 3 text encoder): one transformer denoises a
+video's latent tokens and its soundtrack's latent tokens together, with LTX-2's multi-term guidance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from diffusers import LTX2Pipeline
+from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
+from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
+
+from .base import Conditioning, SamplerSettings
+from .flow_matching import FlowMatchingPolicy
+
+LTX2_GUIDANCE = {
+    "frame_rate": 24.0,
+    "motion_speed": 1.0,
+    "stg_scale": 1.0,
+    "modality_scale": 3.0,
+    "guidance_rescale": 0.7,
+    "audio_guidance_scale": 7.0,
+    "audio_stg_scale": 1.0,
+    "audio_modality_scale": 3.0,
+    "audio_guidance_rescale": 0.7,
+    "spatio_temporal_guidance_blocks": [28],
+    "use_cross_timestep": True,
+}
+"""``LTX2Pipeline.__call__``'s defaults for what :class:`LTX2Policy` reproduces besides ``guidance_scale``; override
+them with the config's ``pipeline_kwargs`` under the same names."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Token layout of one sample: video (F', h, w) latent grid of ``video_channels`` and ``audio_frames`` audio latent
+    frames of ``audio_channels`` (latent channels × latent mel bins) packed features."""
+
+    frames: int
+    height: int
+    width: int
+    video_channels: int
+    audio_frames: int
+    audio_channels: int
+
+    @property
+    def video_size(self) -> int:
+        return self.frames * self.height * self.width * self.video_channels
+
+
+class LTX2Policy(FlowMatchingPolicy):
+    """Policy over an :class:`~diffusers.LTX2Pipeline` (LTX-2 / LTX-2.3 text-to-audio-video).
+
+    Latents: one (B, D) float32 row per sample, the video's packed tokens (F'·h·w, C) flattened, then its audio's
+    packed tokens (L, C_a·M) flattened; both modalities are noised, stepped (one σ, one SDE) and scored as one vector,
+    and :meth:`decode` returns the video (rewards score frames; :meth:`decode_audio` the waveform, for rewards that
+    accept audio). The audio lasts ``num_frames / frame_rate`` seconds, as in the pipeline.
+
+    Guidance is the pipeline's, in x0 space: CFG (``guidance_scale`` for the video, ``audio_guidance_scale`` for the
+    audio; both branches in one batched forward, the empty prompt or ``negative_prompt`` unconditional), spatio-temporal
+    guidance (a forward with the self-attention of ``spatio_temporal_guidance_blocks`` bypassed; skipped where it
+    cannot change the output: transformers without ``perturbed_attn``, as LTX-2.0's, or no such block), modality
+    isolation (a forward without the audio↔video cross-attention) and ``guidance_rescale`` per modality, with
+    :data:`LTX2_GUIDANCE` (the pipeline's defaults) overridable through ``pipeline_kwargs``. At the defaults a step
+    costs four forwards of the batch; ``stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1``
+    leave CFG's two. Every term is differentiated in training.
+
+    Text: Gemma 3's every hidden state through the pipeline's connectors (frozen, run once per prompt), prompts
+    padded to ``max_sequence_length`` as the pipeline pads them (its default is 1024; the learnable registers of the
+    connectors fill the padding, so the length changes the embeddings: sample at the length you will infer at).
+    Prompt enhancement and the duration head (LTX-2.5) are not used: ``num_frames`` is fixed. Diffusion-DPO's
+    encoding of real videos is refused (pairs would need their soundtracks).
+    """
+
+    pipeline: LTX2Pipeline
+    is_video = True
+    masks_text = True
+    default_num_frames = 121
+    pipeline_defaults = LTX2_GUIDANCE
+
+    def __init__(self, pipeline: LTX2Pipeline, settings: SamplerSettings):
+        options = {**LTX2_GUIDANCE, **(settings.pipeline_kwargs or {})}
+        for name in ("audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale"):
+            options[name] = options[name] or options[name[len("audio_") :]]  # as the pipeline: unset takes the video's
+        self.options = options
+        settings = self._with_num_frames(pipeline, settings)
+        transformer, vae = pipeline.transformer, pipeline.vae
+        if (transformer.config.patch_size, transformer.config.patch_size_t) != (1, 1):
+            raise ValueError("LTX2Policy packs latents with patch size 1 (every LTX-2 checkpoint)")
+        audio_config = pipeline.audio_vae.config
+        self.geometry = _Geometry(
+            frames=(settings.num_frames - 1) // pipeline.vae_temporal_compression_ratio + 1,
+            height=settings.height // pipeline.vae_spatial_compression_ratio,
+            width=settings.width // pipeline.vae_spatial_compression_ratio,
+            video_channels=transformer.config.in_channels,
+            audio_frames=round(
+                settings.num_frames
+                / options["frame_rate"]
+                * pipeline.audio_sampling_rate
+                / pipeline.audio_hop_length
+                / pipeline.audio_vae_temporal_compression_ratio
+            ),
+            audio_channels=audio_config.latent_channels
+            * (audio_config.mel_bins // pipeline.audio_vae_mel_compression_ratio),
+        )
+        self.fps = conditioning_frame_rate(options["frame_rate"], options["motion_speed"])
+        blocks = [b for b in options["spatio_temporal_guidance_blocks"] or [] if b < transformer.config.num_layers]
+        # Without perturbed attention (LTX-2.0) or a perturbed block, the STG forward is the conditional one again.
+        self._stg_blocks = blocks if transformer.config.get("perturbed_attn", False) else []
+        self._decode_timestep = torch.zeros(1) if vae.config.timestep_conditioning else None
+        super().__init__(pipeline, settings)  # (its σ grid shifts with the geometry's token count)
+
+    @staticmethod
+    def _size_multiple(pipeline: LTX2Pipeline) -> int:
+        return pipeline.vae_spatial_compression_ratio * pipeline.transformer.config.patch_size
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.settings.guidance_scale > 1.0 or self._audio_scale(None) > 1.0
+
+    def _audio_scale(self, guidance_scale: float | None) -> float:
+        """The audio's CFG scale: its own unless unset (or 0), then the video's (``guidance_scale`` where given)."""
+        video = self.settings.guidance_scale if guidance_scale is None else guidance_scale
+        return self.options["audio_guidance_scale"] or video
+
+    def _scheduler_kwargs(self) -> dict:
+        steps, config = self.settings.num_inference_steps, self.pipeline.scheduler.config
+        g = self.geometry
+        mu = calculate_shift(
+            g.frames * g.height * g.width,
+            config.get("base_image_seq_len", 1024),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.95),
+            config.get("max_shift", 2.05),
+        )
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+
+    # --- latents: video and audio tokens as one row per sample ---------------------------------------------------
+
+    def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
+        g = self.geometry
+        video, audio = latents[:, : g.video_size], latents[:, g.video_size :]
+        return video.reshape(len(latents), -1, g.video_channels), audio.reshape(len(latents), g.audio_frames, -1)
+
+    @staticmethod
+    def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`split`."""
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Each sample's video noise then its audio noise from its generator, as the pipeline draws them."""
+        pipeline, settings, g = self.pipeline, self.settings, self.geometry
+        rows = []
+        for generator in generators:
+            video = pipeline.prepare_latents(
+                1, g.video_channels, settings.height, settings.width, settings.num_frames, 0.0, torch.float32,
+                self.device, generator,
+            )  # fmt: skip
+            audio = pipeline.prepare_audio_latents(
+                1, pipeline.audio_vae.config.latent_channels, g.audio_frames, pipeline.audio_vae.config.mel_bins, 0.0,
+                torch.float32, self.device, generator,
+            )  # fmt: skip
+            rows.append(self.join(video, audio))
+        return torch.cat(rows)
+
+    # --- conditioning and guidance --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
+        pipeline = self.pipeline
+        embeds, mask = pipeline._get_gemma_prompt_embeds(
+            list(prompts), max_sequence_length=self.settings.max_sequence_length, device=self.device
+        )
+        video, audio, mask = pipeline.connectors(embeds, mask, padding_side=pipeline.tokenizer.padding_side)
+        return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": mask}
+
+    def _forward(self, model, latents, timestep, cond, stg: bool = False, isolate: bool = False) -> torch.Tensor:
+        dtype, g = self.denoiser.dtype, self.geometry
+        video, audio = self.split(latents)
+        video_out, audio_out = model(
+            hidden_states=video.to(dtype),
+            audio_hidden_states=audio.to(dtype),
+            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+            audio_encoder_hidden_states=cond["audio_prompt_embeds"].to(dtype),
+            timestep=timestep,
+            sigma=timestep,  # (LTX-2.3's prompt modulation reads it; the pipeline passes the timestep)
+            encoder_attention_mask=cond["prompt_attention_mask"],
+            audio_encoder_attention_mask=cond["prompt_attention_mask"],
+            num_frames=g.frames,
+            height=g.height,
+            width=g.width,
+            fps=self.fps,
+            audio_num_frames=g.audio_frames,
+            isolate_modalities=isolate,
+            spatio_temporal_guidance_blocks=self._stg_blocks if stg else None,
+            use_cross_timestep=self.options["use_cross_timestep"],
+            return_dict=False,
+        )
+        return self.join(video_out, audio_out)
+
+    def predict_at(
+        self,
+        model: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float | None = None,
+    ) -> torch.Tensor:
+        """The guided velocity (B, D) float32, combined as the pipeline combines it: each forward's velocity to
+        x̂0 = x − σ·v, then per modality ``x̂0_c + (w − 1)(x̂0_c − x̂0_u) + s (x̂0_c − x̂0_stg) + (m − 1)(x̂0_c − x̂0_iso)``,
+        rescaled towards x̂0_c's std by ``guidance_rescale``, and back to a velocity (x − x̂0)/σ."""
+        options, batch, size = self.options, latents.shape[0], self.geometry.video_size
+        scales = {
+            "cfg": (
+                self.settings.guidance_scale if guidance_scale is None else guidance_scale,
+                self._audio_scale(guidance_scale),
+            ),
+            "stg": (options["stg_scale"], options["audio_stg_scale"]),
+            "isolate": (options["modality_scale"], options["audio_modality_scale"]),
+        }
+        sigma = (timestep / self.pipeline.scheduler.config.num_train_timesteps).float().view(-1, 1)
+        x = latents.float()
+
+        def clean(velocity: torch.Tensor) -> torch.Tensor:
+            return x - velocity * sigma
+
+        if max(scales["cfg"]) > 1.0:
+            negative = self._negative_cond(batch, cond)
+            both = {key: torch.cat([negative[key], value]) for key, value in cond.items()}
+            uncond, text = self._call(
+                model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both
+            ).chunk(2)
+            text = clean(text)
+            guided = [(scales["cfg"], clean(uncond), -1.0)]
+        else:
+            text = clean(self._call(model, latents, timestep, cond))
+            guided = []
+        if max(scales["stg"]) > 0.0 and self._stg_blocks:
+            guided.append((scales["stg"], clean(self._call(model, latents, timestep, cond, stg=True)), 0.0))
+        if max(scales["isolate"]) > 1.0:
+            guided.append((scales["isolate"], clean(self._call(model, latents, timestep, cond, isolate=True)), -1.0))
+        parts = []
+        for modality, (start, stop) in enumerate(((0, size), (size, x.shape[1]))):
+            conditional = text[:, start:stop]
+            result = conditional
+            for term_scales, other, offset in guided:
+                result = result + (term_scales[modality] + offset) * (conditional - other[:, start:stop])
+            rescale = options["audio_guidance_rescale" if modality else "guidance_rescale"]
+            parts.append(rescale_noise_cfg(result, conditional, rescale) if rescale > 0 else result)
+        return (x - torch.cat(parts, dim=1)) / sigma
+
+    # --- decoding -------------------------------------------------------------------------------------------------
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """The videos (B, F, 3, H, W) float32 in [0, 1] of final latents (B, D), decoded as the pipeline decodes them
+        (at ``decode_timestep`` 0 for a timestep-conditioned VAE)."""
+        pipeline, g = self.pipeline, self.geometry
+        vae = pipeline.vae
+        video = pipeline._unpack_latents(self.split(latents)[0], g.frames, g.height, g.width)
+        video = pipeline._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        timestep = None if self._decode_timestep is None else self._decode_timestep.to(video.device).expand(len(video))
+        decoded = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
+        return self._postprocess(decoded).float()
+
+    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """The soundtracks (B, channels, samples) float32 of final latents (B, D), at
+        ``pipeline.vocoder.config.output_sampling_rate`` Hz: the audio VAE's mel spectrogram through the vocoder."""
+        pipeline, g = self.pipeline, self.geometry
+        audio_vae = pipeline.audio_vae
+        audio = pipeline._denormalize_audio_latents(
+            self.split(latents)[1], audio_vae.latents_mean, audio_vae.latents_std
+        )
+        mel_bins = audio_vae.config.mel_bins // pipeline.audio_vae_mel_compression_ratio
+        audio = pipeline._unpack_audio_latents(audio, g.audio_frames, num_mel_bins=mel_bins)
+        spectrogram = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
+        return pipeline.vocoder(spectrogram.to(pipeline.vocoder.dtype)).float()
+
+    def encode_images(self, images: torch.Tensor, generator=None) -> torch.Tensor:
+        raise NotImplementedError(
+            "LTX-2 denoises a video and its soundtrack together: encoding real videos (Diffusion-DPO pairs) would need "
+            "their audio latents too, which trl-dance does not encode yet"
+        )
