@@ -45,6 +45,8 @@ def family_overrides(kind: str) -> dict:
     room for the source image's tokens in Qwen-Image-Edit's prompt embeddings (and Qwen-Image 2.1's template)."""
     if kind.startswith("qwen-image-edit") or kind == "qwen-image21":  # (2.1: its template's tokens)
         return {"max_sequence_length": 64}
+    if kind == "ltx2":  # (a multiple of the connectors' learnable registers)
+        return {"num_frames": TINY_VIDEO_FRAMES, "max_sequence_length": 32}
     return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan", "skyreels")) else {}
 
 

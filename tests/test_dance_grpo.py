@@ -55,11 +55,13 @@ def _mean_reward(trainer, rounds):
         ("z-image", 4.0),  # CFG from guidance_scale > 0, through its list-taking transformer
         ("hunyuan-video15", 6.0),  # the guider's CFG
         ("qwen-image21", 4.0),  # samples of different prompt lengths in one forward
+        ("ltx2", 3.0),  # CFG (audio at 7), STG, modality isolation, rescale: four forwards a step
     ],
 )
 def test_recomputed_log_probs_equal_rollout(tiny_model_dir, tmp_path, kind, guidance):
     """On-policy, the training log-prob of every stored transition equals the rollout's: ratio 1."""
-    args = tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind))
+    extra = {"pipeline_kwargs": {"spatio_temporal_guidance_blocks": [1]}} if kind == "ltx2" else {}
+    args = tiny_grpo_config(tmp_path, guidance_scale=guidance, **family_overrides(kind), **extra)
     trainer = DanceGRPOTrainer(
         load_tiny_pipeline(tiny_model_dir(kind)),
         "brightness",
@@ -130,6 +132,7 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
         ("z-image", 15, 3e-2, 0.015),
         ("hunyuan-video15", 10, 3e-2, 0.03),
         ("qwen-image21", 20, 3e-2, 0.008),  # at 64² (see the comment above)
+        ("ltx2", 10, 3e-2, 0.03),
     ],
 )
 def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, learning_rate, margin):
@@ -208,6 +211,7 @@ def test_ddpo_configuration_raises_jpeg_compressibility(tiny_model_dir, tmp_path
         ("z-image", 4.0),
         ("hunyuan-video15", 6.0),
         ("qwen-image21", 4.0),
+        ("ltx2", 3.0),
     ],
 )
 def test_saved_lora_reloads_into_the_pipeline(tiny_model_dir, tmp_path, kind, guidance):
