@@ -450,3 +450,4 @@ def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs
     assert ours.shape == expected.frames.shape == (2, TINY_VIDEO_FRAMES, 3, 32, 32)
     torch.testing.assert_close(ours, expected.frames, rtol=0, atol=1e-5)
     torch.testing.assert_close(audio, expected.audio, rtol=0, atol=1e-5)
+    assert policy.audio_sample_rate == pipeline.vocoder.config.output_sampling_rate

@@ -367,3 +367,27 @@ def test_two_expert_wan_low_noise_expert_learns(tiny_model_dir, tmp_path):
         timestep_fraction=0.6,
         gradient_accumulation_steps=6,
     )
+
+
+def test_ltx2_soundtracks_reach_audio_rewards(tiny_model_dir, tmp_path):
+    """LTX-2's rollouts carry their soundtracks: a reward with ``accepts_audio`` gets them (B, channels, samples) at the
+    vocoder's rate with the videos whole, beside an image reward scoring frames; families without audio refuse it."""
+    seen = {}
+
+    def loudness(prompts, images, audio, audio_sample_rate, **_):
+        seen.update(images=images.shape, audio=audio.shape, rate=audio_sample_rate)
+        return audio.pow(2).mean(dim=(1, 2)).sqrt()
+
+    loudness.accepts_audio = True
+    args = tiny_grpo_config(tmp_path, max_steps=1, guidance_scale=3.0, **family_overrides("ltx2"))
+    trainer = DanceGRPOTrainer(tiny_model_dir("ltx2"), [loudness, "brightness"], args=args, train_dataset=_dataset())
+    trainer.train()
+    pipeline = trainer.policy.pipeline
+    assert seen["images"] == (8, TINY_VIDEO_FRAMES, 3, 32, 32)
+    assert seen["audio"][:2] == (8, pipeline.vocoder.config.out_channels) and seen["audio"][2] > 0
+    assert seen["rate"] == pipeline.vocoder.config.output_sampling_rate == 16000
+    assert trainer.state.log_history[0]["rewards/loudness/mean"] > 0
+    with pytest.raises(ValueError, match=r"rewards \['loudness'\] score audio, which WanPipeline does not generate"):
+        DanceGRPOTrainer(
+            tiny_model_dir("wan"), loudness, args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()
+        )

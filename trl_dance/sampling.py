@@ -343,7 +343,7 @@ def generate(
     Sample ``b`` draws its initial noise (unless ``initial_noise`` (B, ...) is given) and then the noise of all N
     steps from the CPU generator ``generators[b]``, so it depends neither on the batch it is in nor on which steps the
     plan makes stochastic. Autocast is the caller's. Returns :func:`rollout`'s dict plus ``images`` (B, 3, H, W)
-    float32 in [0, 1] (videos: (B, F, 3, H, W)).
+    float32 in [0, 1] (videos: (B, F, 3, H, W)) and, for policies with ``has_audio``, ``audio`` (B, channels, samples).
     """
     with torch.no_grad(), policy.sampling():
         latents = policy.initial_noise(generators) if initial_noise is None else initial_noise
@@ -352,7 +352,10 @@ def generate(
             [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
         ).to(latents.device)
         result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means=keep_means)
-        result["images"] = policy.decode(policy.final_latents(result["final_latents"], cond))
+        final = policy.final_latents(result["final_latents"], cond)
+        result["images"] = policy.decode(final)
+        if policy.has_audio:
+            result["audio"] = policy.decode_audio(final)
     return result
 
 

@@ -92,6 +92,12 @@ class DiffusionPolicy(ABC):
     is_video: bool = False
     """True for video families: :meth:`decode` returns (B, F, 3, H, W) and ``settings.num_frames`` applies."""
 
+    has_audio: bool = False
+    """True for families that generate a soundtrack with the video (LTX-2): :meth:`decode_audio` returns it, at
+    :attr:`audio_sample_rate` Hz."""
+
+    audio_sample_rate: int | None = None
+
     default_num_frames: int | None = None
     """Video families: the frame count used when ``settings.num_frames`` is None (see :meth:`_with_num_frames`)."""
 
@@ -612,6 +618,11 @@ class DiffusionPolicy(ABC):
         latents = latents / scale + offset
         decoded = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))  # float64 stays
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Families with :attr:`has_audio`: the soundtracks (B, channels, samples) float32 of final latents, at
+        :attr:`audio_sample_rate` Hz."""
+        raise NotImplementedError(f"{type(self).__name__} generates no audio")
 
     def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
         """The VAE's output in [-1, 1] to the pipeline's "pt" output in [0, 1] (not clamped inside

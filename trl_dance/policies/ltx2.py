@@ -74,6 +74,7 @@ class LTX2Policy(FlowMatchingPolicy):
 
     pipeline: LTX2Pipeline
     is_video = True
+    has_audio = True
     masks_text = True
     default_num_frames = 121
     pipeline_defaults = LTX2_GUIDANCE
@@ -108,6 +109,7 @@ class LTX2Policy(FlowMatchingPolicy):
         # Without perturbed attention (LTX-2.0) or a perturbed block, the STG forward is the conditional one again.
         self._stg_blocks = blocks if transformer.config.get("perturbed_attn", False) else []
         self._decode_timestep = torch.zeros(1) if vae.config.timestep_conditioning else None
+        self.audio_sample_rate = pipeline.vocoder.config.output_sampling_rate
         super().__init__(pipeline, settings)  # (its σ grid shifts with the geometry's token count)
 
     @staticmethod
@@ -267,8 +269,9 @@ class LTX2Policy(FlowMatchingPolicy):
         return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
-        """The soundtracks (B, channels, samples) float32 of final latents (B, D), at
-        ``pipeline.vocoder.config.output_sampling_rate`` Hz: the audio VAE's mel spectrogram through the vocoder."""
+        """The soundtracks (B, channels, samples) float32 of final latents (B, D), at :attr:`audio_sample_rate` (the
+        vocoder's ``output_sampling_rate``): the audio VAE's mel spectrogram through the vocoder, as the pipeline
+        decodes it."""
         pipeline, g = self.pipeline, self.geometry
         audio_vae = pipeline.audio_vae
         audio = pipeline._denormalize_audio_latents(

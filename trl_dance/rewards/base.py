@@ -24,7 +24,9 @@ a broken scorer returns; TRL would read it as an abstention). The trainers also 
 
 Attributes a function may set: ``accepts_video = True`` scores videos whole (``images`` is then (B, F, 3, H, W); any
 other function scores videos frame by frame, see :func:`score_images`); ``groupwise = True`` is called once per
-group with the G samples of one prompt (e.g. a pairwise judge's win rates)."""
+group with the G samples of one prompt (e.g. a pairwise judge's win rates); ``accepts_audio = True`` also receives the
+samples' soundtracks, from families that generate them (LTX-2), as ``audio`` ((B, channels, samples) float waveforms)
+and ``audio_sample_rate`` (Hz), with the videos whole, as a CLAP-style audio-text scorer needs."""
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
@@ -139,6 +141,8 @@ def resolve_reward_funcs(
 
 # What a trainer passes every reward by keyword, beside the dataset's columns.
 REWARD_ARGUMENTS = ("prompts", "images", "completions", "trainer_state", "log_metric")
+# What it passes rewards with ``accepts_audio = True`` besides.
+AUDIO_ARGUMENTS = ("audio", "audio_sample_rate")
 
 
 def _parameters(func: RewardFunc) -> tuple[list[inspect.Parameter], bool] | None:
@@ -173,6 +177,10 @@ def check_reward_signature(func: RewardFunc, columns: Sequence[str] | None = Non
             "(B, 3, H, W) or (B, F, 3, H, W) float in [0, 1]), nor **kwargs: it would never see a sample"
         )
     available = set(REWARD_ARGUMENTS) | set(columns or ())
+    if getattr(func, "accepts_audio", False):
+        if not takes_kwargs and "audio" not in named:
+            raise ValueError(f"reward {name!r} sets accepts_audio but takes neither `audio` nor **kwargs")
+        available |= set(AUDIO_ARGUMENTS)
     required = [
         p.name
         for p in parameters
@@ -204,6 +212,7 @@ def score_images(
     video_frames: int | None = None,
     groups: Sequence[int] | None = None,
     extra: dict[str, Any] | None = None,
+    audio: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Call every reward function on one batch and validate what it returns.
 
@@ -215,6 +224,8 @@ def score_images(
         groups: B group ids, equal and contiguous within a group; a ``groupwise`` reward is called once per run of
             equal ids (default: the whole batch is one group).
         extra: keyword arguments for every function beside the columns (``trainer_state``, ``log_metric``).
+        audio: the samples' soundtracks (B, channels, samples) and their sample rate, for rewards with
+            ``accepts_audio = True`` (which score whole samples).
 
     Returns:
         (B, F) float32 on ``images.device``, one column per function; NaN where a function abstained.
@@ -225,7 +236,12 @@ def score_images(
     extra = extra or {}
     columns_out = []
     for func in funcs:
-        if images.ndim == 5 and not getattr(func, "accepts_video", False):
+        if getattr(func, "accepts_audio", False):
+            if audio is None:
+                raise ValueError(f"reward {reward_name(func)!r} scores audio, and this model generates none")
+            sound = dict(zip(AUDIO_ARGUMENTS, audio))
+            values = _call(func, prompts, images, columns, extra | sound, unit="samples")
+        elif images.ndim == 5 and not getattr(func, "accepts_video", False):
             if getattr(func, "groupwise", False):
                 raise ValueError(
                     f"group-wise reward {reward_name(func)!r} scores videos only with accepts_video = True"

@@ -210,7 +210,7 @@ class DatasetTrainer(DiffusionTrainer):
                     self.policy, args, sigma_schedule="pipeline", **pipeline_call_defaults(self.policy.pipeline)
                 )
             rows = [{"prompt": prompt} for prompt in args.eval_prompts]
-            images = torch.cat([images for _, images in self._eval_samples(self._eval_policy, rows)])
+            images = torch.cat([samples["images"] for _, samples in self._eval_samples(self._eval_policy, rows)])
             images = self.data_parallel.gather(images)[: len(rows)].cpu()
             self._log_eval_images(images, args.eval_prompts, None, metric_key_prefix)
         self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)

@@ -397,10 +397,11 @@ class DiffusionTrainer(_BaseTrainer):
 
     def _eval_samples(
         self, policy: DiffusionPolicy, rows: list[dict[str, Any]]
-    ) -> Iterator[tuple[list, torch.Tensor]]:
-        """Yield ``(chunk, images)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
+    ) -> Iterator[tuple[list, dict[str, torch.Tensor]]]:
+        """Yield ``(chunk, samples)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
         condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s deterministic samples from noise
-        seeded by (``eval_seed``, row index), decoded to (B, 3, H, W) in [0, 1]. Shares are padded to equal length
+        seeded by (``eval_seed``, row index), :func:`~trl_dance.sampling.generate`'s dict (``images`` (B, 3, H, W) in
+        [0, 1], ``audio`` for families with a soundtrack). Shares are padded to equal length
         (the last row repeated: under ZeRO-3 and FSDP every process must take part in every forward), so gathered results are
         the rows in order followed by the padding. Call on every process and exhaust it."""
         args = self.args
@@ -414,7 +415,7 @@ class DiffusionTrainer(_BaseTrainer):
                 cond = policy.encode_prompts([row["prompt"] for row in chunk], **columns)
                 generators = sample_generators(args.eval_seed, -1, mine[start], len(chunk))
                 with torch.no_grad(), self.compute_loss_context_manager():
-                    yield chunk, generate(policy, self.model, generators, cond, plan)["images"]
+                    yield chunk, generate(policy, self.model, generators, cond, plan)
 
     def _log_eval_images(
         self, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor | None, prefix: str

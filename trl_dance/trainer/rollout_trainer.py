@@ -128,6 +128,9 @@ class RolloutTrainer(DiffusionTrainer):
             )
         policy.offload_frozen_expert = args.offload_frozen_expert
         self._check_policy(policy, args)
+        audio = [reward_name(f) for f in self.reward_funcs if getattr(f, "accepts_audio", False)]
+        if audio and not policy.has_audio:
+            raise ValueError(f"rewards {audio} score audio, which {type(policy.pipeline).__name__} does not generate")
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
@@ -431,6 +434,7 @@ class RolloutTrainer(DiffusionTrainer):
                         for i in range(chunk_start, min(chunk_start + chunk, batch))
                     ],
                     self._reward_extra(),
+                    self._audio(parts[-1]),
                 )
                 if not self.data_parallel.is_group_leader:  # its group's first rank scores the same samples
                     score = functools.partial(torch.zeros, len(prompts[part]), len(self.reward_funcs), device=device)
@@ -469,6 +473,10 @@ class RolloutTrainer(DiffusionTrainer):
         self._microbatches = self._plan_round(rollout, plan, advantages)
         self._generation_round += 1
 
+    def _audio(self, samples: dict) -> tuple[torch.Tensor, int] | None:
+        """The soundtracks of generated ``samples`` and their sample rate, for rewards that score audio (LTX-2)."""
+        return (samples["audio"], self.policy.audio_sample_rate) if "audio" in samples else None
+
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """(num_processes · B,) advantages of the gathered rewards (F columns) and their weighted sum."""
         args = self.args
@@ -506,13 +514,23 @@ class RolloutTrainer(DiffusionTrainer):
             self._eval_policy = evaluation_policy(self.policy, args)
         rows = [row | {_GROUP: i} for i, row in enumerate(dataset) for _ in range(args.eval_num_generations)]
         scores, first = [], None
-        for chunk, images in self._eval_samples(self._eval_policy, rows):
+        for chunk, samples in self._eval_samples(self._eval_policy, rows):
+            images = samples["images"]
             prompts = [row["prompt"] for row in chunk]
             columns = {key: [row[key] for row in chunk] for key in chunk[0] if key not in ("prompt", _GROUP)}
             groups = [row[_GROUP] for row in chunk]  # a chunk may hold part of a group: scored as a smaller one
             extra = self._reward_extra()
             scores.append(
-                score_images(self.reward_funcs, prompts, images, columns, args.video_reward_frames, groups, extra)
+                score_images(
+                    self.reward_funcs,
+                    prompts,
+                    images,
+                    columns,
+                    args.video_reward_frames,
+                    groups,
+                    extra,
+                    self._audio(samples),
+                )
             )
             first = (images.cpu(), prompts) if first is None else first
         all_scores = self.data_parallel.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
