@@ -33,12 +33,12 @@ def test_python_examples_run(tmp_path, monkeypatch):
             blocks.setdefault(block, path)
     assert sorted(set(blocks.values())) == [
         "README.md", "docs/add-a-model-family.md", "docs/methods/nft.md", "docs/rewards.md"
-    ] and len(blocks) == 4  # fmt: skip
+    ] and len(blocks) == 5  # fmt: skip
     monkeypatch.chdir(tmp_path)
     save_tiny_pipeline("flux", "outputs/tiny-flux")
     trainers, namespaces = [], {}
     for block, path in blocks.items():
-        namespace = namespaces[path] = {}
+        namespace = namespaces.setdefault(path, {})  # a page's blocks share one namespace
         exec(compile(block, path, "exec"), namespace)
         if "trainer" in namespace:
             trainers.append(namespace["trainer"])
@@ -55,6 +55,9 @@ def test_python_examples_run(tmp_path, monkeypatch):
     funcs = [rewards["redness"], rewards["sharpness"], rewards["style_match"]]
     scores = score_images(funcs, ["a", "b"], torch.rand(2, 3, 8, 8), {"style": ["bright", "dark"]})
     assert scores.shape == (2, 3) and scores.isfinite().all() and scores[1, 2] == 0
+    audio = torch.full((2, 2, 160), 0.1) * torch.tensor([1.0, 0.01]).view(2, 1, 1)
+    loud = score_images([rewards["loudness"]], ["a", "b"], torch.rand(2, 5, 3, 8, 8), {}, audio=(audio, 16000))
+    torch.testing.assert_close(loud.flatten(), torch.tensor([-20.0, -60.0]))
 
 
 def test_getting_started_commands_run(tmp_path):
