@@ -11,6 +11,7 @@ from diffusers import LTX2Pipeline
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
 from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 
+from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
 
@@ -78,6 +79,28 @@ class LTX2Policy(FlowMatchingPolicy):
     masks_text = True
     default_num_frames = 121
     pipeline_defaults = LTX2_GUIDANCE
+    # Video tokens are "image"; the audio↔video attentions read their own streams, empty in modality-isolated calls
+    # (which skip them), as are the STG blocks' self-attention queries, keys and cores in STG calls (see __init__).
+    flop_layout = FlopLayout(
+        streams=(
+            (r"time_embed|prompt_adaln|^av_cross_attn_", SAMPLE),
+            (r"caption_projection", "text"),
+            (r"audio_to_video_attn\.to_[kv]$", "a2v_audio"),
+            (r"audio_to_video_attn", "a2v_video"),
+            (r"video_to_audio_attn\.to_[kv]$", "v2a_video"),
+            (r"video_to_audio_attn", "v2a_audio"),
+            (r"attn2\.to_[kv]$", "text"),
+            (r"(^|\.)audio_", "audio"),
+        ),
+        attention=(
+            (r"audio_to_video_attn", "a2v_video", "a2v_audio"),
+            (r"video_to_audio_attn", "v2a_audio", "v2a_video"),
+            (r"audio_attn1", "audio", "audio"),
+            (r"audio_attn2", "audio", "text"),
+            (r"attn1", "image", "image"),
+            (r"attn2", "image", "text"),
+        ),
+    )
 
     def __init__(self, pipeline: LTX2Pipeline, settings: SamplerSettings):
         options = {**LTX2_GUIDANCE, **(settings.pipeline_kwargs or {})}
@@ -108,6 +131,22 @@ class LTX2Policy(FlowMatchingPolicy):
         blocks = [b for b in options["spatio_temporal_guidance_blocks"] or [] if b < transformer.config.num_layers]
         # Without perturbed attention (LTX-2.0) or a perturbed block, the STG forward is the conditional one again.
         self._stg_blocks = blocks if transformer.config.get("perturbed_attn", False) else []
+        if self._stg_blocks:
+            perturbed = rf"transformer_blocks\.({'|'.join(map(str, self._stg_blocks))})\."
+            layout = self.flop_layout
+            self.flop_layout = dataclasses.replace(
+                layout,
+                streams=(
+                    (perturbed + r"audio_attn1\.to_[qk]$", "stg_audio"),
+                    (perturbed + r"attn1\.to_[qk]$", "stg_image"),
+                    *layout.streams,
+                ),
+                attention=(
+                    (perturbed + r"audio_attn1$", "stg_audio", "stg_audio"),
+                    (perturbed + r"attn1$", "stg_image", "stg_image"),
+                    *layout.attention,
+                ),
+            )
         self._decode_timestep = torch.zeros(1) if vae.config.timestep_conditioning else None
         self.audio_sample_rate = pipeline.vocoder.config.output_sampling_rate
         super().__init__(pipeline, settings)  # (its σ grid shifts with the geometry's token count)
@@ -200,6 +239,15 @@ class LTX2Policy(FlowMatchingPolicy):
             return_dict=False,
         )
         return self.join(video_out, audio_out)
+
+    def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
+        video, audio = inputs["hidden_states"].shape[1], inputs["audio_hidden_states"].shape[1]
+        crossed = not inputs.get("isolate_modalities", False)
+        attended = not inputs.get("spatio_temporal_guidance_blocks")
+        tokens = {"image": video, "audio": audio, "text": inputs["encoder_hidden_states"].shape[1], SAMPLE: 1}
+        tokens |= {"stg_image": video * attended, "stg_audio": audio * attended}
+        tokens |= {"a2v_video": video * crossed, "v2a_video": video * crossed}
+        return tokens | {"a2v_audio": audio * crossed, "v2a_audio": audio * crossed}
 
     def predict_at(
         self,
