@@ -28,6 +28,7 @@ TINY = {
     "tiny-qwen-image-edit": "qwen-image-edit",
     "tiny-qwen-image21": "qwen-image21",
     "tiny-hunyuan-video15-i2v": "hunyuan-video15-i2v",
+    "tiny-ltx2": "ltx2",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
@@ -36,6 +37,7 @@ VIDEO_MODELS = (
     "tiny-skyreels-i2v",
     "tiny-hunyuan-video15",
     "tiny-hunyuan-video15-i2v",
+    "tiny-ltx2",
     "wan21-1.3b",
     "wan21-14b",
     "wan22-a14b",

@@ -56,6 +56,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
             "--guidance-scale",
             "6",
         ],  # fmt: skip
+        "grpo-tiny-ltx2": ["grpo_iteration.py", "--model", "tiny-ltx2", "--guidance-scale", "3"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },

@@ -385,7 +385,7 @@ def test_ltx2_soundtracks_reach_audio_rewards(tiny_model_dir, tmp_path):
     pipeline = trainer.policy.pipeline
     assert seen["images"] == (8, TINY_VIDEO_FRAMES, 3, 32, 32)
     assert seen["audio"][:2] == (8, pipeline.vocoder.config.out_channels) and seen["audio"][2] > 0
-    assert seen["rate"] == pipeline.vocoder.config.output_sampling_rate == 16000
+    assert seen["rate"] == pipeline.vocoder.config.output_sampling_rate == 24000
     assert trainer.state.log_history[0]["rewards/loudness/mean"] > 0
     with pytest.raises(ValueError, match=r"rewards \['loudness'\] score audio, which WanPipeline does not generate"):
         DanceGRPOTrainer(

@@ -42,6 +42,7 @@ def _tokenizer(class_name: str):
         ("ByT5", lambda: ByT5Tokenizer()),  # byte-level: no vocabulary file
         ("Qwen2", testing._qwen3_tokenizer),  # with Qwen3's chat template, which Z-Image applies
         ("Llama", testing._llama_tokenizer),
+        ("Gemma", testing._gemma_tokenizer),
     ):
         if class_name.startswith(prefix):
             return build()
@@ -81,8 +82,9 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
             components[key] = None
         elif key.startswith("tokenizer"):
             components[key] = _tokenizer(class_name)
-        elif library == "diffusers":
-            cls = getattr(diffusers, class_name)
+        elif library == "diffusers" or hasattr(diffusers.pipelines, library):
+            # (a pipeline's own modules, e.g. LTX-2's connectors and vocoder, are indexed under its module's name)
+            cls = getattr(diffusers if library == "diffusers" else getattr(diffusers.pipelines, library), class_name)
             config = cls.load_config(os.path.join(folder, key))
             if issubclass(cls, torch.nn.Module):
                 components[key] = cls.from_config(_shrunk(config, layers))

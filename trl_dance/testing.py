@@ -1326,7 +1326,7 @@ def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
                 resnet_kernel_sizes=[3],
                 resnet_dilations=[[1, 3, 5]],
                 leaky_relu_negative_slope=0.1,
-                output_sampling_rate=16000,
+                output_sampling_rate=24000,  # the real vocoder's (the tiny one's 4× upsampling only pretends to)
             ),
         )
 
