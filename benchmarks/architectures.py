@@ -1,5 +1,5 @@
 """Benchmark models: the tiny offline pipelines, and real architectures (FLUX.1-dev, SD3.5-medium, Wan 2.1 1.3B and
-14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5, FLUX.2 [klein] base 4B) built with random
+14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5, FLUX.2 [klein] base 4B, LTX-2) built with random
 weights from the published configurations shipped in ``trl_dance/model_configs`` (no download; see
 :mod:`trl_dance.random_weights`)."""
 
@@ -43,6 +43,7 @@ VIDEO_MODELS = (
     "wan22-a14b",
     "hunyuan-video",
     "hunyuan-video15",
+    "ltx2",
 )
 # Rows carry an `image` column.
 IMAGE_CONDITIONED_MODELS = (

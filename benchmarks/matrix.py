@@ -105,6 +105,10 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-wan14b-81f-lora64-gc": _real(
             "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "81", *_VIDEO_LARGE
         ),
+        # LTX-2 at the pipeline's guidance (CFG 3 / 7, STG, modality isolation, rescale: four forwards a step).
+        "grpo-ltx2-33f-lora64-gc": _real(
+            "grpo_iteration.py", "ltx2", 64, "--frames", "33", "--guidance-scale", "3", *_VIDEO_LARGE
+        ),
     },
 }
 

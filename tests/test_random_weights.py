@@ -22,6 +22,7 @@ PUBLISHED = {
     # FLUX.2 [klein] base 4B: 5 double and 20 single blocks of 24 heads, Qwen3-4B's 3 × 2560 text width (the
     # configuration as public reimplementations of the gated checkpoint read it; not checked against its own file).
     "flux2-klein-base-4b": 3.88,
+    "ltx2": 18.88,  # LTX-2 "19B": its video and audio streams (Gemma 3 12B and the 1.4B connectors beside it)
 }
 
 

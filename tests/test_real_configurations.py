@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, family_overrides, tiny_grpo_config
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -17,7 +17,7 @@ def _rows(prompts, generations=4):
     return [{"prompt": p} for p in prompts for _ in range(generations)]
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd"])
+@pytest.mark.parametrize("kind", ["flux", "sd", "ltx2"])
 def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
     """A pipeline loaded in bf16 (as every real GRPO config loads it) trains its LoRA in fp32 under bf16 autocast:
     one Adam update at lr 1e-5 moves every entry (in bf16 most of them would round away), the base stays bf16."""
@@ -29,6 +29,7 @@ def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
         max_steps=1,
         gradient_accumulation_steps=5,  # the round's 5 micro-batches: one update
         guidance_scale=3.5 if kind == "flux" else 1.0,
+        **family_overrides(kind),
     )
     # Both LoRA matrices random (not B = 0), so every entry has a gradient in the first update.
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)

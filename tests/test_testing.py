@@ -19,7 +19,7 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    video = kind.startswith(("wan", "hunyuan", "skyreels"))
+    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
     if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "qwen-image", "z-image") or video:
         kwargs["max_sequence_length"] = 16
     if kind.endswith("i2v") or kind == "flux-kontext":
@@ -56,7 +56,7 @@ def test_tiny_pipeline_generates_deterministically_and_round_trips(kind, tmp_pat
             assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in component.parameters())
 
     images = _generate(pipeline, kind)
-    video = kind.startswith(("wan", "hunyuan", "skyreels"))
+    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
     assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if video else (2, 3, 32, 32))
     assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.std() > 0.01  # not a constant image
