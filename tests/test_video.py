@@ -387,6 +387,10 @@ def test_ltx2_soundtracks_reach_audio_rewards(tiny_model_dir, tmp_path):
     assert seen["audio"][:2] == (8, pipeline.vocoder.config.out_channels) and seen["audio"][2] > 0
     assert seen["rate"] == pipeline.vocoder.config.output_sampling_rate == 24000
     assert trainer.state.log_history[0]["rewards/loudness/mean"] > 0
+    pairs = Dataset.from_dict({"prompt": ["a"], "chosen": [None], "rejected": [None]})
+    dpo_args = DiffusionDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32)
+    with pytest.raises(ValueError, match="denoises each video with its soundtrack"):
+        DiffusionDPOTrainer(tiny_model_dir("ltx2"), args=dpo_args, train_dataset=pairs)
     with pytest.raises(ValueError, match=r"rewards \['loudness'\] score audio, which WanPipeline does not generate"):
         DanceGRPOTrainer(
             tiny_model_dir("wan"), loudness, args=tiny_grpo_config(tmp_path, **WAN), train_dataset=_dataset()

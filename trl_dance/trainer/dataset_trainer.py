@@ -66,6 +66,11 @@ class DatasetTrainer(DiffusionTrainer):
                 f"{type(self).__name__} learns text-to-image and text-to-video data; {type(pipeline).__name__} "
                 f"conditions on {list(policy.condition_columns)} (editing, image-to-video), which it does not handle"
             )
+        if policy.has_audio:
+            raise ValueError(
+                f"{type(self).__name__} learns from real videos; {type(pipeline).__name__} denoises each video with its "
+                "soundtrack, which trl-dance does not encode from data yet (its rollout trainers train it)"
+            )
         if policy.supports_cfg:
             settings.guidance_scale = 1.0  # the loss trains the conditional prediction; CFG belongs to sampling
         # Video models: clips of the policy's frame count (its family's default when num_frames is None).
