@@ -1270,6 +1270,13 @@ def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
             patch_size_t=1,
         )
         vae.use_framewise_encoding = vae.use_framewise_decoding = False
+        # Per-channel latent statistics as the real VAEs ship them (the defaults 0 and 1 would leave the pipeline's
+        # (de)normalisation untested); spreads above 1 also let the random decoder's brightness follow the latents.
+        with torch.no_grad():
+            vae.latents_mean.copy_(torch.tensor([0.2, -0.3, 0.1, 0.4]))
+            vae.latents_std.copy_(torch.tensor([2.0, 2.8, 1.6, 2.4]))
+            audio_vae.latents_mean.copy_(torch.tensor([0.1, -0.1, 0.2, 0.0]))
+            audio_vae.latents_std.copy_(torch.tensor([1.5, 2.0, 1.2, 1.8]))
         return LTX2Pipeline(
             scheduler=ltx2_scheduler(),
             vae=vae,

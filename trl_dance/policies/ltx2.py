@@ -117,12 +117,14 @@ class LTX2Policy(FlowMatchingPolicy):
             height=settings.height // pipeline.vae_spatial_compression_ratio,
             width=settings.width // pipeline.vae_spatial_compression_ratio,
             video_channels=transformer.config.in_channels,
-            audio_frames=round(
+            audio_frames=round(  # (in the pipeline's order of operations: the rounding must agree)
                 settings.num_frames
                 / options["frame_rate"]
-                * pipeline.audio_sampling_rate
-                / pipeline.audio_hop_length
-                / pipeline.audio_vae_temporal_compression_ratio
+                * (
+                    pipeline.audio_sampling_rate
+                    / pipeline.audio_hop_length
+                    / float(pipeline.audio_vae_temporal_compression_ratio)
+                )
             ),
             audio_channels=audio_config.latent_channels
             * (audio_config.mel_bins // pipeline.audio_vae_mel_compression_ratio),
@@ -182,7 +184,8 @@ class LTX2Policy(FlowMatchingPolicy):
         """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
         g = self.geometry
         video, audio = latents[:, : g.video_size], latents[:, g.video_size :]
-        return video.reshape(len(latents), -1, g.video_channels), audio.reshape(len(latents), g.audio_frames, -1)
+        batch = len(latents)
+        return video.reshape(batch, -1, g.video_channels), audio.reshape(batch, g.audio_frames, g.audio_channels)
 
     @staticmethod
     def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
@@ -277,7 +280,7 @@ class LTX2Policy(FlowMatchingPolicy):
 
         if max(scales["cfg"]) > 1.0:
             negative = self._negative_cond(batch, cond)
-            both = {key: torch.cat([negative[key], value]) for key, value in cond.items()}
+            both = {key: torch.cat([negative.get(key, value), value]) for key, value in cond.items()}
             uncond, text = self._call(
                 model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both
             ).chunk(2)
