@@ -110,6 +110,9 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
     torch.testing.assert_close(uncond, (1 - w) / w * cond, rtol=1e-4, atol=1e-12)
 
 
+LTX2_VIDEO_UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0}
+
+
 # Mean of the first 3 -> last 3 rollouts; margins and the spread of the gains over seeds (42, 1, 2) and torch thread
 # counts (1, 2) are in benchmarks/learning_spread.py's output, quoted in the README. SDXL at lr 3e-2 rose and fell back
 # on some seeds (+0.002 at seed 1); at lr 1e-2 over 40 rounds it rises steadily on every seed measured. Control: with
@@ -140,9 +143,6 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
         ("ltx2", 8, 3e-2, 0.0065),  # the video unguided (see the comment above)
     ],
 )
-LTX2_VIDEO_UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0}
-
-
 def test_brightness_rises(tiny_model_dir, tmp_path, kind, rounds, learning_rate, margin):
     """Learning: GRPO rounds on the tiny model raise the mean brightness well above its sample std."""
     args = tiny_grpo_config(
