@@ -2,6 +2,8 @@
 deterministic sampler, so everything between them (text conditioning, CFG and its negative branch, timestep units,
 σ / ᾱ schedules, latent layout and normalisation, decoding) must agree from the same initial latents."""
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
@@ -451,3 +453,16 @@ def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs
     torch.testing.assert_close(ours, expected.frames, rtol=0, atol=1e-5)
     torch.testing.assert_close(audio, expected.audio, rtol=0, atol=1e-5)
     assert policy.audio_sample_rate == pipeline.vocoder.config.output_sampling_rate
+
+
+def test_pipeline_kwargs_the_policy_does_not_reproduce_are_refused():
+    settings = SamplerSettings(height=32, width=32, num_frames=TINY_VIDEO_FRAMES, max_sequence_length=16)
+    with pytest.raises(ValueError, match=r"pipeline_kwargs \['stg_scale'\] are not arguments FluxPolicy reproduces"):
+        make_policy(TINY_PIPELINES["flux"](0), SamplerSettings(height=32, width=32, pipeline_kwargs={"stg_scale": 0}))
+    ltx2 = TINY_PIPELINES["ltx2"](0)
+    with pytest.raises(
+        ValueError, match=r"\['decode_timestep'\] are not arguments LTX2Policy reproduces .*frame_rate"
+    ):
+        make_policy(ltx2, dataclasses.replace(settings, pipeline_kwargs={"decode_timestep": 0.05}))
+    with pytest.raises(ValueError, match="height=33 must be a multiple of 2"):  # the VAE's factor (32 in the real one)
+        make_policy(ltx2, dataclasses.replace(settings, height=33))
