@@ -464,5 +464,7 @@ def test_pipeline_kwargs_the_policy_does_not_reproduce_are_refused():
         ValueError, match=r"\['decode_timestep'\] are not arguments LTX2Policy reproduces .*frame_rate"
     ):
         make_policy(ltx2, dataclasses.replace(settings, pipeline_kwargs={"decode_timestep": 0.05}))
+    with pytest.raises(ValueError, match="max_sequence_length 20 must be a multiple of the 8 learnable registers"):
+        make_policy(ltx2, dataclasses.replace(settings, max_sequence_length=20))
     with pytest.raises(ValueError, match="height=33 must be a multiple of 2"):  # the VAE's factor (32 in the real one)
         make_policy(ltx2, dataclasses.replace(settings, height=33))

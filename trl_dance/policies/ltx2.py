@@ -4,16 +4,20 @@ video's latent tokens and its soundtrack's latent tokens together, with LTX-2's 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 import torch
 from diffusers import LTX2Pipeline
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
 from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
+from diffusers.utils import logging
 
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, SamplerSettings
 from .flow_matching import FlowMatchingPolicy
+
+logger = logging.get_logger(__name__)
 
 LTX2_GUIDANCE = {
     "frame_rate": 24.0,
@@ -152,6 +156,19 @@ class LTX2Policy(FlowMatchingPolicy):
         self._decode_timestep = torch.zeros(1) if vae.config.timestep_conditioning else None
         self.audio_sample_rate = pipeline.vocoder.config.output_sampling_rate
         super().__init__(pipeline, settings)  # (its σ grid shifts with the geometry's token count)
+        length, connectors = settings.max_sequence_length, pipeline.connectors.config
+        registers = [n for n in (connectors.video_connector_num_learnable_registers,) if n]
+        if registers and length % registers[0]:
+            raise ValueError(
+                f"max_sequence_length {length} must be a multiple of the {registers[0]} learnable registers that "
+                "LTX-2's text connectors put in the padding"
+            )
+        shipped = inspect.signature(type(pipeline).__call__).parameters["max_sequence_length"].default
+        if length != shipped:
+            logger.warning(
+                f"prompts are padded to max_sequence_length {length}, the pipeline's default is {shipped}: its "
+                f"connectors fill the padding, so call it with max_sequence_length={length} to sample as trained"
+            )
 
     @staticmethod
     def _size_multiple(pipeline: LTX2Pipeline) -> int:
