@@ -362,17 +362,22 @@ class DiffusionPolicy(ABC):
         if not self.use_cfg:
             return self._call(model, latents, timestep, cond)
         scale = self.guidance_scale if guidance_scale is None else guidance_scale
+        uncond, text = self._call(model, *self._both_branches(latents, timestep, cond)).chunk(2)
+        return self.combine_guidance(uncond, text, scale)
+
+    def _both_branches(
+        self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning
+    ) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
+        """CFG's one batched forward: latents (2B, ...), timesteps (2B,) and conditioning, the unconditional branch
+        first. Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches; a
+        per-sample negative's own entries (``negative_*``, editing) are not model inputs."""
         negative = self._negative_cond(latents.shape[0], cond)
-        # Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches; a
-        # per-sample negative's own entries (``negative_*``, editing) are not model inputs.
         both = {
             key: torch.cat([negative.get(key, value), value])
             for key, value in cond.items()
             if not key.startswith("negative_")
         }
-        output = self._call(model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both)
-        uncond, text = output.chunk(2)
-        return self.combine_guidance(uncond, text, scale)
+        return torch.cat([latents, latents]), torch.cat([timestep, timestep]), both
 
     def _call(
         self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning, **options

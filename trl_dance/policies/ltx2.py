@@ -280,7 +280,7 @@ class LTX2Policy(FlowMatchingPolicy):
         """The guided velocity (B, D) float32, combined as the pipeline combines it: each forward's velocity to
         x̂0 = x − σ·v, then per modality ``x̂0_c + (w − 1)(x̂0_c − x̂0_u) + s (x̂0_c − x̂0_stg) + (m − 1)(x̂0_c − x̂0_iso)``,
         rescaled towards x̂0_c's std by ``guidance_rescale``, and back to a velocity (x − x̂0)/σ."""
-        options, batch, size = self.options, latents.shape[0], self.geometry.video_size
+        options, size = self.options, self.geometry.video_size
         scales = {
             "cfg": (
                 self.settings.guidance_scale if guidance_scale is None else guidance_scale,
@@ -296,11 +296,7 @@ class LTX2Policy(FlowMatchingPolicy):
             return x - velocity * sigma
 
         if max(scales["cfg"]) > 1.0:
-            negative = self._negative_cond(batch, cond)
-            both = {key: torch.cat([negative.get(key, value), value]) for key, value in cond.items()}
-            uncond, text = self._call(
-                model, torch.cat([latents, latents]), torch.cat([timestep, timestep]), both
-            ).chunk(2)
+            uncond, text = self._call(model, *self._both_branches(latents, timestep, cond)).chunk(2)
             text = clean(text)
             guided = [(scales["cfg"], clean(uncond), -1.0)]
         else:
