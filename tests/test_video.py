@@ -387,6 +387,10 @@ def test_ltx2_soundtracks_reach_audio_rewards(tiny_model_dir, tmp_path):
     assert seen["audio"][:2] == (8, pipeline.vocoder.config.out_channels) and seen["audio"][2] > 0
     assert seen["rate"] == pipeline.vocoder.config.output_sampling_rate == 24000
     assert trainer.state.log_history[0]["rewards/loudness/mean"] > 0
+    silent = DanceGRPOTrainer(tiny_model_dir("ltx2"), "brightness", args=args, train_dataset=_dataset())
+    generators = [torch.Generator().manual_seed(0)]
+    assert "audio" not in silent.sample(["a cat"], generators)  # decoded only for rewards that score it
+    assert silent.sample(["a cat"], generators)["images"].shape == (1, TINY_VIDEO_FRAMES, 3, 32, 32)
     pairs = Dataset.from_dict({"prompt": ["a"], "chosen": [None], "rejected": [None]})
     dpo_args = DiffusionDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", resolution=32)
     with pytest.raises(ValueError, match="denoises each video with its soundtrack"):

@@ -337,13 +337,15 @@ def generate(
     initial_noise: torch.Tensor | None = None,
     groups: list[int] | None = None,
     keep_means: bool = False,
+    decode_audio: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Denoise B samples along ``plan`` and decode them: :func:`rollout` plus its noise and the images.
 
     Sample ``b`` draws its initial noise (unless ``initial_noise`` (B, ...) is given) and then the noise of all N
     steps from the CPU generator ``generators[b]``, so it depends neither on the batch it is in nor on which steps the
     plan makes stochastic. Autocast is the caller's. Returns :func:`rollout`'s dict plus ``images`` (B, 3, H, W)
-    float32 in [0, 1] (videos: (B, F, 3, H, W)) and, for policies with ``has_audio``, ``audio`` (B, channels, samples).
+    float32 in [0, 1] (videos: (B, F, 3, H, W)) and, with ``decode_audio`` (policies with ``has_audio``; only rewards
+    that score audio need it), ``audio`` (B, channels, samples).
     """
     with torch.no_grad(), policy.sampling():
         latents = policy.initial_noise(generators) if initial_noise is None else initial_noise
@@ -354,7 +356,7 @@ def generate(
         result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means=keep_means)
         final = policy.final_latents(result["final_latents"], cond)
         result["images"] = policy.decode(final)
-        if policy.has_audio:
+        if decode_audio:
             result["audio"] = policy.decode_audio(final)
     return result
 

@@ -181,6 +181,7 @@ class DiffusionTrainer(_BaseTrainer):
 
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean; the Trainer divides by GA
     uses_likelihood_ratio = False  # a loss on log-probability ratios against the rollouts: rollouts must be exact
+    _decode_audio = False  # samples carry their soundtracks (families with audio, for rewards that score it)
 
     def __init__(
         self,
@@ -401,7 +402,7 @@ class DiffusionTrainer(_BaseTrainer):
         """Yield ``(chunk, samples)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
         condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s deterministic samples from noise
         seeded by (``eval_seed``, row index), :func:`~trl_dance.sampling.generate`'s dict (``images`` (B, 3, H, W) in
-        [0, 1], ``audio`` for families with a soundtrack). Shares are padded to equal length
+        [0, 1], and ``audio`` where :attr:`_decode_audio`: rewards that score it). Shares are padded to equal length
         (the last row repeated: under ZeRO-3 and FSDP every process must take part in every forward), so gathered results are
         the rows in order followed by the padding. Call on every process and exhaust it."""
         args = self.args
@@ -415,7 +416,7 @@ class DiffusionTrainer(_BaseTrainer):
                 cond = policy.encode_prompts([row["prompt"] for row in chunk], **columns)
                 generators = sample_generators(args.eval_seed, -1, mine[start], len(chunk))
                 with torch.no_grad(), self.compute_loss_context_manager():
-                    yield chunk, generate(policy, self.model, generators, cond, plan)
+                    yield chunk, generate(policy, self.model, generators, cond, plan, decode_audio=self._decode_audio)
 
     def _log_eval_images(
         self, images: torch.Tensor, prompts: list[str], rewards: torch.Tensor | None, prefix: str

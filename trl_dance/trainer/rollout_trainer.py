@@ -131,6 +131,7 @@ class RolloutTrainer(DiffusionTrainer):
         audio = [reward_name(f) for f in self.reward_funcs if getattr(f, "accepts_audio", False)]
         if audio and not policy.has_audio:
             raise ValueError(f"rewards {audio} score audio, which {type(policy.pipeline).__name__} does not generate")
+        self._decode_audio = bool(audio)  # the soundtracks are decoded only for rewards that score them
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
@@ -352,7 +353,15 @@ class RolloutTrainer(DiffusionTrainer):
             cond = self.policy.encode_prompts(prompts, **(columns or {}))
         with self.compute_loss_context_manager():
             return generate(
-                self.policy, model, generators, cond, plan, initial_noise, groups, keep_means=self._keep_means()
+                self.policy,
+                model,
+                generators,
+                cond,
+                plan,
+                initial_noise,
+                groups,
+                keep_means=self._keep_means(),
+                decode_audio=self._decode_audio,
             )
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
