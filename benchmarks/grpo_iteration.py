@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import IMAGE_CONDITIONED_MODELS, build_model, lora_config, release  # noqa: E402
 from cli import add_model_arguments, emit, is_tiny, num_frames, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
+from kernel_profile import RoundProfiler, phase, summary_line  # noqa: E402
 
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer  # noqa: E402
 from trl_dance.testing import tiny_condition_images  # noqa: E402
@@ -40,25 +41,21 @@ def progress(message: str) -> None:
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 
 
-class _LoggedFlops(TrainerCallback):
-    """The ``perf/denoiser_tflops`` each log takes from the trainer's counter (the run's closing log among them)."""
-
-    def __init__(self):
-        self.tflops = 0.0
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.tflops += (logs or {}).get("perf/denoiser_tflops", 0.0)
-
-
 class _StepClock(TrainerCallback):
-    """Time of each optimizer step's end (one update per round in this benchmark)."""
+    """Time of each optimizer step's end (one update per round in this benchmark), and the FLOPs the trainer counted
+    in each round's training phase."""
 
-    def __init__(self, device):
-        self.device, self.ends = device, []
+    def __init__(self, device, trainer):
+        self.device, self.trainer, self.ends, self.train_flops = device, trainer, [], []
+        self.train_range = None  # the profiler's "train" range of a profiled round, closed here
 
     def on_step_end(self, args, state, control, **kwargs):
         synchronize(self.device)
         self.ends.append(time.perf_counter())
+        if self.train_range is not None:
+            self.train_range.__exit__(None, None, None)
+            self.train_range = None
+        self.train_flops.append(self.trainer.flops.take())
 
 
 def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bool) -> dict:
@@ -71,32 +68,45 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     trainer = DanceGRPOTrainer(model, "brightness", args=args, train_dataset=Dataset.from_dict(rows), peft_config=peft)
     device = trainer.accelerator.device
     recorder = CallRecorder(trainer) if floor else None
-    clock = _StepClock(device)
-    logged = _LoggedFlops()
+    clock = _StepClock(device, trainer)
     trainer.add_callback(clock)
-    trainer.add_callback(logged)
-    starts, rollouts = [], []  # per round: start time, rollout seconds
+    starts, rollouts, rollout_flops = [], [], []  # per round: start time, rollout seconds, rollout FLOPs
     generate = trainer._generate_and_score
+    # The last round is profiled (kernel classes per phase) when asked: the profiler starts before its rollout's
+    # clock and stops after its step's, so its post-processing stays out of the timed windows.
+    profiler = RoundProfiler() if options.profile else None
+    profiled_round = warmup + options.rounds - 1
 
     def timed_generate(rows):
         if recorder:
             recorder.enabled = len(starts) >= warmup
             recorder.phase = "rollout"
         synchronize(device)
-        if len(starts) == warmup:  # the closed-form count of the timed rounds starts here
-            trainer.flops.take()
+        trainer.flops.take()  # the counts since the previous step (logging) belong to no phase
+        if profiler and len(starts) == profiled_round:
+            profiler.start()
         starts.append(time.perf_counter())
-        generate(rows)
-        synchronize(device)
+        with phase("rollout"):
+            generate(rows)
+            synchronize(device)
         rollouts.append(time.perf_counter() - starts[-1])
+        rollout_flops.append(trainer.flops.take())
         progress(f"round {len(starts)}: rollout of {len(rows)} prompts in {rollouts[-1]:.1f} s")
         if recorder:
             recorder.phase = "train"
+        if profiler and len(starts) == profiled_round + 1:
+            clock.train_range = phase("train")
+            clock.train_range.__enter__()
 
     trainer._generate_and_score = timed_generate
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
+    if profiler:
+        trace = os.path.join(options.profile, f"trace_{os.getpid()}.json")
+        kernels = profiler.stop(trace)
+        os.remove(trace)  # hundreds of MB at full size; the breakdown is what is kept
+        progress("profile of the last round:\n" + "\n".join(summary_line(n, f) for n, f in kernels.items()))
     # Median round × rounds: one scheduler hiccup on a shared machine does not decide the ratio.
     rounds_timed = len(starts) - warmup
     rollout = statistics.median(rollouts[warmup:]) * rounds_timed
@@ -111,17 +121,25 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     )
     result = {"wall_s": rollout + train, "rollout_s": rollout, "train_s": train}
     result["peak_mem_mb"] = peak_memory_mb(device)
-    # The trainer's own closed-form count (what perf/denoiser_tflops logs) beside torch's count of the replayed calls.
-    result["denoiser_tflops"] = logged.tflops + trainer.flops.take() / 1e12
+    # The trainer's own closed-form count (what perf/denoiser_tflops logs) per phase, beside torch's count of the
+    # replayed calls: the timed rounds' median, as for the times.
+    rollout_tflops = statistics.median(rollout_flops[warmup:]) * rounds_timed / 1e12
+    train_tflops = statistics.median(clock.train_flops[warmup:]) * rounds_timed / 1e12
+    result["denoiser_tflops"] = rollout_tflops + train_tflops
     result["tflops_per_s"] = result["denoiser_tflops"] / result["wall_s"]
+    peak = peak_tflops(device)
+    if peak:
+        result["mfu_rollout"] = rollout_tflops / rollout / peak
+        result["mfu_train"] = train_tflops / train / peak
+    if profiler:
+        result["kernels"] = kernels
     progress(f"trained {len(starts)} rounds; replaying the recorded calls for the floor" if recorder else "trained")
     if not recorder:  # MFU from the trainer's closed-form count alone
-        peak = peak_tflops(device)
         result["mfu"] = result["tflops_per_s"] / peak if peak else None
     else:
         result["floor_s"] = recorder.floor_seconds()
         result["denoiser_calls"] = recorder.count("denoiser")
-        result["model_flops"], peak = recorder.flops(), peak_tflops(device)
+        result["model_flops"] = recorder.flops()
         result["mfu"] = result["model_flops"] / result["wall_s"] / (peak * 1e12) if peak else None
         recorder.remove()
     release(trainer)
@@ -140,6 +158,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--timestep-fraction", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up: 6 (tiny), 2 (real)")
     parser.add_argument("--torch-compile", action="store_true", help="the Trainer's torch_compile (the denoiser)")
+    parser.add_argument("--attention-backend", default=None, help="the config's attention_backend (diffusers')")
+    parser.add_argument("--cudnn-attention", action="store_true", help="the config's cudnn_attention")
+    parser.add_argument(
+        "--profile", metavar="DIR", default=None,
+        help="profile the last timed round (kernel classes per phase; its trace written to DIR, then removed)",
+    )  # fmt: skip
     parser.add_argument("--guidance-scale", type=float, default=3.5, help="the config's (Z-Image-Turbo: 0, no CFG)")
     parser.add_argument(
         "--no-floor",
@@ -193,6 +217,8 @@ def _benchmark(options) -> dict:
                 gradient_accumulation_steps=accumulation,
                 activation_checkpointing=options.gradient_checkpointing,
                 torch_compile=options.torch_compile,
+                attention_backend=options.attention_backend,
+                cudnn_attention=options.cudnn_attention,
                 learning_rate=1e-4,
                 max_steps=rounds,  # one optimizer update per round
             )
@@ -204,7 +230,9 @@ def _benchmark(options) -> dict:
         )  # fmt: skip
         batch1 = None
         if not options.skip_batch1:
+            profile, options.profile = options.profile, None  # the batched run's profile is the one asked for
             batch1 = timed_run(model, config(1, 1, transitions, warmup + options.rounds), options, warmup, floor=False)
+            options.profile = profile
 
     samples = options.batch * options.rounds
     floor = {phase: sum(by_name.values()) for phase, by_name in ours.get("floor_s", {}).items()}
@@ -228,6 +256,9 @@ def _benchmark(options) -> dict:
         "batch1_speedup": batch1["wall_s"] / ours["wall_s"] if batch1 else None,
         "model_tflops": ours["model_flops"] / 1e12 if "model_flops" in ours else None,
         "mfu": ours["mfu"],
+        "mfu_rollout": ours.get("mfu_rollout"),
+        "mfu_train": ours.get("mfu_train"),
+        "kernels": ours.get("kernels"),
         "denoiser_tflops": ours["denoiser_tflops"],
         "tflops_per_s": ours["tflops_per_s"],
     }
