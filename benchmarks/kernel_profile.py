@@ -111,7 +111,9 @@ def breakdown(trace_path: str, top: int = 10) -> dict:
             "wall_ms": wall / 1e3,
             "busy": busy,
             "idle": 1.0 - busy,
-            "shares": {label: by_class[label] / wall for label in ("gemm", "attention", "norm", "elementwise", "memcpy")},
+            "shares": {
+                label: by_class[label] / wall for label in ("gemm", "attention", "norm", "elementwise", "memcpy")
+            },
             "top_kernels": [(kernel[:120], ms / 1e3, calls) for kernel, (ms, calls) in kernels],
         }
     return result

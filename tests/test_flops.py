@@ -100,6 +100,12 @@ def test_grpo_logs_what_torch_counts(tiny_model_dir, tmp_path):
     assert first["perf/mfu"] == pytest.approx(first["perf/tflops_per_s"] / 1.0)
     assert first["perf/samples_per_s"] > 0 and first["perf/time/rollout"] > 0 and first["perf/time/training"] > 0
     assert sum(first[f"perf/time/{p}"] for p in ("rollout", "reward", "training", "other")) == pytest.approx(1.0)
+    # Phase MFU: each phase's FLOPs over its own time; the denoiser runs only in rollouts and training, so the phases'
+    # MFUs weighted by their time shares give the whole run's.
+    for entry in logs:
+        weighted = sum(entry[f"perf/mfu/{p}"] * entry[f"perf/time/{p}"] for p in ("rollout", "training"))
+        assert weighted == pytest.approx(entry["perf/mfu"], rel=1e-6)
+        assert entry["perf/mfu/rollout"] > 0 and entry["perf/mfu/training"] > 0
 
 
 def test_dpo_logs_what_torch_counts(tiny_model_dir, tmp_path):

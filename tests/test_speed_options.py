@@ -72,3 +72,27 @@ def test_cudnn_attention_is_off_unless_asked_for(tiny_model_dir, tmp_path):
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, for the tests after this one
+
+
+def test_auto_attention_backend_and_compile_resolve_per_device(tiny_model_dir, tmp_path, monkeypatch):
+    """`attention_backend="auto"` is cuDNN's kernel only on a Hopper-or-newer CUDA device, for a dispatcher model
+    without text masks; `torch_compile=None` compiles only on an unsharded CUDA run."""
+    import torch
+
+    from trl_dance.trainer.speed import resolve_attention_backend, resolve_torch_compile
+
+    flux = _trainer(tiny_model_dir, tmp_path).policy.denoiser
+    sd3 = _trainer(tiny_model_dir, tmp_path, kind="sd3", guidance_scale=4.0).policy.denoiser
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attention_backend("auto", flux, cpu, masks_text=False) is None
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    for capability, want in (((9, 0), "_native_cudnn"), ((10, 0), "_native_cudnn"), ((8, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert resolve_attention_backend("auto", flux, cuda, masks_text=False) == want
+    assert resolve_attention_backend("auto", flux, cuda, masks_text=True) is None  # masked: cuDNN's NaN bug
+    assert resolve_attention_backend("auto", sd3, cuda, masks_text=False) is None  # SDPA called directly
+    assert resolve_attention_backend("native", flux, cuda, masks_text=False) == "native"
+    assert resolve_attention_backend(None, flux, cuda, masks_text=False) is None
+    assert resolve_torch_compile(None, cuda, None) and not resolve_torch_compile(None, cpu, None)
+    assert not resolve_torch_compile(None, cuda, "FSDP") and not resolve_torch_compile(False, cuda, None)
+    assert resolve_torch_compile(True, cpu, None)

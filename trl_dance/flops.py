@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -149,7 +150,8 @@ class DenoiserFlops:
         scale: float = 1.0,
     ):
         self.layout, self.tokens, self.scale = layout, tokens, scale
-        self.total = 0.0
+        self.by_phase: dict[str, float] = defaultdict(float)  # FLOPs counted since the last take, by phase
+        self.phase: Callable[[], str] = lambda: "other"  # the phase a call belongs to (the trainer's PerformanceLog)
         self._handles: list = []
         self._models: dict[int, _Counted] = {}
 
@@ -170,10 +172,15 @@ class DenoiserFlops:
 
     def take(self) -> float:
         """FLOPs counted since the last call; call it after the backward of the calls to count (a log step)."""
+        return sum(self.take_by_phase().values())
+
+    def take_by_phase(self) -> dict[str, float]:
+        """As :meth:`take`, by the phase (``self.phase()`` at each call: rollout, training, ...) the calls ran in."""
         for counted in self._models.values():
-            self.total += self.scale * counted.finish_probe()
-        total, self.total = self.total, 0.0
-        return total
+            for phase, flops in counted.finish_probe().items():
+                self.by_phase[phase] += self.scale * flops
+        taken, self.by_phase = dict(self.by_phase), defaultdict(float)
+        return taken
 
     def _hook(self, counted: _Counted):
         @torch.compiler.disable  # host-side bookkeeping: never traced into a compiled denoiser
@@ -181,11 +188,11 @@ class DenoiserFlops:
             grad = torch.is_grad_enabled() and counted.trains
             if grad and counted.backward is None:
                 counted.probe()
-            call = counted.shape(self.tokens, args, kwargs)
+            call, phase = counted.shape(self.tokens, args, kwargs), self.phase()
             if counted.pending is not None:  # counted once the probe has seen the backward
-                counted.pending.append((*call, grad))
+                counted.pending.append((phase, (*call, grad)))
             else:
-                self.total += self.scale * counted.flops(*call, grad).total
+                self.by_phase[phase] += self.scale * counted.flops(*call, grad).total
 
         return hook
 
@@ -204,7 +211,7 @@ class _Counted:
         self._signature = inspect.signature(model.forward)
         self._cache: dict[tuple, CallFlops] = {}
         self._probe_handles: list = []
-        self.pending: list[tuple] | None = None  # the calls made while probing: (tokens, batch, lora_on, grad)
+        self.pending: list[tuple] | None = None  # calls made while probing: (phase, (tokens, batch, lora_on, grad))
 
     def shape(self, tokens: Callable, args: tuple, kwargs: dict) -> tuple[dict[str, int], int, bool]:
         """The per-sample stream tokens, the batch and whether the LoRA adapter is on, of a call."""
@@ -283,15 +290,18 @@ class _Counted:
         handles += [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave)]
         self._probe_handles, self.pending = handles, []
 
-    def finish_probe(self) -> float:
-        """End the probe (its calls' backwards have run): the FLOPs of the calls made during it (0 without one)."""
+    def finish_probe(self) -> dict[str, float]:
+        """End the probe (its calls' backwards have run): the FLOPs of the calls made during it, by phase."""
         if self.pending is None:
-            return 0.0
+            return {}
         for handle in self._probe_handles:
             handle.remove()
         calls, self.pending, self._probe_handles = self.pending, None, []
         self._cache.clear()
-        return sum(self.flops(*call).total for call in calls)
+        by_phase: dict[str, float] = defaultdict(float)
+        for phase, call in calls:
+            by_phase[phase] += self.flops(*call).total
+        return by_phase
 
 
 # torch's FlopCounterMode has no formula for the CPU flash-attention kernel that scaled_dot_product_attention runs on

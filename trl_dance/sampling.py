@@ -190,7 +190,8 @@ def rollout(
     plan: RolloutPlan,
     groups: Sequence[int] | None = None,
     keep_means: bool = False,
-) -> dict[str, torch.Tensor | int]:
+    grad_steps: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | int | list]:
     """Denoise a batch along ``plan``.
 
     Args:
@@ -204,13 +205,19 @@ def rollout(
             before ``plan.sde_start`` are then computed once per group (branching), and the group's samples differ
             only from the window on.
         keep_means: also return each stored step's Gaussian mean (GRPO-Guard's ratio normalisation).
+        grad_steps: (B, N) bool (host): the stochastic steps of each sample whose denoiser call runs with gradients
+            (recompute-free GRPO). Those rows are called apart from the others, with gradients, and their
+            log-probability of the step they took is returned differentiable; the latents stay detached.
 
     Returns:
         ``latents`` (B, S + 1, ...) the states ``sde_start … sde_end`` (S stored steps); ``log_probs`` (B, S);
         ``means`` (B, S, ...) with ``keep_means``; ``final_latents`` (B, ...) the last state; ``denoiser_calls`` the
-        number of (sample, step) denoiser evaluations made.
+        number of (sample, step) denoiser evaluations made; with ``grad_steps``, ``grad_log_probs``: a list of
+        (rows (n,) host long, step i, log-probabilities (n,) with their graph), one per step with such rows.
     """
     if plan.sample_starts is not None:
+        if grad_steps is not None:
+            raise ValueError("grad_steps needs a window shared by the batch (plan.sample_starts is None)")
         return _staggered_rollout(policy, model, latents, cond, noise, plan, keep_means)
     batch, calls, start = latents.shape[0], 0, 0
     if groups is not None and plan.sde_start > 0:
@@ -223,19 +230,32 @@ def rollout(
         calls += len(reps) * plan.sde_start
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
-    stored, log_probs, means, previous = [], [], [], None
+    stored, log_probs, means, previous, differentiable = [], [], [], None, []
     end = plan.num_steps if plan.post_window_sigmas is None else plan.sde_end
     for i in range(start, end):
         if i == plan.sde_start:
             stored.append(latents)
         step_index = torch.full((batch,), i, device=latents.device, dtype=torch.long)
-        output = policy.predict_step(model, latents, i, step_index, cond)
+        rows = None if grad_steps is None else grad_steps[:, i].nonzero().flatten()
+        if rows is None or len(rows) == 0:
+            output, graph = policy.predict_step(model, latents, i, step_index, cond), None
+        else:
+            output, graph = _predict_with_grad(policy, model, latents, i, step_index, cond, rows)
         calls += batch
         window = plan.sde_start <= i < plan.sde_end
         noisy = window or (i == plan.num_steps - 1 and plan.last_step_sde)
         result = policy.step(
             output, latents, step_index, noise=noise[i], compute_log_prob=window, eta=None if noisy else 0.0
         )
+        if graph is not None:
+            if not window:
+                raise ValueError(f"grad_steps marks step {i}, which the plan makes deterministic")
+            # The log-probability of the step taken, as the training loss computes it, differentiable in the model.
+            taken = rows.to(latents.device)
+            with torch.enable_grad():
+                log_prob = policy.step(graph, latents[taken], step_index[taken], prev_sample=result.prev_sample[taken])
+            result.log_prob[taken] = log_prob.log_prob.detach()  # what is stored is what is differentiated
+            differentiable.append((rows, i, log_prob.log_prob))
         if i == end - 1 and plan.post_window_solver == "dpm_solver++" and plan.post_window_sigmas is not None:
             # DPM-Solver++(2M)'s first step after the window is second order, from this step's x̂0.
             previous = (policy.predicted_clean(output, latents, step_index), policy.sigma_values[i])
@@ -250,6 +270,8 @@ def rollout(
         calls += batch * (len(plan.post_window_sigmas) - 1)
 
     out = {"final_latents": latents, "denoiser_calls": calls}
+    if grad_steps is not None:
+        out["grad_log_probs"] = differentiable
     if not log_probs:  # a deterministic plan stores nothing
         empty = latents.new_zeros(batch, 0, *latents.shape[1:])
         return (
@@ -261,6 +283,35 @@ def rollout(
     if keep_means:
         out["means"] = torch.stack(means, 1)
     return out
+
+
+def _predict_with_grad(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    i: int,
+    step_index: torch.Tensor,
+    cond: Conditioning,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i``'s prediction of the batch, ``rows`` (host long) called with gradients and the others without:
+    (the whole batch's output, detached; the rows' output with its graph)."""
+    device = latents.device
+    taken = rows.to(device)
+    others = torch.ones(len(latents), dtype=torch.bool)
+    others[rows] = False
+    rest = others.nonzero().flatten().to(device)
+    with torch.enable_grad():
+        graph = policy.predict_step(
+            model, latents[taken], i, step_index[taken], {k: v[taken] for k, v in cond.items()}
+        )
+    output = torch.empty((len(latents), *graph.shape[1:]), dtype=graph.dtype, device=device)
+    output[taken] = graph.detach()
+    if len(rest):
+        output[rest] = policy.predict_step(
+            model, latents[rest], i, step_index[rest], {k: v[rest] for k, v in cond.items()}
+        )
+    return output, graph
 
 
 def _staggered_rollout(
@@ -338,6 +389,7 @@ def generate(
     groups: list[int] | None = None,
     keep_means: bool = False,
     decode_audio: bool = False,
+    grad_steps: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Denoise B samples along ``plan`` and decode them: :func:`rollout` plus its noise and the images.
 
@@ -345,7 +397,7 @@ def generate(
     steps from the CPU generator ``generators[b]``, so it depends neither on the batch it is in nor on which steps the
     plan makes stochastic. Autocast is the caller's. Returns :func:`rollout`'s dict plus ``images`` (B, 3, H, W)
     float32 in [0, 1] (videos: (B, F, 3, H, W)) and, with ``decode_audio`` (policies with ``has_audio``; only rewards
-    that score audio need it), ``audio`` (B, channels, samples).
+    that score audio need it), ``audio`` (B, channels, samples). ``grad_steps``: see :func:`rollout`.
     """
     with torch.no_grad(), policy.sampling():
         latents = policy.initial_noise(generators) if initial_noise is None else initial_noise
@@ -353,7 +405,7 @@ def generate(
         noise = torch.stack(
             [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
         ).to(latents.device)
-        result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means=keep_means)
+        result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means, grad_steps)
         final = policy.final_latents(result["final_latents"], cond)
         result["images"] = policy.decode(final)
         if decode_audio:

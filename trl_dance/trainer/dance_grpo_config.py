@@ -93,6 +93,14 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             s·(ℓ − ℓ_old + mean((μ − μ_old)²)/(2s²)) = mean(z·(μ − μ_old)) with the stored rollout mean μ_old and
             the transition's std s, which removes the ratio's downward bias and its 1/s growth at low-noise steps.
             Stores each window step's mean (one more latent per transition). Gaussian SDEs only (not `"cps"`).
+        rollout_backprop (`bool`, defaults to `False`): Recompute-free GRPO (LeanGRPO's "Retain", arXiv 2609.03528):
+            the rollout runs each trained transition's denoiser call with gradients and keeps its graph, and once the
+            rewards are in, one backward of the same loss (at ratio 1: −A·∇log p per transition, with the same
+            per-micro-batch weights) gives the round's update, so no training forward repeats a rollout's. Exact
+            with one optimizer update per round (`num_iterations` 1 and `gradient_accumulation_steps` = the round's
+            micro-batches), one process, no KL (`beta` 0), the clip trust region without ratio normalisation, no
+            `best_of_n_k` and no per-group windows. Memory: the retained graphs of all of a process's trained
+            transitions until the rewards arrive (with activation checkpointing, each block's input per transition).
         step_reweighting (`bool`, defaults to `False`): GRPO-Guard's gradient reweighting: each transition's policy
             loss is divided by its Δσ = σ_i − σ_{i+1}, which equalises the steps' gradients. Flow-matching models.
         kl_scaling (`str`, defaults to `"gaussian"`): Units of the KL term, mean((μ_θ − μ_ref)²) over the latent
@@ -173,6 +181,10 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         metadata={"help": "x (step Gaussians' KL) | v (output MSE) for the DPPO mask.", "choices": ["x", "v"]},
     )
     step_reweighting: bool = field(default=False, metadata={"help": "GRPO-Guard 1/Δσ step reweighting."})
+    rollout_backprop: bool = field(
+        default=False,
+        metadata={"help": "Recompute-free GRPO: the update's gradient through the rollout's own forwards."},
+    )
     kl_scaling: str = field(
         default="gaussian",
         metadata={
@@ -224,6 +236,35 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         self._check_cheaper_rollouts()
         if self.best_of_n_k is not None:
             self._check_whole_groups("best_of_n_k selects within")
+
+    def __post_init__(self):
+        if self.rollout_backprop and self.gradient_accumulation_steps is None:
+            self.updates_per_round = 1  # the default then accumulates the whole round into one update
+        super().__post_init__()
+        self._check_rollout_backprop()
+
+    def _check_rollout_backprop(self) -> None:
+        if not self.rollout_backprop:
+            return
+        updates = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+        inexact = {
+            f"{updates} optimizer updates per round (gradient_accumulation_steps must equal the round's "
+            f"{self.steps_per_generation} micro-batches, num_iterations 1): after the first the policy has moved "
+            "from the one that rolled out": updates != 1,
+            "beta > 0: the KL term needs the reference model's forward at each transition": self.beta > 0,
+            "ratio_normalization: the normalised ratio is not the log-probability the rollout differentiates": (
+                self.ratio_normalization
+            ),
+            "trust_region='dppo': its mask is meant for several updates per round": self.trust_region == "dppo",
+            "best_of_n_k: which samples train is known only once the rewards are": self.best_of_n_k is not None,
+            "timestep_selection='iso_temporal' with an SDE window: a window per group": (
+                self.timestep_selection == "iso_temporal" and self.sde_window_size is not None
+            ),
+            "context_parallel_size > 1": self.context_parallel_size > 1,
+        }
+        for why, used in inexact.items():
+            if used:
+                raise ValueError(f"rollout_backprop is exact only at one on-policy update per round; not with {why}")
 
     def _round_items(self) -> tuple[int, str]:
         samples, k = self.per_device_trained_samples, self.timesteps_per_sample

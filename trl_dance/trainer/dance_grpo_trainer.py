@@ -40,6 +40,8 @@ class DanceGRPOTrainer(RolloutTrainer):
 
     config_class = DanceGRPOConfig
     sde_window: SDEWindow | None = None
+    _drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # rollout_backprop: the round's transitions, drawn first
+    _retained: torch.Tensor | None = None  # rollout_backprop: the round's loss, until its backward
 
     def _check_policy(self, policy: DiffusionPolicy, args: DanceGRPOConfig) -> None:
         flow_only = {
@@ -96,15 +98,52 @@ class DanceGRPOTrainer(RolloutTrainer):
             "means": rollout.get("means"),
             "first_step": starts.to(self.accelerator.device),
         }
-        trained = torch.arange(batch)
-        if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
-            trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
+        if self._drawn is not None:  # rollout_backprop drew them before the rollout
+            (samples, steps), self._drawn = self._drawn, None
+        else:
+            trained = torch.arange(batch)
+            if args.best_of_n_k is not None:  # the process holds whole groups (checked by the config)
+                trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
+            samples, steps = self._draw_transitions(plan, batch, trained)
+        microbatches = self._shuffle(samples, steps)
+        if "grad_log_probs" in rollout:
+            self._retained = self._retained_loss(rollout["grad_log_probs"], advantages)
+        return microbatches
+
+    def _draw_transitions(
+        self, plan: RolloutPlan, batch: int, trained: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sample, step) of each of the round's transitions: K of the candidate steps (the first N−1, the trained
+        expert's, or its window's; see :meth:`_choose_steps`) of each ``trained`` sample of the ``batch``."""
         if self.sde_window is None:
             candidates = torch.tensor(self.policy.trainable_steps()).expand(batch, -1)
         else:
-            candidates = starts[:, None] + torch.arange(plan.sample_window or self.sde_window.size)
+            candidates = plan.starts(batch)[:, None] + torch.arange(plan.sample_window or self.sde_window.size)
         first_index = self.data_parallel.rank * batch
-        return self._plan_microbatches(trained, candidates[trained], (first_index + trained) // args.num_generations)
+        groups = (first_index + trained) // self.args.num_generations
+        steps = self._choose_steps(candidates[trained], groups)
+        return trained.repeat_interleave(self.args.timesteps_per_sample), steps
+
+    def _grad_steps(self, plan: RolloutPlan, batch: int, first_index: int) -> torch.Tensor | None:
+        if not self.args.rollout_backprop:
+            return None
+        self._drawn = self._draw_transitions(plan, batch, torch.arange(batch))
+        mask = torch.zeros(batch, self.policy.num_steps, dtype=torch.bool)
+        mask[self._drawn] = True
+        return mask
+
+    def _retained_loss(self, entries: list, advantages: torch.Tensor) -> torch.Tensor:
+        """The round's loss through the rollout's differentiable log-probabilities ``entries`` [(rows, step, log p)],
+        as the micro-batches would sum it: each transition's clipped-surrogate term (at ratio 1) over the round's
+        transition count, times ``gradient_accumulation_steps`` (which the Trainer divides out)."""
+        device = advantages.device
+        samples = torch.cat([rows for rows, _, _ in entries]).to(device)
+        steps = torch.cat([torch.full((len(rows),), i) for rows, i, _ in entries]).to(device)
+        log_prob = torch.cat([log_prob for _, _, log_prob in entries])
+        log_ratio = log_prob - log_prob.detach()  # 0: the update starts on-policy; its gradient is ∇log p
+        per_transition = self._policy_loss(log_ratio, advantages[samples], steps)
+        # Equal micro-batches (the config checks that they divide the round): their mean of means is the mean.
+        return per_transition.mean() * self.args.gradient_accumulation_steps
 
     def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int) -> RolloutPlan:
         if self.sde_window is None or self.args.timestep_selection != "iso_temporal":
@@ -135,15 +174,10 @@ class DanceGRPOTrainer(RolloutTrainer):
             sigmas = tuple(self.policy.sigma_at(torch.linspace(end, steps, count + 1)).tolist())
         return RolloutPlan(steps, start, end, post_window_sigmas=sigmas, post_window_solver=args.post_window_solver)
 
-    def _plan_microbatches(
-        self, samples: torch.Tensor, candidates: torch.Tensor, groups: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration.
-
-        Each trained sample (of global group ``groups``) takes K of its row of ``candidates`` (count, C) (the first
-        N−1 steps, the trained expert's, or its window's): drawn independently per sample (``"random"``), per group
-        from (seed, round, group) so that a group's members train the same steps (``"iso_temporal"``), or the first /
-        last K."""
+    def _choose_steps(self, candidates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """K steps of each row of ``candidates`` (count, C) (a trained sample of global group ``groups``), flattened:
+        drawn independently per sample (``"random"``), per group from (seed, round, group) so that a group's members
+        train the same steps (``"iso_temporal"``), or the first / last K."""
         args = self.args
         k, (count, width) = args.timesteps_per_sample, candidates.shape
         if args.timestep_selection == "random":
@@ -155,8 +189,11 @@ class DanceGRPOTrainer(RolloutTrainer):
         else:
             first = 0 if args.timestep_selection == "first" else width - k
             draws = torch.arange(first, first + k).expand(count, k)
-        steps = candidates.gather(1, draws).flatten()
-        samples = samples.repeat_interleave(k)
+        return candidates.gather(1, draws).flatten()
+
+    def _shuffle(self, samples: torch.Tensor, steps: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(sample index, step index) pairs of each micro-batch of the round, a fresh shuffle per iteration."""
+        args = self.args
         plan = []
         for _ in range(args.num_iterations):
             order = torch.randperm(samples.numel(), generator=self._cpu_generator)
@@ -180,7 +217,17 @@ class DanceGRPOTrainer(RolloutTrainer):
             inputs["old_mean"] = rollout["means"][sample, stored]
         return inputs
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        round_steps = self.args.steps_per_generation * self.args.num_iterations
+        if self.args.rollout_backprop and self._rollout is not None and self._step % round_steps:
+            self._step += 1  # the round's one backward ran at its first micro-step
+            return torch.zeros((), device=self.accelerator.device)
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.args.rollout_backprop:  # the round's loss through the rollout's graphs (the first micro-step)
+            loss, self._retained = self._retained, None
+            return (loss, None) if return_outputs else loss
         latents, step_index = inputs["latents"], inputs["step_index"]
         output = self.policy.predict(model, latents, step_index, inputs["cond"])
         step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
@@ -189,22 +236,12 @@ class DanceGRPOTrainer(RolloutTrainer):
             log_ratio = self._normalized_log_ratio(output, inputs, step)
         else:
             log_ratio = step.log_prob - inputs["old_log_prob"]
-        ratio = torch.exp(log_ratio)
-        advantages = inputs["advantages"]
-        eps, eps_high = self.args.epsilon, self.args.epsilon_high
+        kl_old = None
         if self.args.trust_region == "dppo":
             kl_old = gaussian_step_kl(inputs["old_mean"], step.mean.detach(), step.std)
             if self.args.dppo_kl_space == "v":  # mean((v_θ − v_old)²): the means differ by a_t = g_t·std times it
                 kl_old = 2 * kl_old / self._gradient_scale.to(kl_old.device)[step_index] ** 2
-            per_transition, keep = dppo_surrogate(ratio, advantages, kl_old, self.args.dppo_kl_threshold)
-            self._record("dppo/kl", kl_old)
-            self._record("dppo/masked_fraction", 1 - keep)
-        else:
-            per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
-        if self.args.step_reweighting:
-            per_transition = per_transition / self._delta_sigma(step_index)
-        if self._rectification is not None:  # Flash-GRPO: every timestep's gradient on one scale
-            per_transition = per_transition * self._rectification.to(per_transition.device)[step_index]
+        per_transition = self._policy_loss(log_ratio, inputs["advantages"], step_index, kl_old)
 
         if self.args.beta > 0:
             ref_mean = self._reference_mean(model, inputs)
@@ -214,12 +251,35 @@ class DanceGRPOTrainer(RolloutTrainer):
             per_transition = per_transition + self.args.beta * kl
             self._record("kl", kl)
         loss = per_transition.mean()
+        return (loss, output) if return_outputs else loss
 
+    def _policy_loss(
+        self,
+        log_ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        step_index: torch.Tensor,
+        kl_old: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-transition policy loss (n,) of log-ratios ``log_ratio`` against the rollout: the PPO-clipped surrogate
+        (or, given the KL to the rollout's step ``kl_old``, DPPO's masked one), GRPO-Guard's step reweighting,
+        Flash-GRPO's rectification; records the ratio metrics."""
+        ratio = torch.exp(log_ratio)
+        eps, eps_high = self.args.epsilon, self.args.epsilon_high
+        if kl_old is not None:
+            per_transition, keep = dppo_surrogate(ratio, advantages, kl_old, self.args.dppo_kl_threshold)
+            self._record("dppo/kl", kl_old)
+            self._record("dppo/masked_fraction", 1 - keep)
+        else:
+            per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
+        if self.args.step_reweighting:
+            per_transition = per_transition / self._delta_sigma(step_index)
+        if self._rectification is not None:  # Flash-GRPO: every timestep's gradient on one scale
+            per_transition = per_transition * self._rectification.to(per_transition.device)[step_index]
         with torch.no_grad():
             self._record("clip_ratio/region_mean", clipped_fraction(ratio, advantages, eps, eps_high))
             self._record("ratio/mean", ratio)
             self._record("approx_kl", 0.5 * log_ratio**2)
-        return (loss, output) if return_outputs else loss
+        return per_transition
 
     def _delta_sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         return self.policy.sigma(step_index) - self.policy.sigma(step_index + 1)

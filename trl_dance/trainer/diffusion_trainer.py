@@ -42,7 +42,7 @@ from .context_parallel import (
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
 from .performance import PerformanceLog
-from .speed import apply_speed_options
+from .speed import apply_speed_options, resolve_torch_compile
 
 
 @contextlib.contextmanager
@@ -242,13 +242,21 @@ class DiffusionTrainer(_BaseTrainer):
             policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
         # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
         denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
-        apply_speed_options(denoisers, args, type(self).__name__ if self.uses_likelihood_ratio else None)
-        self.flops = None  # the FLOPs of their calls
+        apply_speed_options(
+            denoisers,
+            args,
+            self.accelerator.device,
+            masks_text=policy.masks_text,
+            compile_models=resolve_torch_compile(args.torch_compile, self.accelerator.device, self.parameter_sharding),
+            likelihood_ratio=type(self).__name__ if self.uses_likelihood_ratio else None,
+        )
+        self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops)
+        self.flops = None  # the FLOPs of their calls, by the phase they run in
         if policy.flop_layout is not None:
             self.flops = DenoiserFlops(policy.flop_layout, policy.flop_tokens, 1 / args.context_parallel_size)
+            self.flops.phase = self.performance.current_phase
             for module in denoisers:
                 self.flops.attach(module)
-        self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops)
         self._logged_step = 0
         self._metrics: dict[str, list[torch.Tensor]] = defaultdict(list)  # 0-dim tensors, read at log time
         self._toggle_cache: tuple = (None, None)
@@ -486,9 +494,9 @@ class DiffusionTrainer(_BaseTrainer):
         if any(key.startswith("eval_") for key in logs):  # an evaluation's: the training metrics wait for theirs
             super().log(logs, start_time)
             return
-        flops = self.flops.take() if self.flops is not None else 0.0
+        flops = self.flops.take_by_phase() if self.flops is not None else {}
         steps = self.state.global_step - self._logged_step
-        if steps or flops:  # not on the run's closing summary when nothing ran since the last log
+        if steps or any(flops.values()):  # not on the run's closing summary when nothing ran since the last log
             logs.update(self.performance.metrics(flops, steps, self.accelerator))
         self._logged_step = self.state.global_step
         names = [key for key, values in self._metrics.items() if values]

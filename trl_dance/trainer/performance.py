@@ -48,7 +48,8 @@ class PerformanceArguments:
 
     Logged metrics: `perf/denoiser_tflops` (the denoiser's TFLOPs over all processes since the previous log: forwards of
     rollouts, old/reference and training calls, their backwards and activation-checkpointing recomputation, counted in
-    closed form by `trl_dance.flops`), `perf/tflops_per_s` (per process), `perf/mfu`, `perf/samples_per_s` (samples
+    closed form by `trl_dance.flops`), `perf/tflops_per_s` (per process), `perf/mfu`, `perf/mfu/rollout` and
+    `perf/mfu/training` (each phase's denoiser FLOPs over that phase's time), `perf/samples_per_s` (samples
     trained, all processes), `perf/time/{rollout,reward,training,other}` (fractions of the wall time), `perf/step_s`
     (wall seconds per optimizer step), `perf/peak_memory_gb` (largest peak allocated accelerator memory of a process).
     """
@@ -90,6 +91,10 @@ class PerformanceLog:
         finally:
             self._spans[self._open.pop()][2] = self._mark()
 
+    def current_phase(self) -> str:
+        """The innermost open phase (``"other"`` outside every phase): the phase a denoiser call's FLOPs belong to."""
+        return self._spans[self._open[-1]][0] if self._open else "other"
+
     def _mark(self):
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
@@ -100,9 +105,9 @@ class PerformanceLog:
     def _seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1000 if self._cuda else end - start
 
-    def metrics(self, flops: float, steps: int, accelerator) -> dict[str, float]:
-        """The ``perf/*`` metrics since the previous call, given this process's denoiser ``flops`` and the optimizer
-        ``steps`` taken (two collectives)."""
+    def metrics(self, flops: dict[str, float], steps: int, accelerator) -> dict[str, float]:
+        """The ``perf/*`` metrics since the previous call, given this process's denoiser ``flops`` by phase and the
+        optimizer ``steps`` taken (two collectives)."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -116,9 +121,12 @@ class PerformanceLog:
             if parent is not None:
                 seconds[self._spans[parent][0]] -= duration
         memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self._cuda else 0.0
-        local = torch.tensor([flops, self._samples, memory], dtype=torch.float64, device=self.device)
+        by_phase = [flops.get(name, 0.0) for name in self.PHASES]
+        local = torch.tensor(
+            [sum(flops.values()), self._samples, *by_phase, memory], dtype=torch.float64, device=self.device
+        )
         total = accelerator.reduce(local.clone(), "sum").tolist()
-        peak_memory = accelerator.reduce(local[2:].clone(), "max").item()
+        peak_memory = accelerator.reduce(local[-1:].clone(), "max").item()
         processes = accelerator.num_processes
         tflops = total[0] / 1e12
         logs = {
@@ -129,6 +137,10 @@ class PerformanceLog:
         }
         if self.peak:
             logs["perf/mfu"] = logs["perf/tflops_per_s"] / self.peak
+            # Per phase: its FLOPs (per process) over its own time; reward and other run no denoiser.
+            for name, phase_flops in zip(self.PHASES, total[2:-1]):
+                if name != "reward" and seconds[name] > 0:
+                    logs[f"perf/mfu/{name}"] = phase_flops / processes / seconds[name] / 1e12 / self.peak
         for name in self.PHASES:
             logs[f"perf/time/{name}"] = min(max(seconds[name], 0.0) / wall, 1.0)
         logs["perf/time/other"] = max(0.0, 1.0 - sum(logs[f"perf/time/{name}"] for name in self.PHASES))

@@ -194,6 +194,11 @@ class RolloutTrainer(DiffusionTrainer):
         """Whether rollouts store each stochastic step's mean."""
         return False
 
+    def _grad_steps(self, plan: RolloutPlan, batch: int, first_index: int) -> torch.Tensor | None:
+        """(B, N) bool (host): the (sample, step) denoiser calls of this process's round that the rollout runs with
+        gradients, their log-probabilities kept differentiable (recompute-free GRPO); None: none."""
+        return None
+
     def _branching(self) -> bool:
         """Whether a group's samples share the deterministic prefix of the plan (computed once per group)."""
         return False
@@ -325,6 +330,7 @@ class RolloutTrainer(DiffusionTrainer):
         columns: dict[str, list] | None = None,
         plan: RolloutPlan | None = None,
         groups: list[int] | None = None,
+        grad_steps: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Denoise one batch along a noise plan (:func:`trl_dance.sampling.generate`), under the Trainer's autocast.
 
@@ -340,6 +346,7 @@ class RolloutTrainer(DiffusionTrainer):
             initial_noise: (B, ...) starting latents to use instead of drawing them.
             plan: the noise plan (default: :meth:`rollout_plan` of the next round).
             groups: B group ids of samples sharing initial noise and prompt, to branch from a shared prefix.
+            grad_steps: (B, N) bool, the denoiser calls made with gradients (see :func:`trl_dance.sampling.rollout`).
 
         Returns:
             ``latents`` (B, S + 1, ...) float32, the states around the S stored (stochastic, trainable) steps;
@@ -362,6 +369,7 @@ class RolloutTrainer(DiffusionTrainer):
                 groups,
                 keep_means=self._keep_means(),
                 decode_audio=self._decode_audio,
+                grad_steps=grad_steps,
             )
 
     def generate_images(self, prompts: list[str], seed: int = 0, **columns: list) -> torch.Tensor:
@@ -412,8 +420,9 @@ class RolloutTrainer(DiffusionTrainer):
         groups = None
         if self._branching():  # host integers: the rollout picks a group's representative without a device read
             groups = [(first_index + j) // args.num_generations for j in range(batch)]
+        grad_steps = self._grad_steps(plan, batch, first_index)
         chunk = args.rollout_batch_size or batch
-        parts, scores = [], []
+        parts, scores, differentiable = [], [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
         with self.policy.sampling():
             for chunk_start in range(0, batch, chunk):
@@ -428,8 +437,11 @@ class RolloutTrainer(DiffusionTrainer):
                         initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
                         plan=plan.part(part),
                         groups=None if groups is None else groups[part],
+                        grad_steps=None if grad_steps is None else grad_steps[part],
                     )
                 )
+                for rows, i, log_prob in parts[-1].pop("grad_log_probs", []):  # rows of the round's batch
+                    differentiable.append((rows + chunk_start, i, log_prob))
                 # Score this chunk (in the worker thread, while the next chunk is denoised).
                 score = functools.partial(
                     score_images,
@@ -454,6 +466,8 @@ class RolloutTrainer(DiffusionTrainer):
                         scores.append(score())
         calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        if grad_steps is not None:
+            rollout["grad_log_probs"] = differentiable
         with self.performance.phase("reward"):  # what the rollout left of the reward worker's time
             rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.data_parallel.gather(rewards)  # (num_processes · B, F), in global sample order

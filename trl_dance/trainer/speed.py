@@ -21,22 +21,35 @@ class SpeedArguments:
     Speed options, on every trainer's config (with transformers' `torch_compile`, `torch_compile_backend` and
     `torch_compile_mode`, which here compile the denoiser *regionally*: each repeated transformer block once, with
     diffusers' `compile_repeated_blocks`, in place so that rollouts, old/reference and training forwards all run it;
-    families without repeated blocks compile the whole denoiser in place).
+    families without repeated blocks compile the whole denoiser in place). `torch_compile` defaults to None here:
+    on for a CUDA device whose parameters are not sharded (FSDP, ZeRO-3), off elsewhere; `False` turns it off.
 
     Parameters:
-        attention_backend (`str` or `None`, defaults to `None`): diffusers' attention backend for the denoiser
-            (`model.set_attention_backend`): `"native"` (PyTorch SDPA), `"flash"`, `"_flash_3_hub"`, `"sage"`,
-            `"_native_math"`, ... (`diffusers.models.attention_dispatch.AttentionBackendName`); None keeps the
-            model's default. Rollouts and training run the same backend, so the first update of a round stays
-            on-policy.
-        cudnn_attention (`bool`, defaults to `False`): let PyTorch's SDPA pick its cuDNN kernel. Off by default,
-            for the whole process: on an H200 (torch 2.11, cuDNN 9.19) its backward made an illegal memory access
-            on FLUX.1-dev (head dimension 128, 1,536 tokens) while the flash kernel trained the same step;
-            SD3.5 (head dimension 64) ran either way.
+        attention_backend (`str` or `None`, defaults to `"auto"`): diffusers' attention backend for the denoiser
+            (`model.set_attention_backend`): `"native"` (PyTorch SDPA), `"_native_cudnn"`, `"flash"`,
+            `"_flash_3_hub"`, `"sage"`, `"_native_math"`, ... (`diffusers.models.attention_dispatch.
+            AttentionBackendName`); None keeps the model's default. `"auto"`: `"_native_cudnn"` on a CUDA GPU of
+            compute capability 9.0 or more (Hopper, Blackwell) for a model whose attention goes through diffusers'
+            dispatcher and masks no text tokens, else the model's default (masked attention stays off cuDNN: its
+            masked backward has a known NaN bug in torch 2.11–2.13, pytorch/pytorch#196678). On an H200 (torch 2.11, cuDNN 9.19) cuDNN's kernel ran the forward
+            and backward of FLUX.1-dev's and Wan 14B's attention 1.6–1.9x faster than SDPA's default (flash) kernel,
+            with the same error against float32 (`benchmarks/attention_kernels.py`). Rollouts and training run the
+            same backend, so the first update of a round stays on-policy.
+        cudnn_attention (`bool`, defaults to `False`): let PyTorch's SDPA pick its cuDNN kernel in calls that do not
+            go through diffusers' dispatcher (SD3, SD UNets; a backend set above chooses its kernel itself). Off for
+            the whole process by default: its backward once made an illegal memory access on FLUX.1-dev (head
+            dimension 128, 1,536 tokens, H200) that has not recurred since (the same shapes alone, and whole FLUX
+            1024² rounds through `"_native_cudnn"`).
     """
 
+    torch_compile: bool | None = field(
+        default=None,
+        metadata={"help": "Compile the denoiser regionally (default: on for an unsharded CUDA run, else off)."},
+    )
+
     attention_backend: str | None = field(
-        default=None, metadata={"help": "diffusers attention backend of the denoiser (native, flash, sage, ...)."}
+        default="auto",
+        metadata={"help": "diffusers attention backend of the denoiser (auto, native, _native_cudnn, flash, ...)."},
     )
 
     cudnn_attention: bool = field(
@@ -44,7 +57,7 @@ class SpeedArguments:
     )
 
     def _check_speed(self) -> None:
-        if self.attention_backend is None:
+        if self.attention_backend in (None, "auto"):
             return
         from diffusers.models.attention_dispatch import AttentionBackendName
 
@@ -64,23 +77,57 @@ def compile_regions(model: torch.nn.Module, backend: str | None, mode: str | Non
         model.compile(**options)
 
 
-def apply_speed_options(models: list[torch.nn.Module], args, likelihood_ratio: str | None = None) -> None:
-    """Set ``args.attention_backend`` on each model and, with ``args.torch_compile``, compile it regionally. With
-    ``likelihood_ratio`` (the trainer's name, for a trainer whose loss is a likelihood ratio against its rollouts),
-    refuse a model with a diffusers cache enabled."""
+def uses_dispatcher(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention processors call diffusers' attention dispatcher (so a backend can be set)."""
+    processors = {type(m.processor) for m in model.modules() if getattr(m, "processor", None) is not None}
+    return any(hasattr(processor, "_attention_backend") for processor in processors)
+
+
+def resolve_attention_backend(
+    requested: str | None, model: torch.nn.Module, device: torch.device, masks_text: bool
+) -> str | None:
+    """The backend ``"auto"`` stands for on ``device`` (see :class:`SpeedArguments`); other values as given."""
+    if requested != "auto":
+        return requested
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    if hopper and torch.backends.cudnn.is_available() and not masks_text and uses_dispatcher(model):
+        return "_native_cudnn"
+    return None
+
+
+def resolve_torch_compile(requested: bool | None, device: torch.device, parameter_sharding: str | None) -> bool:
+    """What ``torch_compile=None`` (the default) stands for: on for a CUDA device whose parameters are not sharded
+    (FLUX.1-dev 1024² GRPO on an H200: rollouts 1.37x and training 1.07x faster, 31.9 → 36.3 % MFU)."""
+    if requested is not None:
+        return requested
+    return device.type == "cuda" and parameter_sharding is None
+
+
+def apply_speed_options(
+    models: list[torch.nn.Module],
+    args,
+    device: torch.device,
+    masks_text: bool = False,
+    compile_models: bool = False,
+    likelihood_ratio: str | None = None,
+) -> None:
+    """Set ``args.attention_backend`` (resolved for ``device``; ``masks_text``: the policy's) on each model and, with
+    ``compile_models``, compile it regionally. With ``likelihood_ratio`` (the trainer's name, for a trainer whose loss
+    is a likelihood ratio against its rollouts), refuse a model with a diffusers cache enabled."""
     torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention)
     for model in models:
         name = type(model).__name__
         if likelihood_ratio and getattr(model, "is_cache_enabled", False):
             raise ValueError(LOSSY_CACHE.format(name=name, model="transformer", trainer=likelihood_ratio))
-        if args.attention_backend is not None:
-            processors = {type(m.processor) for m in model.modules() if getattr(m, "processor", None) is not None}
-            if not any(hasattr(processor, "_attention_backend") for processor in processors):
+        backend = resolve_attention_backend(args.attention_backend, model, device, masks_text)
+        if backend is not None:
+            if not uses_dispatcher(model):
+                processors = {type(m.processor) for m in model.modules() if getattr(m, "processor", None) is not None}
                 raise ValueError(
-                    f"attention_backend={args.attention_backend!r}: {name}'s attention processors "
+                    f"attention_backend={backend!r}: {name}'s attention processors "
                     f"({', '.join(sorted(p.__name__ for p in processors))}) call PyTorch's SDPA directly, not diffusers' "
                     "attention dispatcher, so no backend can be set; leave attention_backend unset"
                 )
-            model.set_attention_backend(args.attention_backend)
-        if args.torch_compile:
+            model.set_attention_backend(backend)
+        if compile_models:
             compile_regions(model, args.torch_compile_backend, args.torch_compile_mode)
