@@ -113,8 +113,15 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         # cuDNN's attention kernel through diffusers' dispatcher (attention_backend="auto" on Hopper picks it);
         # SDPA's own cudnn_attention flag left SDPA on its flash kernel (measured: the -sdpa-cudnn-flag record).
         "grpo-flux-1024-lora64-gc-compile-cudnn": _real(
-            "grpo_iteration.py", "flux-dev", 64, "--resolution", "1024", "--torch-compile",
-            "--attention-backend", "_native_cudnn", *_LARGE,
+            "grpo_iteration.py",
+            "flux-dev",
+            64,
+            "--resolution",
+            "1024",
+            "--torch-compile",
+            "--attention-backend",
+            "_native_cudnn",
+            *_LARGE,
         ),  # fmt: skip
         "grpo-flux-1024-lora64-compile-tb1": _real(
             "grpo_iteration.py",
@@ -128,12 +135,30 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
             *_ONE_ROUND,
         ),  # fmt: skip
         "grpo-wan14b-33f-lora64-gc-compile-cudnn": _real(
-            "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "33", "--torch-compile",
-            "--attention-backend", "_native_cudnn", *_VIDEO_LARGE,
+            "grpo_iteration.py",
+            "wan21-14b",
+            64,
+            "--resolution",
+            "480",
+            "--frames",
+            "33",
+            "--torch-compile",
+            "--attention-backend",
+            "_native_cudnn",
+            *_VIDEO_LARGE,
         ),  # fmt: skip
         "grpo-hunyuan15-33f-lora64-gc-compile": _real(
-            "grpo_iteration.py", "hunyuan-video15", 64, "--resolution", "480", "--frames", "33", "--guidance-scale",
-            "6", "--torch-compile", *_VIDEO_LARGE,
+            "grpo_iteration.py",
+            "hunyuan-video15",
+            64,
+            "--resolution",
+            "480",
+            "--frames",
+            "33",
+            "--guidance-scale",
+            "6",
+            "--torch-compile",
+            *_VIDEO_LARGE,
         ),  # fmt: skip
         # LTX-2 at the pipeline's guidance (CFG 3 / 7, STG, modality isolation, rescale: four forwards a step).
         "grpo-ltx2-33f-lora64-gc": _real(

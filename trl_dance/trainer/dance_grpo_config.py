@@ -95,12 +95,12 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             Stores each window step's mean (one more latent per transition). Gaussian SDEs only (not `"cps"`).
         rollout_backprop (`bool`, defaults to `False`): Recompute-free GRPO (LeanGRPO's "Retain", arXiv 2609.03528):
             the rollout runs each trained transition's denoiser call with gradients and keeps its graph, and once the
-            rewards are in, one backward of the same loss (at ratio 1: −A·∇log p per transition, with the same
-            per-micro-batch weights) gives the round's update, so no training forward repeats a rollout's. Exact
-            with one optimizer update per round (`num_iterations` 1 and `gradient_accumulation_steps` = the round's
-            micro-batches), one process, no KL (`beta` 0), the clip trust region without ratio normalisation, no
-            `best_of_n_k` and no per-group windows. Memory: the retained graphs of all of a process's trained
-            transitions until the rewards arrive (with activation checkpointing, each block's input per transition).
+            rewards are in, one backward of the same loss (at ratio 1: −A·∇log p per transition) gives the round's
+            update, so no training forward repeats a rollout's. Exact with one optimizer update per round
+            (`gradient_accumulation_steps` = the round's micro-batches, the default with this option), DDP or one
+            process, no KL (`beta` 0), the clip trust region without ratio normalisation, no `best_of_n_k` and no
+            per-group windows; the rest is refused. Memory: the graphs of all of a process's trained transitions are
+            held until the rewards arrive (with activation checkpointing, each block's input per transition).
         step_reweighting (`bool`, defaults to `False`): GRPO-Guard's gradient reweighting: each transition's policy
             loss is divided by its Δσ = σ_i − σ_{i+1}, which equalises the steps' gradients. Flow-matching models.
         kl_scaling (`str`, defaults to `"gaussian"`): Units of the KL term, mean((μ_θ − μ_ref)²) over the latent
@@ -249,8 +249,8 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         updates = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
         inexact = {
             f"{updates} optimizer updates per round (gradient_accumulation_steps must equal the round's "
-            f"{self.steps_per_generation} micro-batches, num_iterations 1): after the first the policy has moved "
-            "from the one that rolled out": updates != 1,
+            f"{self.steps_per_generation * self.num_iterations} micro-batches, steps_per_generation × "
+            "num_iterations): after the first the policy has moved from the one that rolled out": updates != 1,
             "beta > 0: the KL term needs the reference model's forward at each transition": self.beta > 0,
             "ratio_normalization: the normalised ratio is not the log-probability the rollout differentiates": (
                 self.ratio_normalization

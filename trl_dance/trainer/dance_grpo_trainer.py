@@ -217,12 +217,39 @@ class DanceGRPOTrainer(RolloutTrainer):
             inputs["old_mean"] = rollout["means"][sample, stored]
         return inputs
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.rollout_backprop and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                "rollout_backprop averages the processes' gradients itself after the round's backward, which DeepSpeed "
+                "and FSDP own; use DDP (or one process)"
+            )
+
+    def _rollout_model(self) -> torch.nn.Module:
+        if self.args.rollout_backprop:  # its differentiable calls bypass DDP's forward (gradients averaged below)
+            return self.accelerator.unwrap_model(self.model_wrapped)
+        return super()._rollout_model()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.args.rollout_backprop:
+            return super().training_step(model, inputs, num_items_in_batch)
         round_steps = self.args.steps_per_generation * self.args.num_iterations
-        if self.args.rollout_backprop and self._rollout is not None and self._step % round_steps:
+        if self._rollout is not None and self._step % round_steps:
             self._step += 1  # the round's one backward ran at its first micro-step
             return torch.zeros((), device=self.accelerator.device)
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)  # the rollout, then the round's backward
+        if self.accelerator.num_processes > 1:
+            self._average_gradients(model)
+        return loss
+
+    def _average_gradients(self, model: torch.nn.Module) -> None:
+        """Average the trained parameters' gradients over the processes, as DDP's backward would have: the round's
+        backward ran through graphs that DDP's forward did not make."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.accelerator.reduce(torch._utils._flatten_dense_tensors(grads), "mean")
+        for param, grad in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            param.grad = grad
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.args.rollout_backprop:  # the round's loss through the rollout's graphs (the first micro-step)
