@@ -65,6 +65,8 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
     mix |= {"sde_window_schedule": "progressive", "sde_window_stride_rounds": max(1, rounds // positions)}
     grpo = {
         "dancegrpo": {},  # the config's defaults: DanceGRPO's FLUX recipe (η 0.3, 60 % of the steps)
+        # Recompute-free: the same update through the rollout's own differentiable forwards (one update per round).
+        "dancegrpo_rollout_backprop": {"rollout_backprop": True},
         "flow_grpo_fast": fast,
         "flow_grpo_fast_branching": fast | {"branching": True},
         # Ablation: Fast's window with DanceGRPO's SDE and noise level, to separate the window from the noise.
@@ -173,7 +175,9 @@ def run_method(
     config["max_steps"] = options.rounds * updates  # the same rounds (rollouts) for every method
     config_class = trainer_class.config_class
     # With one item per micro-batch, a round's micro-batches are its training items (transitions, re-noised samples).
-    items = config_class(**config, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
+    # (rollout_backprop refuses that probe's many updates per round; it does not change the count.)
+    probe = {key: value for key, value in config.items() if key != "rollout_backprop"}
+    items = config_class(**probe, gradient_accumulation_steps=1, per_device_train_batch_size=1).steps_per_generation
     # One optimizer update per round (the loss a mean over the round's items, whatever their number), or `updates`.
     train_batch = max(d for d in range(1, options.train_batch + 1) if items % d == 0 and (items // d) % updates == 0)
     config |= {

@@ -19,11 +19,11 @@ shift || true
 rows=("$@")
 if [ ${#rows[@]} -eq 0 ]; then
     rows=(
-        grpo-flux-1024-lora64-gc                 # the baseline (eager, as every earlier row), rerun here
-        grpo-flux-1024-lora64-gc-compile         # regional torch.compile
-        grpo-flux-1024-lora64-compile-tb1        # compiled, no checkpointing, training micro-batch 1
-        grpo-flux-1024-lora64-gc-compile-cudnn   # compiled, cuDNN attention (if step 2 shows it sound)
-        grpo-wan14b-33f-lora64-gc-compile        # video, compiled
+        grpo-flux-1024-lora64-gc                          # the baseline (eager, flash attention), rerun here
+        grpo-flux-1024-lora64-gc-compile-cudnn            # the defaults since 2026-11-27: compiled, cuDNN attention
+        grpo-flux-1024-lora64-gc-compile-cudnn-backprop   # and recompute-free GRPO (rollout_backprop)
+        grpo-wan14b-33f-lora64-gc-compile-cudnn           # video, the same defaults
+        grpo-hunyuan15-33f-lora64-gc-compile              # masked text attention: flash/efficient, compiled
     )
 fi
 out="${OUT:-gpu_session}"

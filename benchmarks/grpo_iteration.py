@@ -46,7 +46,7 @@ class _StepClock(TrainerCallback):
     in each round's training phase."""
 
     def __init__(self, device, trainer):
-        self.device, self.trainer, self.ends, self.train_flops = device, trainer, [], []
+        self.device, self.trainer, self.ends, self.rollout_flops, self.train_flops = device, trainer, [], [], []
         self.train_range = None  # the profiler's "train" range of a profiled round, closed here
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -55,7 +55,11 @@ class _StepClock(TrainerCallback):
         if self.train_range is not None:
             self.train_range.__exit__(None, None, None)
             self.train_range = None
-        self.train_flops.append(self.trainer.flops.take())
+        # The trainer's closed-form count of the round by phase (a differentiable rollout call's backward counts with
+        # its call, in the rollout: rollout_backprop's training phase has none).
+        by_phase = self.trainer.flops.take_by_phase()
+        self.rollout_flops.append(by_phase.pop("rollout", 0.0))
+        self.train_flops.append(sum(by_phase.values()))
 
 
 def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bool) -> dict:
@@ -70,7 +74,7 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     recorder = CallRecorder(trainer) if floor else None
     clock = _StepClock(device, trainer)
     trainer.add_callback(clock)
-    starts, rollouts, rollout_flops = [], [], []  # per round: start time, rollout seconds, rollout FLOPs
+    starts, rollouts = [], []  # per round: start time, rollout seconds
     generate = trainer._generate_and_score
     # The last round is profiled (kernel classes per phase) when asked: the profiler starts before its rollout's
     # clock and stops after its step's, so its post-processing stays out of the timed windows.
@@ -82,7 +86,6 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
             recorder.enabled = len(starts) >= warmup
             recorder.phase = "rollout"
         synchronize(device)
-        trainer.flops.take()  # the counts since the previous step (logging) belong to no phase
         if profiler and len(starts) == profiled_round:
             profiler.start()
         starts.append(time.perf_counter())
@@ -90,7 +93,6 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
             generate(rows)
             synchronize(device)
         rollouts.append(time.perf_counter() - starts[-1])
-        rollout_flops.append(trainer.flops.take())
         progress(f"round {len(starts)}: rollout of {len(rows)} prompts in {rollouts[-1]:.1f} s")
         if recorder:
             recorder.phase = "train"
@@ -123,7 +125,7 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     result["peak_mem_mb"] = peak_memory_mb(device)
     # The trainer's own closed-form count (what perf/denoiser_tflops logs) per phase, beside torch's count of the
     # replayed calls: the timed rounds' median, as for the times.
-    rollout_tflops = statistics.median(rollout_flops[warmup:]) * rounds_timed / 1e12
+    rollout_tflops = statistics.median(clock.rollout_flops[warmup:]) * rounds_timed / 1e12
     train_tflops = statistics.median(clock.train_flops[warmup:]) * rounds_timed / 1e12
     result["denoiser_tflops"] = rollout_tflops + train_tflops
     result["tflops_per_s"] = result["denoiser_tflops"] / result["wall_s"]
@@ -160,6 +162,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--torch-compile", action="store_true", help="the Trainer's torch_compile (the denoiser)")
     parser.add_argument("--attention-backend", default=None, help="the config's attention_backend (diffusers')")
     parser.add_argument("--cudnn-attention", action="store_true", help="the config's cudnn_attention")
+    parser.add_argument("--rollout-backprop", action="store_true", help="recompute-free GRPO (the config's)")
     parser.add_argument(
         "--profile", metavar="DIR", default=None,
         help="profile the last timed round (kernel classes per phase; its trace written to DIR, then removed)",
@@ -219,6 +222,7 @@ def _benchmark(options) -> dict:
                 torch_compile=options.torch_compile,
                 attention_backend=options.attention_backend,
                 cudnn_attention=options.cudnn_attention,
+                rollout_backprop=options.rollout_backprop,
                 learning_rate=1e-4,
                 max_steps=rounds,  # one optimizer update per round
             )
@@ -249,8 +253,10 @@ def _benchmark(options) -> dict:
         "train_s_per_item": ours["train_s"] / (transitions * options.rounds),
         "peak_mem_mb": ours["peak_mem_mb"],
         "overhead_ratio": ours["wall_s"] / sum(floor.values()) if floor else None,
-        "rollout_overhead_ratio": ours["rollout_s"] / floor["rollout"] if floor else None,
-        "train_overhead_ratio": ours["train_s"] / floor["train"] if floor else None,
+        # Per phase only where each phase's calls ran in it (rollout_backprop's backwards run in training but replay
+        # with their rollout calls).
+        "rollout_overhead_ratio": ours["rollout_s"] / floor["rollout"] if "train" in floor else None,
+        "train_overhead_ratio": ours["train_s"] / floor["train"] if "train" in floor else None,
         "floor_s": ours.get("floor_s"),
         "wall_s": ours["wall_s"],
         "batch1_speedup": batch1["wall_s"] / ours["wall_s"] if batch1 else None,

@@ -36,6 +36,7 @@ _VIDEO_LARGE = (*_LARGE, "--no-floor", "--timestep-fraction", "0.4")
 CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
     "cpu": {
         "grpo-tiny-flux": ["grpo_iteration.py", "--model", "tiny-flux"],
+        "grpo-tiny-flux-rollout-backprop": ["grpo_iteration.py", "--model", "tiny-flux", "--rollout-backprop"],
         "grpo-tiny-sd3": ["grpo_iteration.py", "--model", "tiny-sd3"],
         "grpo-tiny-sd": ["grpo_iteration.py", "--model", "tiny-sd"],
         "grpo-tiny-sdxl": ["grpo_iteration.py", "--model", "tiny-sdxl"],
@@ -122,6 +123,12 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
             "--attention-backend",
             "_native_cudnn",
             *_LARGE,
+        ),  # fmt: skip
+        # Recompute-free GRPO on top: the training forwards gone, the graphs of the 20 trained transitions held until
+        # the rewards (checkpointed: each block's input).
+        "grpo-flux-1024-lora64-gc-compile-cudnn-backprop": _real(
+            "grpo_iteration.py", "flux-dev", 64, "--resolution", "1024", "--torch-compile",
+            "--attention-backend", "_native_cudnn", "--rollout-backprop", *_LARGE,
         ),  # fmt: skip
         "grpo-flux-1024-lora64-compile-tb1": _real(
             "grpo_iteration.py",

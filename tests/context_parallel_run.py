@@ -55,9 +55,10 @@ def build(kind: str, method: str, lora: str, model_dir: str, output_dir: str):
             epsilon=0.5,
         )  # fmt: skip
         trainer_class = DanceGRPOTrainer
-    else:
+    else:  # "nft", or "nft-guided": training forwards with CFG 4, through a second policy (policy_with)
+        guided = {"train_guidance_scale": 4.0, "learning_rate": 10.0} if method == "nft-guided" else {}
         args = DiffusionNFTConfig(
-            **base, **online, learning_rate=1.0, per_device_train_batch_size=2, timestep_fraction=0.5
+            **(base | {"learning_rate": 1.0} | guided), **online, per_device_train_batch_size=2, timestep_fraction=0.5
         )
         trainer_class = DiffusionNFTTrainer
     prompts = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})

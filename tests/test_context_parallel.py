@@ -17,6 +17,9 @@ CASES = [
     ("wan22", "grpo", "lora"),  # Wan 2.2 A14B's layout: two experts, both split; activation checkpointing
     ("hunyuan-video", "grpo", "lora"),  # its plan is ours; the prompts are padded (masked) to 16 tokens
     ("wan", "nft", "lora"),
+    # Training guidance: the training forwards run a copy of the policy (policy_with), which once lost the
+    # context-parallel gradient scale (the LoRA moved 0.500× as far as one process's); the copy now shares the runtime.
+    ("wan", "nft-guided", "lora"),
     ("qwen-image", "grpo", "lora"),  # diffusers' plan, prompts padded under its joint mask
     ("flux2", "grpo", "lora"),
     ("wan", "dpo", "full"),

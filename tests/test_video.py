@@ -347,7 +347,7 @@ def test_an_offloaded_frozen_expert_moves_once_each_way_per_round(tiny_model_dir
     trainer.generate_images(["a cat"])
     assert moves == [str(policy.device), "cpu"] * 2
     trainer.compute_loss(trainer.model, trainer._microbatch(trainer._microbatches[0])).backward()
-    assert len(moves) == 4 and policy._sampling_depth == 0
+    assert len(moves) == 4 and policy.runtime.sampling_depth == 0
 
 
 # Over seeds 42, 1, 2 and 1-2 threads (constant lr 1.5e-2, CFG 5 / 3, the low-noise expert's 3 trainable steps, first

@@ -26,6 +26,7 @@ from diffusers import (
 )
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .runtime import PolicyRuntime
 from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
@@ -106,14 +107,21 @@ def policy_class(pipeline: DiffusionPipeline) -> type[DiffusionPolicy]:
     )
 
 
-def make_policy(pipeline: DiffusionPipeline, settings: SamplerSettings) -> DiffusionPolicy:
-    """The policy adapter for a pipeline instance, sampling with ``settings``."""
-    return policy_class(pipeline)(pipeline, settings)
+def make_policy(
+    pipeline: DiffusionPipeline, settings: SamplerSettings, runtime: PolicyRuntime | None = None
+) -> DiffusionPolicy:
+    """The policy adapter for a pipeline instance, sampling with ``settings``; with ``runtime``, sharing that run's
+    runtime (another policy's, so that both run with the same settings and state)."""
+    policy = policy_class(pipeline)(pipeline, settings)
+    if runtime is not None:
+        policy.runtime = runtime
+    return policy
 
 
 __all__ = [
     "Conditioning",
     "DiffusionPolicy",
+    "PolicyRuntime",
     "FlowMatchingPolicy",
     "Flux2KleinPolicy",
     "Flux2Policy",

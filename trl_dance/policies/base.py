@@ -20,6 +20,7 @@ from diffusers import DiffusionPipeline
 from ..flops import SAMPLE, FlopLayout
 from ..forward_process import UNIFORM, TimeDensity, add_noise, recover_clean
 from ..sde import Reduction, SDEStepOutput
+from .runtime import PolicyRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +131,8 @@ class DiffusionPolicy(ABC):
         self.pipeline = pipeline
         self.settings = settings
         self._negative: Conditioning | None = None
-        # Memory settings, set by the trainer from its config.
-        self.offload_text_encoders = False
-        self.offload_frozen_expert = False
-        self._sampling_depth = 0
+        self.runtime = PolicyRuntime()  # the run's settings (the trainer's), shared with every copy
         self._warned_long_prompts = False
-        # Context parallelism: a group's ranks each get their slice's gradient; the trainer sets the group size here.
-        self.gradient_scale = 1.0
         if settings.num_frames is not None and not self.is_video:
             raise ValueError(f"num_frames applies to video pipelines; {type(pipeline).__name__} generates images")
         if settings.negative_prompt is not None and not self.use_cfg:
@@ -207,25 +203,27 @@ class DiffusionPolicy(ABC):
 
     def offloaded_modules(self) -> list[torch.nn.Module]:
         """Frozen modules kept on the CPU and moved to the accelerator only while used: the text encoders with
-        ``offload_text_encoders``, the frozen expert with ``offload_frozen_expert``."""
-        offloaded = self.text_encoders() if self.offload_text_encoders else []
-        if self.offload_frozen_expert and self.frozen_expert is not None:
+        ``runtime.offload_text_encoders``, the frozen expert with ``runtime.offload_frozen_expert``."""
+        offloaded = self.text_encoders() if self.runtime.offload_text_encoders else []
+        if self.runtime.offload_frozen_expert and self.frozen_expert is not None:
             offloaded.append(self.frozen_expert)
         return offloaded
 
     @contextlib.contextmanager
     def sampling(self):
-        """Hold around rollouts: with ``offload_frozen_expert`` the frozen expert is on the accelerator only inside.
-        Re-entrant, so a round of several rollout chunks moves it once each way."""
-        module = self.frozen_expert if self.offload_frozen_expert else None
-        outermost = module is not None and self._sampling_depth == 0
+        """Hold around rollouts: with ``runtime.offload_frozen_expert`` the frozen expert is on the accelerator only
+        inside. Re-entrant (also across copies of the policy), so a round of several rollout chunks moves it once each
+        way."""
+        runtime = self.runtime
+        module = self.frozen_expert if runtime.offload_frozen_expert else None
+        outermost = module is not None and runtime.sampling_depth == 0
         if outermost:
             module.to(self.device)
-        self._sampling_depth += 1
+        runtime.sampling_depth += 1
         try:
             yield
         finally:
-            self._sampling_depth -= 1
+            runtime.sampling_depth -= 1
             if outermost:
                 module.to("cpu")
 
@@ -239,7 +237,7 @@ class DiffusionPolicy(ABC):
 
     @contextlib.contextmanager
     def _text_encoders_on_device(self):
-        if not self.offload_text_encoders:
+        if not self.runtime.offload_text_encoders:
             yield
             return
         for module in self.text_encoders():
@@ -383,9 +381,10 @@ class DiffusionPolicy(ABC):
         self, model: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning, **options
     ) -> torch.Tensor:
         """:meth:`_forward` (with a family's ``options``) in at least float32, its gradient scaled by
-        :attr:`gradient_scale`."""
+        ``runtime.gradient_scale``."""
         output = _at_least_float32(self._forward(model, latents, timestep, cond, **options))
-        return output if self.gradient_scale == 1 else scale_gradient(output, self.gradient_scale)
+        scale = self.runtime.gradient_scale
+        return output if scale == 1 else scale_gradient(output, scale)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         """Per-sample token counts of :attr:`flop_layout`'s streams in a denoiser call with named ``inputs``: ``image``

@@ -8,7 +8,7 @@ splits the sequence. Rewards are computed once per group (its first rank) and ev
 parallel only (:class:`DataParallel`). Each rank's backward yields the gradient of its own slice of the sequence
 (diffusers' all-gather hands each rank its slice of the output gradient), so the group's *sum* is the full gradient;
 DDP, FSDP2 and DeepSpeed average over all ranks, so the denoiser's output gradient is scaled by C (the policy's
-``gradient_scale``).
+``runtime.gradient_scale``, shared by every copy of the policy).
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class DiffusionTrainer(_BaseTrainer):
         if args.frozen_dtype is not None:
             for module in policy.frozen_modules():
                 module.to(getattr(torch, args.frozen_dtype))
-        policy.offload_text_encoders = args.offload_text_encoders
+        policy.runtime.offload_text_encoders = args.offload_text_encoders
         policy.to(self.accelerator.device)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
@@ -239,7 +239,7 @@ class DiffusionTrainer(_BaseTrainer):
                 args.context_parallel_type,
                 self.accelerator.device,
             )
-            policy.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
+            policy.runtime.gradient_scale = args.context_parallel_size  # the group's gradients are summed, not averaged
         # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
         denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
         apply_speed_options(

@@ -70,11 +70,9 @@ def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defa
 
 def policy_with(policy: DiffusionPolicy, **changes: Any) -> DiffusionPolicy:
     """``policy`` with some SamplerSettings ``changes``: a second policy on the same pipeline (it holds no weights of
-    its own), or ``policy`` itself when nothing changes."""
+    its own) and the same runtime object (offloading, context-parallel gradient scale), or ``policy`` itself when
+    nothing changes."""
     settings = dataclasses.replace(policy.settings, **changes)
     if settings == policy.settings:
         return policy
-    other = make_policy(policy.pipeline, settings)
-    other.offload_text_encoders = policy.offload_text_encoders
-    other.offload_frozen_expert = policy.offload_frozen_expert
-    return other
+    return make_policy(policy.pipeline, settings, runtime=policy.runtime)

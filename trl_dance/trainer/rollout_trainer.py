@@ -126,7 +126,7 @@ class RolloutTrainer(DiffusionTrainer):
                 f"offload_frozen_expert applies to two-expert pipelines (Wan 2.2 A14B); {type(policy.pipeline).__name__} "
                 "has one denoiser"
             )
-        policy.offload_frozen_expert = args.offload_frozen_expert
+        policy.runtime.offload_frozen_expert = args.offload_frozen_expert
         self._check_policy(policy, args)
         audio = [reward_name(f) for f in self.reward_funcs if getattr(f, "accepts_audio", False)]
         if audio and not policy.has_audio:
