@@ -127,8 +127,16 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         # Recompute-free GRPO on top: the training forwards gone, the graphs of the 20 trained transitions held until
         # the rewards (checkpointed: each block's input).
         "grpo-flux-1024-lora64-gc-compile-cudnn-backprop": _real(
-            "grpo_iteration.py", "flux-dev", 64, "--resolution", "1024", "--torch-compile",
-            "--attention-backend", "_native_cudnn", "--rollout-backprop", *_LARGE,
+            "grpo_iteration.py",
+            "flux-dev",
+            64,
+            "--resolution",
+            "1024",
+            "--torch-compile",
+            "--attention-backend",
+            "_native_cudnn",
+            "--rollout-backprop",
+            *_LARGE,
         ),  # fmt: skip
         "grpo-flux-1024-lora64-compile-tb1": _real(
             "grpo_iteration.py",

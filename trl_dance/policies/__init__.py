@@ -26,7 +26,6 @@ from diffusers import (
 )
 
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
-from .runtime import PolicyRuntime
 from .flow_matching import FlowMatchingPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
@@ -34,6 +33,7 @@ from .hunyuan_video15 import HunyuanVideo15ImageToVideoPolicy, HunyuanVideo15Pol
 from .ltx2 import LTX2Policy
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .qwen_image21 import QwenImage21Policy
+from .runtime import PolicyRuntime
 from .sd3 import SD3Policy
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
