@@ -33,6 +33,12 @@ _LARGE = ("--gradient-checkpointing", *_ONE_ROUND)
 # fraction of 0.4 (2 of 5 transitions trained) as in the papers' recipes keeps a row inside one device call.
 _VIDEO_LARGE = (*_LARGE, "--no-floor", "--timestep-fraction", "0.4")
 
+# The issue-55 rows: the model and size, and the fast path (compiled, cuDNN attention through diffusers' dispatcher).
+_FLUX_1024 = ("flux-dev", 64, "--resolution", "1024")
+_WAN14B_33F = ("wan21-14b", 64, "--resolution", "480", "--frames", "33")
+_HUNYUAN15_33F = ("hunyuan-video15", 64, "--resolution", "480", "--frames", "33", "--guidance-scale", "6")
+_FAST = ("--torch-compile", "--attention-backend", "_native_cudnn")
+
 CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
     "cpu": {
         "grpo-tiny-flux": ["grpo_iteration.py", "--model", "tiny-flux"],
@@ -106,75 +112,23 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-wan14b-81f-lora64-gc": _real(
             "grpo_iteration.py", "wan21-14b", 64, "--resolution", "480", "--frames", "81", *_VIDEO_LARGE
         ),
-        # Issue 55, speed at full size: FLUX.1-dev 1024² compiled (regional torch.compile), with cuDNN attention, and
-        # without checkpointing at a training micro-batch of 1 (on an H200: 139 GB); run by benchmarks/gpu_session.sh.
-        "grpo-flux-1024-lora64-gc-compile": _real(
-            "grpo_iteration.py", "flux-dev", 64, "--resolution", "1024", "--torch-compile", *_LARGE
-        ),
-        # cuDNN's attention kernel through diffusers' dispatcher (attention_backend="auto" on Hopper picks it);
-        # SDPA's own cudnn_attention flag left SDPA on its flash kernel (measured: the -sdpa-cudnn-flag record).
-        "grpo-flux-1024-lora64-gc-compile-cudnn": _real(
-            "grpo_iteration.py",
-            "flux-dev",
-            64,
-            "--resolution",
-            "1024",
-            "--torch-compile",
-            "--attention-backend",
-            "_native_cudnn",
-            *_LARGE,
-        ),  # fmt: skip
-        # Recompute-free GRPO on top: the training forwards gone, the graphs of the 20 trained transitions held until
-        # the rewards (checkpointed: each block's input).
+        # Issue 55, speed at full size (run by benchmarks/gpu_session.sh): FLUX.1-dev 1024² compiled (regional
+        # torch.compile); then with cuDNN's attention through diffusers' dispatcher (what attention_backend="auto"
+        # picks on Hopper; SDPA's own cudnn_attention flag left it on flash: the -sdpa-cudnn-flag record); then
+        # recompute-free (the graphs of the 20 trained transitions held until the rewards); and without
+        # checkpointing at a training micro-batch of 1 (an H200's 139 GB).
+        "grpo-flux-1024-lora64-gc-compile": _real("grpo_iteration.py", *_FLUX_1024, "--torch-compile", *_LARGE),
+        "grpo-flux-1024-lora64-gc-compile-cudnn": _real("grpo_iteration.py", *_FLUX_1024, *_FAST, *_LARGE),
         "grpo-flux-1024-lora64-gc-compile-cudnn-backprop": _real(
-            "grpo_iteration.py",
-            "flux-dev",
-            64,
-            "--resolution",
-            "1024",
-            "--torch-compile",
-            "--attention-backend",
-            "_native_cudnn",
-            "--rollout-backprop",
-            *_LARGE,
-        ),  # fmt: skip
+            "grpo_iteration.py", *_FLUX_1024, *_FAST, "--rollout-backprop", *_LARGE
+        ),
         "grpo-flux-1024-lora64-compile-tb1": _real(
-            "grpo_iteration.py",
-            "flux-dev",
-            64,
-            "--resolution",
-            "1024",
-            "--torch-compile",
-            "--train-batch",
-            "1",
-            *_ONE_ROUND,
-        ),  # fmt: skip
-        "grpo-wan14b-33f-lora64-gc-compile-cudnn": _real(
-            "grpo_iteration.py",
-            "wan21-14b",
-            64,
-            "--resolution",
-            "480",
-            "--frames",
-            "33",
-            "--torch-compile",
-            "--attention-backend",
-            "_native_cudnn",
-            *_VIDEO_LARGE,
-        ),  # fmt: skip
+            "grpo_iteration.py", *_FLUX_1024, "--torch-compile", "--train-batch", "1", *_ONE_ROUND
+        ),
+        "grpo-wan14b-33f-lora64-gc-compile-cudnn": _real("grpo_iteration.py", *_WAN14B_33F, *_FAST, *_VIDEO_LARGE),
         "grpo-hunyuan15-33f-lora64-gc-compile": _real(
-            "grpo_iteration.py",
-            "hunyuan-video15",
-            64,
-            "--resolution",
-            "480",
-            "--frames",
-            "33",
-            "--guidance-scale",
-            "6",
-            "--torch-compile",
-            *_VIDEO_LARGE,
-        ),  # fmt: skip
+            "grpo_iteration.py", *_HUNYUAN15_33F, "--torch-compile", *_VIDEO_LARGE
+        ),
         # LTX-2 at the pipeline's guidance (CFG 3 / 7, STG, modality isolation, rescale: four forwards a step).
         "grpo-ltx2-33f-lora64-gc": _real(
             "grpo_iteration.py", "ltx2", 64, "--frames", "33", "--guidance-scale", "3", *_VIDEO_LARGE
