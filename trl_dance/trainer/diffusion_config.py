@@ -11,6 +11,7 @@ from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 from .performance import PerformanceArguments
+from .preemption import PreemptionArguments
 from .speed import SpeedArguments
 
 
@@ -18,6 +19,7 @@ from .speed import SpeedArguments
 class DiffusionTrainingConfig(
     ContextParallelArguments,
     PerformanceArguments,
+    PreemptionArguments,
     SpeedArguments,
     EvaluationArguments,
     EMAArguments,
@@ -42,5 +44,6 @@ class DiffusionTrainingConfig(
         self._check_frozen_components()
         self._check_context_parallel()
         self._check_speed()
+        self._check_preemption()
         self._check_ema()
         self._check_evaluation()

@@ -8,6 +8,7 @@ checkpointing's name, DDP defaults, diffusers-format saving and resuming, and me
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import shutil
@@ -42,6 +43,7 @@ from .context_parallel import (
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
 from .performance import PerformanceLog
+from .preemption import PreemptionHandler, any_process
 from .speed import apply_speed_options, resolve_torch_compile
 
 
@@ -277,6 +279,9 @@ class DiffusionTrainer(_BaseTrainer):
                 )
             self.ema = EMAWeights(denoiser, args.ema_decay)
             self.add_callback(EMAUpdate(self.ema))
+        if args.save_on_preemption:
+            agree = functools.partial(any_process, self.accelerator)
+            self.add_callback(PreemptionHandler(args.preemption_signals, agree))
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)

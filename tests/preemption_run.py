@@ -1,0 +1,101 @@
+"""Run by tests/test_preemption.py, as one process or under `accelerate launch`: a tiny FLUX LoRA GRPO run of 6 rounds
+(Adam, one update per round) three times in one process: uninterrupted; signalled (`argv[3]`, e.g. SIGTERM) during
+its 3rd update on rank 0 only (so the ranks must agree to stop), twice at once as a launcher forwarding it would;
+resumed from the latest checkpoint. The main process
+writes the trained parameters of the first and the last (full.pt, resumed.pt) and the step the signalled run stopped at
+and the checkpoints it left (result.json) to argv[2]. With argv[4] == "twice", a second signal follows after the repeat
+window instead and the process is expected to die of it."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
+from trl_dance.trainer.preemption import REPEAT_WINDOW_S
+
+model_dir, output_dir, signal_name = sys.argv[1:4]
+twice = len(sys.argv) > 4 and sys.argv[4] == "twice"
+torch.set_num_threads(1)
+world = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class SignalDuringStep(TrainerCallback):
+    """Sends the signal to this process (rank 0 only) as the given update starts."""
+
+    def __init__(self, step: int, times: int):
+        self.step, self.times = step, times
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1 and int(os.environ.get("RANK", "0")) == 0:
+            for repeat in range(self.times):
+                if repeat:  # a second request, after the window in which a repeat is the same one
+                    time.sleep(REPEAT_WINDOW_S + 0.5)
+                os.kill(os.getpid(), getattr(signal, signal_name))
+
+
+def trainer(name: str, **overrides) -> DanceGRPOTrainer:
+    args = DanceGRPOConfig(
+        output_dir=os.path.join(output_dir, name),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        num_generations=4,
+        generation_batch_size=8,
+        num_inference_steps=6,
+        height=32,
+        width=32,
+        max_sequence_length=16,
+        per_device_train_batch_size=8 // world,
+        timestep_fraction=1.0,
+        eta=1.0,
+        max_steps=6,
+        learning_rate=1e-2,
+        seed=5,
+        **overrides,
+    )
+    peft = LoraConfig(
+        r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights="gaussian"
+    )
+    prompts = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+    return DanceGRPOTrainer(model_dir, "brightness", args=args, train_dataset=prompts, peft_config=peft)
+
+
+def save(run: DanceGRPOTrainer, name: str) -> None:
+    if run.accelerator.is_main_process:
+        model = run.accelerator.unwrap_model(run.model)
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, name)
+
+
+if twice:
+    signalled = trainer("twice")
+    signalled.add_callback(SignalDuringStep(3, times=2))
+    signalled.train()
+    sys.exit(3)  # not reached: the second signal ends the process
+
+full = trainer("full")
+full.train()
+save(full, os.path.join(output_dir, "full.pt"))
+
+signalled = trainer("preempted")
+signalled.add_callback(SignalDuringStep(3, times=1))
+signalled.add_callback(SignalDuringStep(3, times=1))  # the same request again at once (a launcher forwarding it)
+signalled.train()
+stopped = signalled.state.global_step
+folder = os.path.join(output_dir, "preempted")
+checkpoints = sorted(name for name in os.listdir(folder) if name.startswith("checkpoint-"))
+
+resumed = trainer("preempted")
+resumed.train(resume_from_checkpoint=True)
+save(resumed, os.path.join(output_dir, "resumed.pt"))
+if resumed.accelerator.is_main_process:
+    with open(os.path.join(output_dir, "result.json"), "w") as handle:
+        json.dump({"stopped": stopped, "checkpoints": checkpoints, "final": resumed.state.global_step}, handle)

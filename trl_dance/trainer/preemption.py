@@ -1,0 +1,120 @@
+"""Preemption: a run told to stop (SLURM's SIGTERM or `--signal` SIGUSR1, Kubernetes' SIGTERM, a first Ctrl-C)
+finishes its current optimizer update, saves a complete checkpoint (pushed if `push_to_hub` says so) and ends
+normally; a second signal, more than 5 s after the first, stops at once (one sooner is the same request forwarded
+by a launcher).
+
+Under several processes a signal may reach one rank only, or the ranks at different moments: after each optimizer
+update they agree on whether any rank was signalled (a one-element all-reduce, microseconds beside a diffusion step),
+so every rank stops after the same update and writes its share of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# A signal this soon after the first is the same request (a launcher forwarding it to its processes), not a second one.
+REPEAT_WINDOW_S = 5.0
+
+
+@dataclass
+class PreemptionArguments:
+    r"""
+    Preemption, on every trainer's config.
+
+    Parameters:
+        save_on_preemption (`bool`, defaults to `True`): on one of `preemption_signals`, finish the current optimizer
+            update, save a checkpoint at it (as `save_strategy` would, with the same files, manifest and Hub push),
+            and end training; a second signal stops at once. Resuming from that checkpoint reproduces the
+            uninterrupted run exactly when it falls at a round boundary (one optimizer update per round).
+        preemption_signals (`list[str]`, defaults to `["SIGTERM", "SIGUSR1", "SIGINT"]`): the signals that ask for it
+            (SLURM sends SIGTERM at preemption and `--signal=USR1@90` before the time limit; Kubernetes SIGTERM before
+            its grace period; SIGINT is Ctrl-C).
+    """
+
+    save_on_preemption: bool = field(
+        default=True, metadata={"help": "On SIGTERM/SIGUSR1/Ctrl-C: finish the update, save a checkpoint, stop."}
+    )
+    preemption_signals: list[str] = field(
+        default_factory=lambda: list(SIGNALS), metadata={"help": "Signals that ask for a checkpoint and a stop."}
+    )
+
+    def _check_preemption(self) -> None:
+        unknown = [name for name in self.preemption_signals if not hasattr(signal, name)]
+        if unknown:
+            raise ValueError(f"preemption_signals: {unknown} are not signals of this platform ({list(SIGNALS)}, ...)")
+
+
+class PreemptionHandler(TrainerCallback):
+    """Catches the preemption signals while ``train`` runs (see the module docstring). ``agree(flag)`` returns
+    whether any process raised its flag (the trainer's all-reduce)."""
+
+    def __init__(self, signals: list[str], agree):
+        self.signals = [getattr(signal, name) for name in signals]
+        self.agree = agree
+        self.requested: str | None = None  # the first signal's name
+        self._first_at = 0.0  # and when it came (time.monotonic)
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, number, frame) -> None:
+        name = signal.Signals(number).name
+        if self.requested is not None and time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+            # The same request reaching us twice: a launcher (torchrun's agent) forwarding what the scheduler sent to
+            # the whole job step, or a Ctrl-C that reached the process group twice.
+            return
+        if self.requested is not None:  # the second: stop now, as the signal would have without us
+            logger.warning("%s again: stopping at once, without a checkpoint", name)
+            self._restore()
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(number)  # to the handler that was there before (SIGTERM's default: exit)
+            return
+        self.requested, self._first_at = name, time.monotonic()
+        logger.warning(
+            "%s received: finishing the current optimizer update, then saving a checkpoint and stopping (send it "
+            "again to stop at once)",
+            name,
+        )
+
+    def _restore(self) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.requested = None
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            logger.warning("training runs outside the main thread: preemption signals are not caught")
+            return
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.agree(self.requested is not None):
+            logger.warning("stopping at step %d after a preemption signal: saving a checkpoint", state.global_step)
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._restore()
+
+
+def any_process(accelerator, flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (an all-reduce of one number; no collective on one process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(value, "sum").item() > 0)
+
+
+__all__ = ["PreemptionArguments", "PreemptionHandler", "any_process"]
