@@ -158,3 +158,51 @@ def test_one_method_table_feeds_exports_commands_and_the_script(tmp_path):
         resolve_method([], "recipes/train.py")
     with pytest.raises(ValueError, match="unknown method 'ppo': one of grpo, nft"):
         get_method("ppo")
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "trl_dance.cli", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_context_parallel_runs_start_through_the_cli(tiny_model_dir, tmp_path):
+    """The launcher validates a config for the processes it starts, not for itself (one process refused every
+    context_parallel_size > 1): two CPU processes splitting tiny Wan's sequence train through `trl-dance grpo`, and a
+    process count the group size does not divide is refused before anything is launched."""
+    recipe = ["grpo", "--config", "recipes/configs/grpo_wan_tiny.yaml", "--model_name_or_path", tiny_model_dir("wan")]
+    common = ["--context_parallel_size", "2", "--max_steps", "1", "--num_sample_images", "0", "--multi_gpu"]
+    refused = _run_cli(*recipe, *common, "--num_processes", "3", "--output_dir", str(tmp_path / "three"))
+    assert refused.returncode != 0
+    assert "context_parallel_size (2) must divide the number of processes (3)" in refused.stderr
+    assert not (tmp_path / "three").exists()  # refused in the launcher, before any training process
+    ran = _run_cli(
+        *recipe, *common, "--num_processes", "2", "--output_dir", str(tmp_path / "two"), "--main_process_port", "29541"
+    )
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert (tmp_path / "two" / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_the_slurm_example_command_validates_for_its_sixteen_processes(monkeypatch):
+    """recipes/slurm/grpo_wan22_cp.sbatch's `trl-dance` line as srun runs it on node 0 of 2: the launcher checks the
+    recipe (context parallelism over 4 of 16 processes) and hands accelerate the multi-node options."""
+    import re
+    import shlex
+
+    import accelerate.commands.launch
+
+    from trl_dance import cli
+
+    with open(os.path.join(ROOT, "recipes", "slurm", "grpo_wan22_cp.sbatch")) as handle:
+        line = re.search(r"'(trl-dance grpo .*?)'", handle.read().replace("\\\n", " "), re.S).group(1)
+    values = {"SLURM_NNODES": "2", "SLURM_NODEID": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    line = line.replace("$((SLURM_NNODES * 8))", "16")
+    for name, value in values.items():
+        line = line.replace(f'"${name}"', value).replace(f"${name}", value)
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    cli.main([*shlex.split(line)[1:], "--bf16", "false", "--use_cpu", "true"])  # (this machine has no GPU for bf16)
+    (launch,) = launched
+    assert (launch.num_machines, launch.num_processes, launch.machine_rank) == (2, 16, 0)
+    assert launch.config_file == cli.accelerate_configs()["multinode"] and launch.main_process_ip == "10.0.0.1"
+    assert "--context_parallel_size" not in launch.training_script_args  # the recipe's, read by the script itself

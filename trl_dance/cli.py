@@ -76,17 +76,36 @@ def launch_training(command: str, argv: list[str]) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     from .scripts import train
+    from .trainer.context_parallel import planned_world_size
 
     train.resolve_method(["--command", command, *argv])  # a YAML recipe of another method: say which command runs it
-    parser = train.make_parser(command, prog=f"trl-dance {command}")
-    # -h exits here. Options neither the script nor the YAML file knows are the launcher's.
-    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
+
+    def parse():  # (a parser per pass: reading the YAML file sets its defaults)
+        parser = train.make_parser(command, prog=f"trl-dance {command}")
+        return parser.parse_args_and_config(argv, return_remaining_strings=True, separate_remaining_strings=True)
+
+    # -h exits here. Options neither the script nor the YAML file knows are the launcher's. This process is not one
+    # of the run's: the checks that need the run's process count wait until the launch options give it.
+    with planned_world_size("groups"):
+        *_, config_remaining, cli_remaining = parse()
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _without(argv, cli_remaining)
     script = [train.__file__, "--command", command, *script_args]
-    launch_command(launch_command_parser().parse_args([*launch_args, *script]))
+    launch = launch_command_parser().parse_args([*launch_args, *script])
+    with planned_world_size(planned_processes(launch)):
+        parse()  # the whole config, checked for the processes about to start
+    launch_command(launch)
+
+
+def planned_processes(launch) -> int:
+    """How many processes ``accelerate launch`` will start for the parsed ``launch`` options (its own resolution of the
+    options, the config file and its defaults)."""
+    import copy
+
+    from accelerate.commands.launch import _validate_launch_command
+
+    resolved, *_ = _validate_launch_command(copy.deepcopy(launch))
+    return resolved.num_processes or 1
 
 
 def env() -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from unittest import mock
@@ -29,6 +30,21 @@ STREAMING_WITH_CONTEXT_PARALLEL = (
     "context_parallel_size > 1 needs a map-style train_dataset (a datasets.Dataset): the ranks of a group must read the "
     "same rows, which a stream sharded per process does not give; load it without streaming"
 )
+
+
+# Set by the `trl-dance` launcher while it validates a config for the processes it is about to start: their number, or
+# "groups" (one context-parallel group: the world-size checks deferred until the launch options are known).
+PLANNED_WORLD_SIZE = "TRL_DANCE_PLANNED_WORLD_SIZE"
+
+
+@contextlib.contextmanager
+def planned_world_size(value: int | str):
+    """Validate configs inside for ``value`` processes (see :data:`PLANNED_WORLD_SIZE`), not this one process."""
+    os.environ[PLANNED_WORLD_SIZE] = str(value)
+    try:
+        yield
+    finally:
+        os.environ.pop(PLANNED_WORLD_SIZE, None)
 
 
 @dataclass
@@ -59,8 +75,16 @@ class ContextParallelArguments:
         },
     )
 
+    @property
+    def planned_world_size(self) -> int:
+        """The processes this config runs on: this run's, or the ones a launcher is about to start."""
+        planned = os.environ.get(PLANNED_WORLD_SIZE)
+        if planned == "groups":
+            return self.context_parallel_size
+        return int(planned) if planned else self.world_size
+
     def _check_context_parallel(self) -> None:
-        size, world = self.context_parallel_size, self.world_size
+        size, world = self.context_parallel_size, self.planned_world_size
         if self.context_parallel_type in ("ulysses_anything", "ring_anything"):
             raise ValueError(
                 f"context_parallel_type {self.context_parallel_type!r}: diffusers' *_anything modes (any sequence length "
@@ -89,7 +113,7 @@ class ContextParallelArguments:
     @property
     def data_parallel_size(self) -> int:
         """Virtual processes: ``num_processes / context_parallel_size``."""
-        return self.world_size // self.context_parallel_size
+        return self.planned_world_size // self.context_parallel_size
 
 
 class DataParallel:
