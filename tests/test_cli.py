@@ -201,8 +201,51 @@ def test_the_slurm_example_command_validates_for_its_sixteen_processes(monkeypat
         line = line.replace(f'"${name}"', value).replace(f"${name}", value)
     launched = []
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
-    cli.main([*shlex.split(line)[1:], "--bf16", "false", "--use_cpu", "true"])  # (this machine has no GPU for bf16)
+    assert cli.main([*shlex.split(line)[1:], "--bf16", "false", "--use_cpu", "true"]) == 0  # (no GPU here for bf16)
     (launch,) = launched
     assert (launch.num_machines, launch.num_processes, launch.machine_rank) == (2, 16, 0)
     assert launch.config_file == cli.accelerate_configs()["multinode"] and launch.main_process_ip == "10.0.0.1"
     assert "--context_parallel_size" not in launch.training_script_args  # the recipe's, read by the script itself
+
+
+def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
+    """A typo'd YAML key names the file and the field meant; several CPU processes without --multi_gpu (which
+    accelerate would run as one) are refused with the form that works; either is one line and exit status 2."""
+    from trl_dance.cli import DEBUG_ENV
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(
+        open(os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")).read() + "learning_rat: 0.1\n"
+    )
+    assert main(["grpo", "--config", str(recipe)]) == 2
+    error = capsys.readouterr().err
+    assert f"{recipe}: unknown keys 'learning_rat' (did you mean 'learning_rate'?)" in error
+    assert "Traceback" not in error and len(error.strip().splitlines()) == 2  # the message, how to see the traceback
+    assert main(["grpo", "--config", tiny, "--num_processes", "2"]) == 2
+    assert "`--multi_gpu --num_processes 2` and ACCELERATE_USE_CPU=1" in capsys.readouterr().err
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="would start one process"):
+        main(["grpo", "--config", tiny, "--num_processes", "2"])
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("trl-dance 0.")
+
+
+def test_module_rewards_resolve_from_the_working_directory_in_every_entry_point(tmp_path, monkeypatch):
+    """`my_rewards:fn` beside the user imports in training, eval and serve-reward alike (they all resolve rewards
+    through get_reward_function), and serve-reward takes its arguments in the trainers' {name: {...}} form too, as
+    the offline hints write them."""
+    from trl_dance.rewards import get_reward_function
+    from trl_dance.rewards.server import served_reward
+
+    (tmp_path / "my_rewards_here.py").write_text(
+        "class Scaled:\n"
+        "    def __init__(self, scale=1.0):\n"
+        "        self.scale = scale\n"
+        "    def __call__(self, prompts, images, **kwargs):\n"
+        "        return [self.scale] * len(prompts)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert get_reward_function("my_rewards_here:Scaled")(["a"], None) == [1.0]
+    assert served_reward("my_rewards_here:Scaled", '{"scale": 2.0}')(["a"], None) == [2.0]
+    assert served_reward("my_rewards_here:Scaled", '{"my_rewards_here:Scaled": {"scale": 3.0}}')(["a"], None) == [3.0]

@@ -10,6 +10,7 @@
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
     trl-dance env                                    versions and devices, for bug reports
+    trl-dance --version
 
 The training commands (one per row of :data:`trl_dance.methods.METHODS`) work as TRL's CLI does: options the script
 does not know (``--num_processes 8``, ``--accelerate_config zero2``) go to ``accelerate launch``, which runs
@@ -88,6 +89,7 @@ def launch_training(command: str, argv: list[str]) -> None:
     # of the run's: the checks that need the run's process count wait until the launch options give it.
     with planned_world_size("groups"):
         *_, config_remaining, cli_remaining = parse()
+    check_config_keys(argv, config_remaining, train.make_parser(command))
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _without(argv, cli_remaining)
     script = [train.__file__, "--command", command, *script_args]
@@ -97,15 +99,49 @@ def launch_training(command: str, argv: list[str]) -> None:
     launch_command(launch)
 
 
+def check_config_keys(argv: list[str], config_remaining: list[str], parser) -> None:
+    """The YAML file's keys that neither the script nor ``accelerate launch`` knows: refused naming the file and the
+    closest field (accelerate would say ``unrecognized arguments: --learning_rat``, naming neither)."""
+    import difflib
+
+    from accelerate.commands.launch import launch_command_parser
+
+    launcher = {option.lstrip("-") for option in launch_command_parser()._option_string_actions}
+    unknown = [item[2:] for item in config_remaining if item.startswith("--") and item[2:] not in launcher]
+    if not unknown:
+        return
+    fields = [option.lstrip("-") for option in parser._option_string_actions if option.startswith("--")]
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, fields + sorted(launcher), n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    config = argv[argv.index("--config") + 1] if "--config" in argv else "the config file"
+    raise ValueError(f"{config}: unknown keys {', '.join(hints)}: neither a training field nor an accelerate option")
+
+
 def planned_processes(launch) -> int:
     """How many processes ``accelerate launch`` will start for the parsed ``launch`` options (its own resolution of the
-    options, the config file and its defaults)."""
+    options, the config file and its defaults). Refuses several processes that accelerate would run as one (its simple
+    launcher: ``--num_processes N`` on a CPU without ``--multi_gpu``)."""
+    import contextlib
     import copy
+    import io
 
     from accelerate.commands.launch import _validate_launch_command
 
-    resolved, *_ = _validate_launch_command(copy.deepcopy(launch))
-    return resolved.num_processes or 1
+    with contextlib.redirect_stdout(io.StringIO()):  # (its notes on defaults: the launch itself prints them)
+        resolved, *_ = _validate_launch_command(copy.deepcopy(launch))
+    processes = resolved.num_processes or 1
+    several = (
+        resolved.use_deepspeed or resolved.tpu or ((resolved.multi_gpu or resolved.use_fsdp) and not resolved.cpu)
+    )
+    if processes > 1 and not several:
+        raise ValueError(
+            f"--num_processes {processes} would start one process (accelerate's single-process launcher): on CPUs, "
+            f"start {processes} with `--multi_gpu --num_processes {processes}` and ACCELERATE_USE_CPU=1 (they talk over "
+            "gloo); on GPUs, add --multi_gpu or --accelerate_config ddp"
+        )
+    return processes
 
 
 def env() -> str:
@@ -144,20 +180,36 @@ def _usage() -> str:
     return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
 
 
+DEBUG_ENV = "TRL_DANCE_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command; a user error (a bad value, a missing file) is one line on stderr and exit status 2, its traceback
+    kept with ``TRL_DANCE_DEBUG=1``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] == "--version":
+        from .version import __version__
+
+        print(f"trl-dance {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
-    if command in METHODS:
-        launch_training(command, rest)
-    elif command == "env":
-        print(env())
-    elif command in OTHER_COMMANDS:
-        importlib.import_module(OTHER_COMMANDS[command][0]).main(rest)
-    else:
-        print(f"trl-dance: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    try:
+        if command in METHODS:
+            launch_training(command, rest)
+        elif command == "env":
+            print(env())
+        elif command in OTHER_COMMANDS:
+            importlib.import_module(OTHER_COMMANDS[command][0]).main(rest)
+        else:
+            print(f"trl-dance: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+            return 2
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
         return 2
     return 0
 

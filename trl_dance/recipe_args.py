@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from typing import Any
 
 from trl import ModelConfig, TrlParser
@@ -41,10 +39,7 @@ def recipe_parser(dataclass_types: tuple[type, ...], prog: str | None = None) ->
 
 def parse_recipe_args(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple[Any, ...]:
     """``recipe_parser(dataclass_types).parse_args_and_config(argv)``, with the ``ModelConfig`` instance checked by
-    :func:`check_model_args` and the working directory importable (for ``reward_funcs: [my_rewards:fn]``, as a Python
-    script would see it)."""
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    :func:`check_model_args`."""
     parsed = recipe_parser(dataclass_types).parse_args_and_config(argv)
     for value in parsed:
         if isinstance(value, ModelConfig):

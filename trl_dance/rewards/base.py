@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +96,8 @@ def get_reward_function(spec: str | RewardFunc, **kwargs: Any) -> RewardFunc:
         return entry
     if ":" in spec or "." in spec:
         module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        if os.getcwd() not in sys.path:  # `my_rewards:fn` beside the user, as a script run there imports it
+            sys.path.append(os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:

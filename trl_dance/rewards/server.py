@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .base import get_reward_function, reward_name, score_images
+from .base import RewardFunc, get_reward_function, reward_name, score_images
 from .remote import IMAGE_FORMATS, RefusedInput, decode_image
 
 TOKEN_ENV = "TRL_DANCE_REWARD_TOKEN"
@@ -175,12 +175,26 @@ def score_test_image(reward: Any, device: str) -> float:
     return float(score_images([reward], ["a photo of a cat"], torch.full(shape, 0.5, device=device), {})[0, 0])
 
 
+def served_reward(spec: str, reward_kwargs: str | None) -> RewardFunc:
+    """The reward ``spec`` (a registered name or ``module:function``) built with ``reward_kwargs``, JSON of its
+    constructor arguments (``{"model": DIR}``) or, as the trainers and the offline hints write them,
+    ``{SPEC: {"model": DIR}}``."""
+    kwargs = json.loads(reward_kwargs or "{}")
+    if set(kwargs) == {spec} and isinstance(kwargs[spec], dict):
+        kwargs = kwargs[spec]
+    return get_reward_function(spec, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-dance serve-reward", description=__doc__.split("\n\n")[0])
     parser.add_argument("reward", help="a registered reward name or module.path:function")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--reward_kwargs", default=None, help="JSON: the reward's constructor arguments")
+    parser.add_argument(
+        "--reward_kwargs",
+        default=None,
+        help='JSON: the reward\'s constructor arguments, {"model": DIR} or as the trainers take them, {NAME: {...}}',
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--token", default=None, help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     defaults = ServerLimits()
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         int(args.max_body_mb * 2**20), args.max_images, args.max_pixels, args.max_frames, args.max_prompt_chars,
         args.max_queue,
     )  # fmt: skip
-    reward = get_reward_function(args.reward, **json.loads(args.reward_kwargs or "{}"))
+    reward = served_reward(args.reward, args.reward_kwargs)
     name, start, tested = reward_name(reward), time.perf_counter(), ""
     if not args.skip_test_score:
         try:

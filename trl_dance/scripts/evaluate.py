@@ -27,7 +27,7 @@ from transformers import HfArgumentParser
 from trl_dance.data import load_prompt_dataset
 from trl_dance.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline, unload_lora_from_pipeline
 from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
-from trl_dance.rewards import get_reward_function, reward_name, score_images
+from trl_dance.rewards import resolve_reward_funcs, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
 from trl_dance.trainer.evaluation import pipeline_call_defaults
 from trl_dance.visualization import to_pil
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         for k in range(args.num_images_per_prompt)
     ]
     kwargs = json.loads(args.reward_kwargs) if args.reward_kwargs else {}
-    funcs = [get_reward_function(name, **kwargs.get(name, {})) for name in args.reward_funcs]
+    funcs = resolve_reward_funcs(args.reward_funcs, kwargs)  # as the trainers resolve them
     names = [reward_name(func) for func in funcs]
 
     load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
