@@ -215,9 +215,9 @@ def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     recipe = tmp_path / "typo.yaml"
-    recipe.write_text(
-        open(os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")).read() + "learning_rat: 0.1\n"
-    )
+    tiny = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
+    with open(tiny) as handle:
+        recipe.write_text(handle.read() + "learning_rat: 0.1\n")
     assert main(["grpo", "--config", str(recipe)]) == 2
     error = capsys.readouterr().err
     assert f"{recipe}: unknown keys 'learning_rat' (did you mean 'learning_rate'?)" in error
