@@ -48,6 +48,16 @@ def test_dppo_trains_on_policy_first_then_masks_within_the_round(tiny_model_dir,
     assert max(entry["dppo/masked_fraction"] for entry in logs[1:]) > 0
 
 
+def test_dppo_with_one_update_per_round_says_it_does_nothing(tmp_path):
+    with pytest.warns(UserWarning, match="one optimizer update per round: .* its mask never acts"):
+        tiny_grpo_config(tmp_path, trust_region="dppo")  # 5 micro-batches, one update
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_grpo_config(tmp_path, trust_region="dppo", gradient_accumulation_steps=1)  # 5 updates: no warning
+
+
 def test_dppo_threshold_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="dppo_kl_threshold must be a positive number"):
         tiny_grpo_config(tmp_path, trust_region="dppo", dppo_kl_threshold=0.0)

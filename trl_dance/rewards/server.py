@@ -210,7 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         help="listen without scoring a test image first (rewards that need a column)",
     )
     args = parser.parse_args(argv)
-    import uvicorn
+    try:
+        import starlette  # noqa: F401  (build_app's)
+        import uvicorn
+    except ImportError as error:
+        raise ValueError(
+            f"serve-reward needs the 'serve' extra ({error.name} is missing): pip install 'trl-dance[serve]'"
+        ) from error
 
     limits = ServerLimits(
         int(args.max_body_mb * 2**20), args.max_images, args.max_pixels, args.max_frames, args.max_prompt_chars,

@@ -1,6 +1,7 @@
 """Configuration of :class:`~trl_dance.DanceGRPOTrainer`."""
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from .rollout_config import RolloutConfig, SDEArguments, _choice
@@ -242,6 +243,14 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             self.updates_per_round = 1  # the default then accumulates the whole round into one update
         super().__post_init__()
         self._check_rollout_backprop()
+        updates = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+        if self.trust_region == "dppo" and updates == 1:
+            warnings.warn(
+                "trust_region='dppo' with one optimizer update per round: the update starts on-policy (KL 0 to the "
+                "rollout), so its mask never acts and the loss is the clip's. It is meant for several updates per "
+                "round (gradient_accumulation_steps below the round's micro-batches, or num_iterations > 1)",
+                stacklevel=3,
+            )
 
     def _check_rollout_backprop(self) -> None:
         if not self.rollout_backprop:
