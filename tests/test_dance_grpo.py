@@ -563,8 +563,9 @@ def test_checkpoints_resume(tiny_model_dir, tmp_path, kind, use_lora, extra):
 
 
 def test_incomplete_checkpoints_are_refused_naming_the_file(tiny_model_dir, tmp_path, caplog):
-    """A save interrupted before its manifest, a missing optimizer.pt or a truncated file are refused with the file
-    named; resume_from_checkpoint=True (or "true" from the command line) takes the latest complete checkpoint."""
+    """A save interrupted before its manifest, a missing optimizer.pt, a truncated file or one of the right size with
+    other bytes are refused with the file named; resume_from_checkpoint=True (or "true" from the command line) takes
+    the latest complete checkpoint."""
     import shutil
 
     args = tiny_grpo_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
@@ -591,6 +592,13 @@ def test_incomplete_checkpoints_are_refused_naming_the_file(tiny_model_dir, tmp_
     with open(damaged / "scheduler.pt", "r+b") as handle:
         handle.truncate(10)
     resume(str(damaged), "scheduler.pt has 10 bytes, .* when saved")
+    shutil.copy(last / "scheduler.pt", damaged / "scheduler.pt")
+    with open(damaged / "optimizer.pt", "r+b") as handle:  # the right size, other bytes
+        handle.seek(-4, 2)
+        tail = handle.read(4)
+        handle.seek(-4, 2)
+        handle.write(bytes(255 - b for b in tail))
+    resume(str(damaged), "optimizer.pt has changed since it was saved .*SHA-256")
     (last / "trl_dance_checkpoint.json").unlink()  # as a kill during the save leaves it
     resume(str(last), "has no trl_dance_checkpoint.json, .* its save was interrupted")
 

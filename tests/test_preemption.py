@@ -59,3 +59,40 @@ def test_unknown_preemption_signals_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"preemption_signals: \['SIGNOPE'\] are not signals"):
         DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, preemption_signals=["SIGTERM", "SIGNOPE"])
+
+
+def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(tiny_model_dir, tmp_path, monkeypatch):
+    """torch.save on a full disk raises "basic_ios::clear: iostream error": the trainer says which checkpoint, how
+    much space is free and what the last complete checkpoint takes; that checkpoint still resumes."""
+    from conftest import PROMPTS, tiny_grpo_config
+    from datasets import Dataset
+
+    from trl_dance import DanceGRPOTrainer
+
+    def trainer(max_steps):
+        args = tiny_grpo_config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1)
+        return DanceGRPOTrainer(
+            tiny_model_dir("flux"), "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
+        )
+
+    first = trainer(2)
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "checkpoint-2" in str(path):
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0: basic_ios::clear: iostream error"
+            )
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(
+        OSError,
+        match=r"writing checkpoint '.*checkpoint-2' failed .*iostream error.* GB free there, "
+        r"and the latest complete checkpoint \(.*checkpoint-1\) takes .* GB",
+    ):
+        first.train()
+    monkeypatch.setattr(torch, "save", real_save)
+    again = trainer(2)
+    again.train(resume_from_checkpoint=True)  # checkpoint-2 has no manifest: skipped for checkpoint-1
+    assert again.state.global_step == 2

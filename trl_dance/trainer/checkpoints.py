@@ -2,17 +2,21 @@
 
 The Trainer writes a checkpoint's files one after another (weights, optimizer, scheduler, RNG states, trainer state,
 then each trainer's own per-process state), so a run killed while saving leaves a folder that looks like a checkpoint
-but silently resumes wrong (round 0's noise, a fresh Adam). The manifest, listing every file with its size, is
-written after all processes finished writing; a folder without it, or whose files are missing or of another size, is
-refused (naming the file) and skipped when resuming from "the latest checkpoint".
+but silently resumes wrong (round 0's noise, a fresh Adam). The manifest, listing every file with its size and
+SHA-256, is written after all processes finished writing; a folder without it, or whose files are missing, of another
+size or of other bytes (a damaged copy of the right size once resumed into NaN rewards), is refused (naming the file)
+and skipped when resuming from "the latest checkpoint". Hashing reads each file once more at saving and at resuming
+(about a second per GB).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -21,17 +25,28 @@ MANIFEST_NAME = "trl_dance_checkpoint.json"
 logger = logging.getLogger(__name__)
 
 
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (hex), read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_manifest(folder: str, global_step: int) -> None:
-    """List every file under ``folder`` (relative path → size in bytes) in ``folder/MANIFEST_NAME``, atomically."""
-    files = {}
+    """List every file under ``folder`` (relative path → size in bytes) and its SHA-256 in ``folder/MANIFEST_NAME``,
+    atomically."""
+    files, digests = {}, {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
             if name != MANIFEST_NAME:
                 files[os.path.relpath(path, folder)] = os.path.getsize(path)
+                digests[os.path.relpath(path, folder)] = file_digest(path)
     temporary = os.path.join(folder, MANIFEST_NAME + ".tmp")
     with open(temporary, "w") as handle:
-        json.dump({"global_step": global_step, "files": files}, handle, indent=1, sort_keys=True)
+        json.dump({"global_step": global_step, "files": files, "sha256": digests}, handle, indent=1, sort_keys=True)
     os.replace(temporary, os.path.join(folder, MANIFEST_NAME))
 
 
@@ -47,7 +62,8 @@ def checkpoint_problem(folder: str) -> str | None:
         )
     try:
         with open(manifest) as handle:
-            files = json.load(handle)["files"]
+            listed = json.load(handle)
+        files, digests = listed["files"], listed.get("sha256", {})  # (manifests before checksums have none)
     except (OSError, ValueError, KeyError) as err:
         return f"checkpoint {folder!r}: {manifest} is unreadable ({err})"
     for name, size in sorted(files.items()):
@@ -56,7 +72,17 @@ def checkpoint_problem(folder: str) -> str | None:
             return f"checkpoint {folder!r} lacks {name}, which exact resume needs"
         if os.path.getsize(path) != size:
             return f"checkpoint {folder!r}: {name} has {os.path.getsize(path)} bytes, {size} when saved (damaged)"
+        if name in digests and file_digest(path) != digests[name]:
+            return f"checkpoint {folder!r}: {name} has changed since it was saved (its SHA-256 differs: damaged)"
     return None
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders in ``output_dir``, newest (largest N) first."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
+    return [os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") for step in steps]
 
 
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
@@ -71,11 +97,7 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-        steps = sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
-        for step in steps:
-            folder = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        for folder in checkpoint_folders(output_dir):
             problem = checkpoint_problem(folder)
             if problem is None:
                 return folder
@@ -85,3 +107,24 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
     if problem is not None:
         raise ValueError(problem)
     return resume_from_checkpoint
+
+
+def save_failure(folder: str, error: BaseException) -> str:
+    """What to say when writing checkpoint ``folder`` failed with ``error``: the path, the free space on its disk,
+    the size of the latest complete checkpoint beside it (what another save needs), and that the failed folder is not
+    resumed from."""
+    parent = os.path.dirname(folder.rstrip(os.sep)) or "."
+    free = shutil.disk_usage(parent if os.path.isdir(parent) else ".").free
+    message = f"writing checkpoint {folder!r} failed ({type(error).__name__}: {error}); {free / 1e9:.2f} GB free there"
+    complete = [
+        path
+        for path in checkpoint_folders(parent)
+        if path != folder.rstrip(os.sep) and os.path.isfile(os.path.join(path, MANIFEST_NAME))
+    ]
+    if complete:
+        size = sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(complete[0]) for n in names)
+        message += f", and the latest complete checkpoint ({complete[0]}) takes {size / 1e9:.2f} GB"
+    return message + (
+        ". The failed folder has no manifest, so resuming skips it; free space (or lower save_total_limit) and resume "
+        "from the latest complete checkpoint"
+    )

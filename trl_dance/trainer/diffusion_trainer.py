@@ -34,7 +34,7 @@ from ..flops import DenoiserFlops
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loading_code, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
-from .checkpoints import resolve_checkpoint, write_manifest
+from .checkpoints import resolve_checkpoint, save_failure, write_manifest
 from .context_parallel import (
     DataParallel,
     check_context_parallel,
@@ -589,10 +589,15 @@ class DiffusionTrainer(_BaseTrainer):
         return EpochSeededRepeatSampler(dataset, mini_repeat_count=1, seed=self.args.seed, epoch=self._resume_epoch)
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
-        torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        try:
+            super()._save_checkpoint(model, trial)
+            state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
+            torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        except (OSError, RuntimeError) as error:  # a full disk: ENOSPC, or torch's "basic_ios::clear: iostream error"
+            if isinstance(error, RuntimeError) and "iostream" not in str(error) and "write" not in str(error):
+                raise
+            raise OSError(save_failure(folder, error)) from error
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)
