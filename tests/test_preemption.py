@@ -96,3 +96,36 @@ def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(t
     again = trainer(2)
     again.train(resume_from_checkpoint=True)  # checkpoint-2 has no manifest: skipped for checkpoint-1
     assert again.state.global_step == 2
+
+
+@pytest.mark.parametrize("phase", ["rollout", "reward", "training"])
+def test_out_of_memory_names_the_phase_the_sizes_and_the_fields(tiny_model_dir, tmp_path, phase):
+    """An out-of-memory error (simulated: this machine has no accelerator to exhaust) comes out naming its phase,
+    the config's sizes and the fields that lower that phase's memory, the accelerator's message after them."""
+    from conftest import PROMPTS, tiny_grpo_config
+    from datasets import Dataset
+
+    from trl_dance import DanceGRPOTrainer
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    reward = out_of_memory if phase == "reward" else "brightness"
+    args = tiny_grpo_config(tmp_path, max_steps=1)
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"), reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
+    )
+    if phase == "rollout":
+        trainer.policy.predict_step = out_of_memory
+    elif phase == "training":
+        trainer.compute_loss = out_of_memory
+    fields = {
+        "rollout": "rollout_batch_size",
+        "reward": "the reward's batch size",
+        "training": "per_device_train_batch_size",
+    }
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert message.startswith(f"out of accelerator memory in the {phase} (32×32, 8 samples per process per round")
+    assert f"To lower it: {fields[phase]}" in message and "Tried to allocate 20.00 GiB" in message

@@ -42,6 +42,7 @@ from .context_parallel import (
 )
 from .ema import EMAUpdate, EMAWeights
 from .media import log_rollout_media, use_diffusers_callbacks
+from .memory_advice import named_out_of_memory
 from .performance import PerformanceLog
 from .preemption import PreemptionHandler, any_process
 from .speed import apply_speed_options, resolve_torch_compile
@@ -490,7 +491,7 @@ class DiffusionTrainer(_BaseTrainer):
         self._metrics[name].append(self.accelerator.gather(values.detach().float().reshape(-1)).mean())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self.performance.phase("training"):
+        with self.performance.phase("training"), named_out_of_memory("training", self.args):
             loss = super().training_step(model, inputs, num_items_in_batch)
         # On the device, read at the next log: a NaN loss would otherwise be hidden by logging_nan_inf_filter.
         finite = torch.isfinite(loss.detach())

@@ -30,6 +30,7 @@ from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSa
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
+from .memory_advice import named_out_of_memory
 from .reward_metrics import RewardMetricLog
 from .rollout_config import RolloutConfig
 from .training_signal import TrainingSignal
@@ -388,7 +389,7 @@ class RolloutTrainer(DiffusionTrainer):
         return grad_norm
 
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
-        with self.performance.phase("rollout"):
+        with self.performance.phase("rollout"), named_out_of_memory("rollout", self.args):
             self._generate_and_score_round(rows)
         # A context-parallel group's ranks train the same samples: each counts its share.
         self.performance.add_samples(len(rows) / self.args.context_parallel_size)
@@ -462,13 +463,14 @@ class RolloutTrainer(DiffusionTrainer):
                 if self._reward_executor:
                     scores.append(self._reward_executor.submit(score))
                 else:
-                    with self.performance.phase("reward"):
+                    with self.performance.phase("reward"), named_out_of_memory("reward", args):
                         scores.append(score())
         calls = sum(part.pop("denoiser_calls") for part in parts)
         rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if grad_steps is not None:
             rollout["grad_log_probs"] = differentiable
-        with self.performance.phase("reward"):  # what the rollout left of the reward worker's time
+        # What the rollout left of the reward worker's time (a reward's error surfaces here).
+        with self.performance.phase("reward"), named_out_of_memory("reward", args):
             rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
         all_rewards = self.data_parallel.gather(rewards)  # (num_processes · B, F), in global sample order
         for name, value in self.reward_metrics.flush(self.accelerator).items():
