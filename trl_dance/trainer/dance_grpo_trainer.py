@@ -43,6 +43,14 @@ class DanceGRPOTrainer(RolloutTrainer):
     _drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # rollout_backprop: the round's transitions, drawn first
     _retained: torch.Tensor | None = None  # rollout_backprop: the round's loss, until its backward
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.rollout_backprop and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                "rollout_backprop averages the processes' gradients itself after the round's backward, which DeepSpeed "
+                "and FSDP own; use DDP (or one process)"
+            )
+
     def _check_policy(self, policy: DiffusionPolicy, args: DanceGRPOConfig) -> None:
         flow_only = {
             "kl_scaling='flow_grpo' scales the KL by the step's Δσ": args.kl_scaling == "flow_grpo",
@@ -216,14 +224,6 @@ class DanceGRPOTrainer(RolloutTrainer):
         if rollout["means"] is not None:
             inputs["old_mean"] = rollout["means"][sample, stored]
         return inputs
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.args.rollout_backprop and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError(
-                "rollout_backprop averages the processes' gradients itself after the round's backward, which DeepSpeed "
-                "and FSDP own; use DDP (or one process)"
-            )
 
     def _rollout_model(self) -> torch.nn.Module:
         if self.args.rollout_backprop:  # its differentiable calls bypass DDP's forward (gradients averaged below)

@@ -242,9 +242,8 @@ class DiffusionTrainer(_BaseTrainer):
                 args.context_parallel_type,
                 self.accelerator.device,
             )
-            policy.runtime.gradient_scale = (
-                args.context_parallel_size
-            )  # the group's gradients are summed, not averaged
+            # The group's gradients are summed, not averaged.
+            policy.runtime.gradient_scale = args.context_parallel_size
         # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
         denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
         apply_speed_options(

@@ -31,10 +31,11 @@ class SpeedArguments:
             AttentionBackendName`); None keeps the model's default. `"auto"`: `"_native_cudnn"` on a CUDA GPU of
             compute capability 9.0 or more (Hopper, Blackwell) for a model whose attention goes through diffusers'
             dispatcher and masks no text tokens, else the model's default (masked attention stays off cuDNN: its
-            masked backward has a known NaN bug in torch 2.11–2.13, pytorch/pytorch#196678). On an H200 (torch 2.11, cuDNN 9.19) cuDNN's kernel ran the forward
-            and backward of FLUX.1-dev's and Wan 14B's attention 1.6–1.9x faster than SDPA's default (flash) kernel,
-            with the same error against float32 (`benchmarks/attention_kernels.py`). Rollouts and training run the
-            same backend, so the first update of a round stays on-policy.
+            masked backward has a known NaN bug in torch 2.11–2.13, pytorch/pytorch#196678). On an H200 (torch 2.11,
+            cuDNN 9.19) cuDNN's kernel ran the forward and backward of FLUX.1-dev's and Wan 14B's attention 1.6–1.9x
+            faster than SDPA's default (flash) kernel, with the same error against float32
+            (`benchmarks/attention_kernels.py`). Rollouts and training run the same backend, so the first update of a
+            round stays on-policy.
         cudnn_attention (`bool`, defaults to `False`): let PyTorch's SDPA pick its cuDNN kernel in calls that do not
             go through diffusers' dispatcher (SD3, SD UNets; a backend set above chooses its kernel itself). Off for
             the whole process by default: its backward once made an illegal memory access on FLUX.1-dev (head
