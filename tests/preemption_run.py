@@ -4,7 +4,7 @@ its 3rd update on rank 0 only (so the ranks must agree to stop), twice at once a
 resumed from the latest checkpoint. The main process
 writes the trained parameters of the first and the last (full.pt, resumed.pt) and the step the signalled run stopped at
 and the checkpoints it left (result.json) to argv[2]. With argv[4] == "twice", a second signal follows after the repeat
-window instead and the process is expected to die of it."""
+window instead and the process is expected to die of it; with SIGKILL, rank 1 dies during the 2nd update."""
 
 import json
 import os
@@ -74,6 +74,18 @@ def save(run: DanceGRPOTrainer, name: str) -> None:
         model = run.accelerator.unwrap_model(run.model)
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, name)
 
+
+if signal_name == "SIGKILL":  # a process that dies: rank 1 kills itself as its 2nd update starts
+    dying = trainer("dying")
+
+    class Die(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1 and int(os.environ.get("RANK", "0")) == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    dying.add_callback(Die())
+    dying.train()
+    sys.exit(3)  # not reached on either rank: rank 0's next collective fails, or its launcher ends it
 
 if twice:
     signalled = trainer("twice")

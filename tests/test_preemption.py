@@ -54,6 +54,19 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path / "twice"))
 
 
+def test_a_dead_process_ends_the_run_naming_it(tiny_model_dir, tmp_path):
+    """kill -9 of one of two processes mid-training: the other does not wait for a collective timeout (its next
+    collective fails, the launcher stops it) and the launcher exits non-zero naming the lost rank and its signal.
+    Measured: the launcher ended 1.1 s after the kill (a tiny GRPO run, gloo on this CPU)."""
+    import time
+
+    start = time.perf_counter()
+    completed = _run(tiny_model_dir("flux"), tmp_path, 2, "SIGKILL")
+    assert completed.returncode != 0 and time.perf_counter() - start < 120
+    failure = completed.stderr[completed.stderr.index("ChildFailedError") :]
+    assert "rank      : 1 (local_rank: 1)" in failure and "(SIGKILL)" in failure
+
+
 def test_unknown_preemption_signals_are_refused(tmp_path):
     from trl_dance import DanceGRPOConfig
 
