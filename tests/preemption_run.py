@@ -4,7 +4,8 @@ its 3rd update on rank 0 only (so the ranks must agree to stop), twice at once a
 resumed from the latest checkpoint. The main process
 writes the trained parameters of the first and the last (full.pt, resumed.pt) and the step the signalled run stopped at
 and the checkpoints it left (result.json) to argv[2]. With argv[4] == "twice", a second signal follows after the repeat
-window instead and the process is expected to die of it; with SIGKILL, rank 1 dies during the 2nd update."""
+window instead and the process is expected to die of it; with SIGKILL, rank 1 dies during the 2nd update; with argv[4] ==
+"grace", the signalled update takes longer than preemption_grace_s."""
 
 import json
 import os
@@ -86,6 +87,19 @@ if signal_name == "SIGKILL":  # a process that dies: rank 1 kills itself as its 
     dying.add_callback(Die())
     dying.train()
     sys.exit(3)  # not reached on either rank: rank 0's next collective fails, or its launcher ends it
+
+if len(sys.argv) > 4 and sys.argv[4] == "grace":  # an update slower than preemption_grace_s after the signal
+    slow = trainer("slow", preemption_grace_s=1.0)
+
+    class SlowUpdate(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                time.sleep(30)  # the grace ends in this update
+
+    slow.add_callback(SignalDuringStep(3, times=1))
+    slow.add_callback(SlowUpdate())
+    slow.train()
+    sys.exit(3)  # not reached: the grace's end exits
 
 if twice:
     signalled = trainer("twice")

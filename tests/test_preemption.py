@@ -54,6 +54,19 @@ def test_a_second_signal_stops_at_once(tiny_model_dir, tmp_path):
     assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path / "twice"))
 
 
+def test_an_update_longer_than_the_grace_exits_without_a_checkpoint(tiny_model_dir, tmp_path):
+    """preemption_grace_s=1 and an update that takes 30 s after the signal: the process exits 1 s after the signal
+    with status 128 + SIGTERM, saying so, and leaves no checkpoint (the previous complete one, if any, is the state)."""
+    import time
+
+    start = time.perf_counter()
+    completed = _run(tiny_model_dir("flux"), tmp_path, 1, "SIGTERM", "grace")
+    assert completed.returncode == 128 + signal.SIGTERM, completed.stderr[-2000:]
+    assert time.perf_counter() - start < 60  # not the 30 s update (plus two rounds and the start)
+    assert "did not stop within preemption_grace_s=1.0 s; exiting without a checkpoint" in completed.stderr
+    assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path / "slow"))
+
+
 def test_a_dead_process_ends_the_run_naming_it(tiny_model_dir, tmp_path):
     """kill -9 of one of two processes mid-training: the other does not wait for a collective timeout (its next
     collective fails, the launcher stops it) and the launcher exits non-zero naming the lost rank and its signal.
@@ -72,6 +85,8 @@ def test_unknown_preemption_signals_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"preemption_signals: \['SIGNOPE'\] are not signals"):
         DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, preemption_signals=["SIGTERM", "SIGNOPE"])
+    with pytest.raises(ValueError, match="preemption_grace_s must be > 0"):
+        DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, preemption_grace_s=0)
 
 
 def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(tiny_model_dir, tmp_path, monkeypatch):
@@ -92,7 +107,7 @@ def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(t
     real_save = torch.save
 
     def full_disk(obj, path, *args, **kwargs):
-        if "checkpoint-2" in str(path):
+        if "checkpoint-2" in str(path) or "final" in str(path):
             raise RuntimeError(
                 "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0: basic_ios::clear: iostream error"
             )
@@ -105,6 +120,8 @@ def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(t
         r"and the latest complete checkpoint \(.*checkpoint-1\) takes .* GB",
     ):
         first.train()
+    with pytest.raises(OSError, match=r"writing checkpoint '.*final' failed .*iostream error.* GB free there"):
+        first.save_model(str(tmp_path / "final"))  # save_model too (the end of a run: its LoRA and card)
     monkeypatch.setattr(torch, "save", real_save)
     again = trainer(2)
     again.train(resume_from_checkpoint=True)  # checkpoint-2 has no manifest: skipped for checkpoint-1

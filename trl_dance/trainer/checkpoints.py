@@ -11,12 +11,14 @@ and skipped when resuming from "the latest checkpoint". Hashing reads each file 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -128,3 +130,19 @@ def save_failure(folder: str, error: BaseException) -> str:
         ". The failed folder has no manifest, so resuming skips it; free space (or lower save_total_limit) and resume "
         "from the latest complete checkpoint"
     )
+
+
+@contextlib.contextmanager
+def named_save_failure(folder: str) -> Iterator[None]:
+    """Re-raise a write that fails inside (``OSError``: ENOSPC and the like; torch's ``RuntimeError`` "basic_ios::clear:
+    iostream error" on a full disk) as an ``OSError`` saying :func:`save_failure` of ``folder``, once."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if getattr(error, "_trl_dance_named", False):
+            raise
+        if isinstance(error, RuntimeError) and "iostream" not in str(error) and "write" not in str(error):
+            raise
+        named = OSError(save_failure(folder, error))
+        named._trl_dance_named = True
+        raise named from error

@@ -34,7 +34,7 @@ from ..flops import DenoiserFlops
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loading_code, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
-from .checkpoints import resolve_checkpoint, save_failure, write_manifest
+from .checkpoints import named_save_failure, resolve_checkpoint, write_manifest
 from .context_parallel import (
     DataParallel,
     check_context_parallel,
@@ -281,7 +281,7 @@ class DiffusionTrainer(_BaseTrainer):
             self.add_callback(EMAUpdate(self.ema))
         if args.save_on_preemption:
             agree = functools.partial(any_process, self.accelerator)
-            self.add_callback(PreemptionHandler(args.preemption_signals, agree))
+            self.add_callback(PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s))
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -532,12 +532,13 @@ class DiffusionTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
-        self._write_weights(output_dir, state_dict)
-        if self.ema is not None:  # the EMA beside the trained weights, in the same format
-            with self.ema.applied():
-                self._write_weights(os.path.join(output_dir, "ema"), None)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-        self.create_model_card(output_dir=output_dir)
+        with named_save_failure(output_dir):
+            self._write_weights(output_dir, state_dict)
+            if self.ema is not None:  # the EMA beside the trained weights, in the same format
+                with self.ema.applied():
+                    self._write_weights(os.path.join(output_dir, "ema"), None)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            self.create_model_card(output_dir=output_dir)
 
     def _write_weights(self, output_dir: str, state_dict: dict | None) -> None:
         """The LoRA (diffusers format) or the denoiser, from ``state_dict`` when given (gathered by DeepSpeed)."""
@@ -590,14 +591,10 @@ class DiffusionTrainer(_BaseTrainer):
 
     def _save_checkpoint(self, model, trial):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        try:
+        with named_save_failure(folder):  # a full disk: the path, the space left, what the last checkpoint takes
             super()._save_checkpoint(model, trial)
             state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
             torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
-        except (OSError, RuntimeError) as error:  # a full disk: ENOSPC, or torch's "basic_ios::clear: iostream error"
-            if isinstance(error, RuntimeError) and "iostream" not in str(error) and "write" not in str(error):
-                raise
-            raise OSError(save_failure(folder, error)) from error
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)

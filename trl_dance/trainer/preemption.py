@@ -11,6 +11,7 @@ so every rank stops after the same update and writes its share of the same check
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -39,6 +40,11 @@ class PreemptionArguments:
         preemption_signals (`list[str]`, defaults to `["SIGTERM", "SIGUSR1", "SIGINT"]`): the signals that ask for it
             (SLURM sends SIGTERM at preemption and `--signal=USR1@90` before the time limit; Kubernetes SIGTERM before
             its grace period; SIGINT is Ctrl-C).
+        preemption_grace_s (`float` or `None`, defaults to `None`): seconds after the first signal by which training
+            must have stopped with its checkpoint; past them the process exits at once (status 128 + the signal's
+            number), as a second signal would, without a checkpoint. Set it below the scheduler's own grace
+            (Kubernetes' `terminationGracePeriodSeconds`, 30 by default) so that a slow update ends in a clean exit
+            rather than a SIGKILL; None waits for the update however long it takes.
     """
 
     save_on_preemption: bool = field(
@@ -47,8 +53,14 @@ class PreemptionArguments:
     preemption_signals: list[str] = field(
         default_factory=lambda: list(SIGNALS), metadata={"help": "Signals that ask for a checkpoint and a stop."}
     )
+    preemption_grace_s: float | None = field(
+        default=None,
+        metadata={"help": "Seconds after a preemption signal by which training must have stopped (None: no limit)."},
+    )
 
     def _check_preemption(self) -> None:
+        if self.preemption_grace_s is not None and not self.preemption_grace_s > 0:
+            raise ValueError(f"preemption_grace_s must be > 0 seconds (or None), got {self.preemption_grace_s}")
         unknown = [name for name in self.preemption_signals if not hasattr(signal, name)]
         if unknown:
             raise ValueError(f"preemption_signals: {unknown} are not signals of this platform ({list(SIGNALS)}, ...)")
@@ -58,9 +70,10 @@ class PreemptionHandler(TrainerCallback):
     """Catches the preemption signals while ``train`` runs (see the module docstring). ``agree(flag)`` returns
     whether any process raised its flag (the trainer's all-reduce)."""
 
-    def __init__(self, signals: list[str], agree):
+    def __init__(self, signals: list[str], agree, grace_s: float | None = None):
         self.signals = [getattr(signal, name) for name in signals]
-        self.agree = agree
+        self.agree, self.grace_s = agree, grace_s
+        self._timer: threading.Timer | None = None
         self.requested: str | None = None  # the first signal's name
         self._first_at = 0.0  # and when it came (time.monotonic)
         self._previous: dict[int, object] = {}
@@ -79,11 +92,25 @@ class PreemptionHandler(TrainerCallback):
             signal.raise_signal(number)  # to the handler that was there before (SIGTERM's default: exit)
             return
         self.requested, self._first_at = name, time.monotonic()
+        if self.grace_s is not None:
+            self._timer = threading.Timer(self.grace_s, self._expire, args=(number,))
+            self._timer.daemon = True
+            self._timer.start()
         logger.warning(
             "%s received: finishing the current optimizer update, then saving a checkpoint and stopping (send it "
             "again to stop at once)",
             name,
         )
+
+    def _expire(self, number: int) -> None:
+        """The grace is over and training has not stopped: exit now (from the timer's thread), as the signal would."""
+        logger.error(
+            "%s: training did not stop within preemption_grace_s=%s s; exiting without a checkpoint",
+            signal.Signals(number).name,
+            self.grace_s,
+        )
+        logging.shutdown()
+        os._exit(128 + number)
 
     def _restore(self) -> None:
         for number, previous in self._previous.items():
@@ -106,6 +133,9 @@ class PreemptionHandler(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._timer is not None:  # stopped in time
+            self._timer.cancel()
+            self._timer = None
         self._restore()
 
 
