@@ -416,6 +416,14 @@ def test_hostile_requests_get_clear_json_errors(strict_server):
         assert response.status_code == 401 and "token" in response.json()["error"]
     assert post(url, json=good, headers=headers).json() == {"rewards": [0.0]}
     assert strict_server(["a"], torch.full((1, 3, 8, 8), 0.5)) == [0.5]  # the client sends the token it was given
+    # A wrong or missing token is found when the reward is built (its probe), at once, not at the first rollout.
+    strict_server.probe(wait=0)
+    for token in ("wrong", None):
+        stranger = RemoteReward(strict_server.url, timeout=30, max_retries=0, token=token)
+        started = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="refused the token .*401"):
+            stranger.probe()
+        assert time.monotonic() - started < 5  # no waiting out the 30 s for an answer that will not change
 
 
 def test_a_full_queue_answers_503_and_clients_retry_after(strict_server):

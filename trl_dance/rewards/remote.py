@@ -37,6 +37,10 @@ class RemoteRewardError(RuntimeError):
     """A reward server failed: unreachable, timing out, an error status, or an answer of the wrong shape."""
 
 
+class RemoteRewardRefused(RemoteRewardError):
+    """A reward server refused the request's credentials (401/403)."""
+
+
 def encode_image(image: torch.Tensor, image_format: str, quality: int = 95) -> str | list[str]:
     """(3, H, W) (or a video (F, 3, H, W)) float in [0, 1] → base64 text (a list of frames for PNG/JPEG videos)."""
     if image_format == "npy":
@@ -220,6 +224,8 @@ class HTTPReward:
             try:
                 self._probe_once(parsed.hostname, port)
                 return
+            except RemoteRewardRefused:
+                raise  # an answer, not an absence: waiting does not change it
             except (OSError, RemoteRewardError) as err:
                 error = err
             if time.monotonic() >= deadline:
@@ -306,8 +312,20 @@ class RemoteReward(HTTPReward):
 
     def _probe_once(self, host: str, port: int) -> None:
         """One probe: ``/health`` answering 200 (``trl-dance serve-reward`` listens only once its reward has scored
-        a test image)."""
+        a test image), then an empty ``/score`` request, which scores nothing but shows a wrong or missing token now
+        (401) rather than at the first rollout."""
+        import httpx
+
         self.health()
+        try:
+            response = self.client.post(f"{self.url}/score", json={"prompts": [], "images": []})
+        except httpx.HTTPError:
+            return  # /health answered: the address is right, and scoring reports its own errors
+        if response.status_code in (401, 403):
+            raise RemoteRewardRefused(
+                f"reward server {self.url} refused the token ({response.status_code}: {response.text[:200]}); pass "
+                "the server's --token as token= in reward_kwargs or TRL_DANCE_REWARD_TOKEN"
+            )
 
     def __call__(
         self, prompts: list[str], images: torch.Tensor, completions=None, **columns: Any
