@@ -1,5 +1,6 @@
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -218,6 +219,12 @@ def test_pickapic_rows_ties_and_missing_images(tiny_model_dir, tmp_path):
     assert trainer.num_ties_dropped == 1 and len(trainer.train_dataset) == 3
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
     assert batch["num_missing"] == 1 and batch["prompts"] == ["red", "green"]
+    assert batch["missing"] == ["a row: the chosen image (none given: no path or bytes)"]  # (loaders add the row)
+    row = {"caption": "x", "jpg_0": "no/such.png", "jpg_1": _png((0, 0, 0)), "label_0": 1.0}
+    named = trainer.data_collator([row, trainer.train_dataset[0]])["missing"]
+    assert named == [
+        "a row: the chosen image 'no/such.png' (no such file; relative paths resolve from " + repr(os.getcwd()) + ")"
+    ]
     chosen = batch["pixel_values"][:, 0]
     assert chosen[0, 0].mean() == pytest.approx(1.0) and chosen[1, 1].mean() == pytest.approx(1.0)  # red, green won
     assert batch["time_ids"][0].tolist() == [48, 40, 3, 0, 32, 32]  # original H, W; 38x32 after resize: crop top 3
@@ -309,7 +316,8 @@ def test_bad_preference_data_is_named(tiny_model_dir, tmp_path, caplog):
     missing = trainer(rows | {"jpg_1": [None, blue], "label_0": [1.0, 1.0]}, max_steps=4, max_missing_images=1)
     with pytest.raises(ValueError, match="2 pairs had a missing image, more than max_missing_images \\(1\\)"):
         missing.train()
-    assert sum("skipped a pair whose image is missing" in r.message for r in caplog.records) == 1
+    warned = [r.message for r in caplog.records if "skipped a pair whose image is missing" in r.message]
+    assert len(warned) == 1 and "row 0: the rejected image (none given" in warned[0]  # the row, the image, its path
 
 
 def test_pair_transform_is_joint():

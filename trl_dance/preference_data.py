@@ -87,6 +87,15 @@ def load_image(value: Any) -> Image.Image | None:
         raise ValueError(f"cannot decode the image {source}: {err}") from err
 
 
+def describe_missing(value: Any) -> str:
+    """How a missing image or video was given, for a warning: its path, or that the row has none."""
+    if isinstance(value, dict):
+        value = value.get("path") or value.get("bytes")
+    if isinstance(value, str):
+        return f"{value!r} (no such file; relative paths resolve from {os.getcwd()!r})"
+    return "(none given: no path or bytes)"
+
+
 def load_video(value: Any) -> list[Image.Image] | None:
     """A video as its PIL RGB frames, from a list of frames (anything :func:`load_image` reads) or a video file's
     path (read by ``diffusers.utils.load_video``); None if it, or any of its frames, is missing."""
@@ -149,7 +158,8 @@ class PreferenceCollator:
     Returns a dict with ``pixel_values`` (B, 2, 3, R, R) float32 in [-1, 1] (chosen first; videos (B, 2, F, 3, R, R)),
     ``prompts`` (B strings,
     "" with probability ``proportion_empty_prompts``), ``weights`` (B,) (0.5 for ties), ``time_ids`` (B, 6) the SDXL
-    micro-conditioning (original H, W of the chosen image, crop top, left, R, R), and ``num_missing``.
+    micro-conditioning (original H, W of the chosen image, crop top, left, R, R), ``num_missing`` and ``missing`` (a
+    description of each skipped row: its index, which image, its path).
 
     ``seed`` should differ between processes. Rows from :class:`IndexedRows` (the trainer's map-style data) seed each
     batch by ``seed`` and the batch's row indices, so a resumed run draws what the uninterrupted one drew. Other rows
@@ -229,17 +239,19 @@ class PreferenceCollator:
         return self._stream()
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        pixels, prompts, weights, time_ids, missing = [], [], [], [], 0
+        pixels, prompts, weights, time_ids, missing = [], [], [], [], []
         rng = self._batch_stream(rows)
         for row in rows:
             prompt, chosen, rejected, weight = pair_from_row(row)
+            row_value, other_value = chosen, rejected
             where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
             try:
                 chosen, rejected = self._load(chosen), self._load(rejected)
             except ValueError as err:
                 raise ValueError(f"preference data, {where} (prompt {prompt!r:.80}): {err}") from err
             if chosen is None or rejected is None:
-                missing += 1
+                side, value = ("chosen", row_value) if chosen is None else ("rejected", other_value)
+                missing.append(f"{where}: the {side} image {describe_missing(value)}")
                 continue
             if self.num_frames is not None:
                 if len(chosen) != len(rejected) or len(chosen) < self.num_frames:
@@ -261,5 +273,6 @@ class PreferenceCollator:
             "prompts": prompts,
             "weights": torch.tensor(weights, dtype=torch.float32),
             "time_ids": torch.tensor(time_ids, dtype=torch.float32),
-            "num_missing": missing,
+            "num_missing": len(missing),
+            "missing": missing,
         }

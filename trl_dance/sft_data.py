@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .preference_data import INDEX_KEY, PreferenceCollator
+from .preference_data import INDEX_KEY, PreferenceCollator, describe_missing
 
 
 class SFTCollator(PreferenceCollator):
@@ -15,8 +15,8 @@ class SFTCollator(PreferenceCollator):
     pair; rows whose image is missing are skipped and counted.
 
     Returns a dict with ``pixel_values`` (B, 3, R, R) float32 in [-1, 1] (videos (B, F, 3, R, R)), ``prompts`` (B
-    strings, "" with probability ``proportion_empty_prompts``), ``time_ids`` (B, 6) SDXL's micro-conditioning and
-    ``num_missing``.
+    strings, "" with probability ``proportion_empty_prompts``), ``time_ids`` (B, 6) SDXL's micro-conditioning,
+    ``num_missing`` and ``missing`` (each skipped row's index and path).
     """
 
     def __init__(self, *args, text_field: str = "prompt", image_field: str = "image", **kwargs):
@@ -24,7 +24,7 @@ class SFTCollator(PreferenceCollator):
         self.text_field, self.image_field = text_field, image_field
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        pixels, prompts, time_ids, missing = [], [], [], 0
+        pixels, prompts, time_ids, missing = [], [], [], []
         rng = self._batch_stream(rows)
         for row in rows:
             prompt = row[self.text_field]
@@ -34,7 +34,7 @@ class SFTCollator(PreferenceCollator):
             except ValueError as err:
                 raise ValueError(f"SFT data, {where} (prompt {prompt!r:.80}): {err}") from err
             if media is None:
-                missing += 1
+                missing.append(f"{where}: the image {describe_missing(row[self.image_field])}")
                 continue
             if self.num_frames is not None:
                 if len(media) < self.num_frames:
@@ -53,5 +53,6 @@ class SFTCollator(PreferenceCollator):
             "pixel_values": torch.stack(pixels),
             "prompts": prompts,
             "time_ids": torch.tensor(time_ids, dtype=torch.float32),
-            "num_missing": missing,
+            "num_missing": len(missing),
+            "missing": missing,
         }

@@ -151,13 +151,14 @@ class DatasetTrainer(DiffusionTrainer):
         cond |= {key: inputs[key] for key in self.policy.batch_conditions}
         return latents, {k: v.repeat_interleave(repeat, dim=0) for k, v in cond.items()}
 
-    def _count_missing_images(self, missing: int) -> None:
+    def _count_missing_images(self, missing: list[str]) -> None:
+        """Count the batch's skipped rows (``missing``: each one's description, naming its row and file)."""
         if not missing:
             return
-        self._missing_images += missing
+        self._missing_images += len(missing)
         if not self._warned_missing and self.accelerator.is_main_process:
             logger.warning(
-                f"{self._name}: skipped a {self._row} whose image is missing (no such file, or no bytes); counted in "
+                f"{self._name}: skipped a {self._row} whose image is missing: {'; '.join(missing[:3])}. Counted in "
                 f"data/missing_images, training stops after {self.args.max_missing_images} per process. Warned once."
             )
             self._warned_missing = True

@@ -135,7 +135,7 @@ class DiffusionDPOTrainer(DatasetTrainer):
         self._record("mse/chosen/policy", errors[0::2])
         self._record("mse/rejected/policy", errors[1::2])
         self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
-        self._count_missing_images(inputs["num_missing"])
+        self._count_missing_images(inputs["missing"])
         losses, chosen, rejected, correct = self.pairs.losses(errors, ref_errors, inputs["weights"])
         if ref_errors is not None:
             self._record("mse/chosen/ref", ref_errors[0::2])

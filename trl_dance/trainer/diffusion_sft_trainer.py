@@ -112,7 +112,7 @@ class DiffusionSFTTrainer(DatasetTrainer):
             self.performance.add_samples(len(inputs["prompts"]) / self.args.context_parallel_size)
         self._record("mse", errors)
         self._record("data/missing_images", torch.tensor([float(inputs["num_missing"])], device=errors.device))
-        self._count_missing_images(inputs["num_missing"])
+        self._count_missing_images(inputs["missing"])
         loss = errors.mean()
         return (loss, prediction) if return_outputs else loss
 
