@@ -228,6 +228,12 @@ def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="would start one process"):
         main(["grpo", "--config", tiny, "--num_processes", "2"])
     assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("trl-dance 0.")
+    monkeypatch.delenv(DEBUG_ENV)
+    prompts = os.path.join(ROOT, "recipes", "data", "tiny_prompts.txt")
+    monkeypatch.chdir(tmp_path)
+    base = ["--model_name_or_path", "outputs/tiny-fluxx", "--prompts_file", prompts]  # a typo that looks like a Hub id
+    assert main(["eval", *base, "--reward_funcs", "brightness"]) == 2  # as training says it, not "not cached"
+    assert f"there is no such folder ({tmp_path / 'outputs' / 'tiny-fluxx'})" in capsys.readouterr().err
 
 
 def test_module_rewards_resolve_from_the_working_directory_in_every_entry_point(tmp_path, monkeypatch):

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"trl-dance: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
             return 2
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # bad values, missing or unreadable files and folders
         if os.environ.get(DEBUG_ENV):
             raise
         print(f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)

@@ -18,9 +18,9 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
-from diffusers import DiffusionPipeline
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
@@ -29,6 +29,7 @@ from trl_dance.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline, unload_lo
 from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
 from trl_dance.rewards import resolve_reward_funcs, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
+from trl_dance.trainer.diffusion_trainer import load_pipeline
 from trl_dance.trainer.evaluation import pipeline_call_defaults
 from trl_dance.visualization import to_pil
 
@@ -169,9 +170,9 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     funcs = resolve_reward_funcs(args.reward_funcs, kwargs)  # as the trainers resolve them
     names = [reward_name(func) for func in funcs]
 
-    load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
-    pipeline = DiffusionPipeline.from_pretrained(args.model_name_or_path, **load)
-    pipeline.set_progress_bar_config(disable=True)
+    # As the trainers load it (tiny folders, and a mistyped path named as such rather than "not cached").
+    load = {"dtype": args.dtype} if args.dtype else {}
+    pipeline = load_pipeline(args.model_name_or_path, SimpleNamespace(model_init_kwargs=load))
     defaults = pipeline_call_defaults(pipeline)
     size = getattr(pipeline, "default_sample_size", None)
     scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
