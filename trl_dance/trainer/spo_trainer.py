@@ -133,12 +133,23 @@ class SPOTrainer(RolloutTrainer):
 
     @torch.no_grad()
     def sample(
-        self, prompts, generators, model=None, cond=None, initial_noise=None, columns=None, plan=None, groups=None
+        self,
+        prompts,
+        generators,
+        model=None,
+        cond=None,
+        initial_noise=None,
+        columns=None,
+        plan=None,
+        groups=None,
+        grad_steps=None,
     ):
         """SPO's pooled rollout of B chains (the engine's :meth:`sample` contract: ``final_latents``, ``images``,
         ``denoiser_calls``; plus the pools' ``latents`` (B, S, ...), ``candidates`` (B, S, k, ...), ``scores`` (B, S,
         k) and ``choices`` (B, S)). Chain ``b`` draws its initial noise, every step's k noises and its continuation
-        choices from ``generators[b]``."""
+        choices from ``generators[b]``. Its calls run without gradients (``grad_steps`` must be None)."""
+        if grad_steps is not None:
+            raise ValueError("SPO's pooled rollout runs no denoiser call with gradients (grad_steps)")
         args, policy = self.args, self.policy
         model = self.model_wrapped if model is None else model
         if cond is None:
