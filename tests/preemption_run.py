@@ -14,11 +14,12 @@ import sys
 import time
 
 import torch
+from conftest import tiny_grpo_config  # (this script's folder, tests/, is on the path)
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
+from trl_dance import DanceGRPOTrainer
 from trl_dance.trainer.preemption import REPEAT_WINDOW_S
 
 model_dir, output_dir, signal_name = sys.argv[1:4]
@@ -42,27 +43,10 @@ class SignalDuringStep(TrainerCallback):
 
 
 def trainer(name: str, **overrides) -> DanceGRPOTrainer:
-    args = DanceGRPOConfig(
-        output_dir=os.path.join(output_dir, name),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        num_generations=4,
-        generation_batch_size=8,
-        num_inference_steps=6,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        per_device_train_batch_size=8 // world,
-        timestep_fraction=1.0,
-        eta=1.0,
-        max_steps=6,
-        learning_rate=1e-2,
-        seed=5,
-        **overrides,
-    )
+    args = tiny_grpo_config(  # one update per round: 5 micro-batches of 8 // world transitions
+        os.path.join(output_dir, name), per_device_train_batch_size=8 // world, max_steps=6, learning_rate=1e-2,
+        logging_steps=10, seed=5, **overrides,
+    )  # fmt: skip
     peft = LoraConfig(
         r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights="gaussian"
     )

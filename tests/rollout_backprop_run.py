@@ -6,39 +6,21 @@ import os
 import sys
 
 import torch
+from conftest import tiny_grpo_config  # (this script's folder, tests/, is on the path)
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
+from trl_dance import DanceGRPOTrainer
 
 model_dir, output_dir = sys.argv[1:3]
 torch.set_num_threads(1)
 
 
 def train(name: str, rollout_backprop: bool) -> DanceGRPOTrainer:
-    args = DanceGRPOConfig(
-        output_dir=os.path.join(output_dir, name),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        num_generations=4,
-        generation_batch_size=8,  # 4 samples per process, groups across the two
-        num_inference_steps=6,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        per_device_train_batch_size=4,
-        timestep_fraction=1.0,
-        eta=1.0,
-        max_steps=2,
-        optim="sgd",
-        learning_rate=300.0,
-        lr_scheduler_type="constant",
-        seed=3,
-        rollout_backprop=rollout_backprop,
-    )
+    args = tiny_grpo_config(  # 4 samples per process (groups across the two), one update per round
+        os.path.join(output_dir, name), per_device_train_batch_size=4, max_steps=2, optim="sgd", learning_rate=300.0,
+        lr_scheduler_type="constant", logging_steps=10, seed=3, rollout_backprop=rollout_backprop,
+    )  # fmt: skip
     peft = LoraConfig(
         r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights="gaussian"
     )

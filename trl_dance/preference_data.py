@@ -242,15 +242,14 @@ class PreferenceCollator:
         pixels, prompts, weights, time_ids, missing = [], [], [], [], []
         rng = self._batch_stream(rows)
         for row in rows:
-            prompt, chosen, rejected, weight = pair_from_row(row)
-            row_value, other_value = chosen, rejected
+            prompt, chosen_value, rejected_value, weight = pair_from_row(row)
             where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
             try:
-                chosen, rejected = self._load(chosen), self._load(rejected)
+                chosen, rejected = self._load(chosen_value), self._load(rejected_value)
             except ValueError as err:
                 raise ValueError(f"preference data, {where} (prompt {prompt!r:.80}): {err}") from err
             if chosen is None or rejected is None:
-                side, value = ("chosen", row_value) if chosen is None else ("rejected", other_value)
+                side, value = ("chosen", chosen_value) if chosen is None else ("rejected", rejected_value)
                 missing.append(f"{where}: the {side} image {describe_missing(value)}")
                 continue
             if self.num_frames is not None:

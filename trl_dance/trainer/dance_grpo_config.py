@@ -243,8 +243,7 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             self.updates_per_round = 1  # the default then accumulates the whole round into one update
         super().__post_init__()
         self._check_rollout_backprop()
-        updates = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
-        if self.trust_region == "dppo" and updates == 1:
+        if self.trust_region == "dppo" and self.optimizer_updates_per_round == 1:
             warnings.warn(
                 "trust_region='dppo' with one optimizer update per round: the update starts on-policy (KL 0 to the "
                 "rollout), so its mask never acts and the loss is the clip's. It is meant for several updates per "
@@ -255,11 +254,11 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
     def _check_rollout_backprop(self) -> None:
         if not self.rollout_backprop:
             return
-        updates = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+        updates = self.optimizer_updates_per_round
         inexact = {
             f"{updates} optimizer updates per round (gradient_accumulation_steps must equal the round's "
-            f"{self.steps_per_generation * self.num_iterations} micro-batches, steps_per_generation × "
-            "num_iterations): after the first the policy has moved from the one that rolled out": updates != 1,
+            f"{self.round_micro_steps} micro-batches, steps_per_generation × num_iterations): after the first the "
+            "policy has moved from the one that rolled out": updates != 1,
             "beta > 0: the KL term needs the reference model's forward at each transition": self.beta > 0,
             "ratio_normalization: the normalised ratio is not the log-probability the rollout differentiates": (
                 self.ratio_normalization

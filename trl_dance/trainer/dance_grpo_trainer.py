@@ -233,8 +233,7 @@ class DanceGRPOTrainer(RolloutTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.rollout_backprop:
             return super().training_step(model, inputs, num_items_in_batch)
-        round_steps = self.args.steps_per_generation * self.args.num_iterations
-        if self._rollout is not None and self._step % round_steps:
+        if self._rollout is not None and self._step % self.args.round_micro_steps:
             self._step += 1  # the round's one backward ran at its first micro-step
             return torch.zeros((), device=self.accelerator.device)
         loss = super().training_step(model, inputs, num_items_in_batch)  # the rollout, then the round's backward

@@ -35,7 +35,8 @@ class PreemptionArguments:
     Parameters:
         save_on_preemption (`bool`, defaults to `True`): on one of `preemption_signals`, finish the current optimizer
             update, save a checkpoint at it (as `save_strategy` would, with the same files, manifest and Hub push),
-            and end training; a second signal stops at once. Resuming from that checkpoint reproduces the
+            and end training; a second signal more than 5 s after the first stops at once (one sooner is the same
+            request, forwarded by a launcher). Resuming from that checkpoint reproduces the
             uninterrupted run exactly when it falls at a round boundary (one optimizer update per round).
         preemption_signals (`list[str]`, defaults to `["SIGTERM", "SIGUSR1", "SIGINT"]`): the signals that ask for it
             (SLURM sends SIGTERM at preemption and `--signal=USR1@90` before the time limit; Kubernetes SIGTERM before

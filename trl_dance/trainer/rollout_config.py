@@ -351,6 +351,16 @@ class RolloutConfig(DiffusionTrainingConfig):
         """Samples each process generates per round."""
         return self.generation_batch_size // self.data_parallel_size
 
+    @property
+    def round_micro_steps(self) -> int:
+        """``training_step`` calls per round: its micro-batches times ``num_iterations``."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def optimizer_updates_per_round(self) -> int:
+        """Optimizer updates per round (``gradient_accumulation_steps`` divides the round's micro-steps)."""
+        return self.round_micro_steps // self.gradient_accumulation_steps
+
 
 SDE_TYPES = ("dance", "flow_grpo", "cps", "flash")
 

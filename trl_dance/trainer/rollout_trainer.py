@@ -303,7 +303,7 @@ class RolloutTrainer(DiffusionTrainer):
         return loss
 
     def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        generate_every = self.args.round_micro_steps
         if self._step % generate_every == 0 or self._rollout is None:
             self._generate_and_score(generation_batch)
         return self._microbatch(self._microbatches[self._step % generate_every])
