@@ -30,7 +30,12 @@ def _trainer(tiny_model_dir, tmp_path, kind="flux", **overrides):
     ids=["torch_compile", "attention_backend"],
 )
 def test_speed_option_rolls_out_like_eager_and_stays_on_policy(tiny_model_dir, tmp_path, overrides):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry.get_active_backend()[0]
     eager, fast = _trainer(tiny_model_dir, tmp_path), _trainer(tiny_model_dir, tmp_path, **overrides)
+    # The backend is the trained model's alone: diffusers' process-wide one (what every other model runs) is unchanged.
+    assert _AttentionBackendRegistry.get_active_backend()[0] == active
     eager._generate_and_score(ROWS)
     fast._generate_and_score(ROWS)
     assert fast.flops.take() == pytest.approx(eager.flops.take())  # the rollouts' FLOPs, counted alike

@@ -104,6 +104,17 @@ def resolve_torch_compile(requested: bool | None, device: torch.device, paramete
     return device.type == "cuda" and parameter_sharding is None
 
 
+def set_model_attention_backend(model: torch.nn.Module, backend: str) -> None:
+    """``model.set_attention_backend(backend)`` for this model alone: diffusers also makes it the process-wide active
+    backend, which every other dispatcher model (a reward's, an evaluation pipeline's) would then run; each of this
+    model's processors carries its own, so the previous active backend is put back."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active, _ = _AttentionBackendRegistry.get_active_backend()
+    model.set_attention_backend(backend)
+    _AttentionBackendRegistry.set_active_backend(active)
+
+
 def apply_speed_options(
     models: list[torch.nn.Module],
     args,
@@ -129,6 +140,6 @@ def apply_speed_options(
                     f"({', '.join(sorted(p.__name__ for p in processors))}) call PyTorch's SDPA directly, not diffusers' "
                     "attention dispatcher, so no backend can be set; leave attention_backend unset"
                 )
-            model.set_attention_backend(backend)
+            set_model_attention_backend(model, backend)
         if compile_models:
             compile_regions(model, args.torch_compile_backend, args.torch_compile_mode)
