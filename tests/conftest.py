@@ -134,7 +134,7 @@ def recomputed_steps(trainer, grad: bool = False):
     for plan in trainer._microbatches:
         inputs = trainer._microbatch(plan)
         with torch.set_grad_enabled(grad):
-            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+            output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["cond"], at=inputs["step_index"])
             step = trainer.policy.step(
                 output, inputs["latents"], inputs["step_index"], prev_sample=inputs["next_latents"]
             )
@@ -181,7 +181,7 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
     load_lora_into_pipeline(reloaded, trainer.policy.denoiser_name, trainer.policy.lora_name, lora_dir)
 
     def predict(policy, model):
-        return policy.predict(model, latents, steps, policy.encode_prompts(prompts, **columns))
+        return policy.predict(model, latents, policy.encode_prompts(prompts, **columns), at=steps)
 
     with torch.no_grad():
         trained = predict(trainer.policy, trainer.model)

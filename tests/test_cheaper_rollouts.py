@@ -22,7 +22,7 @@ from peft import LoraConfig
 from trl_dance import DanceGRPOTrainer
 from trl_dance.advantages import extremes_per_group, normalized_reward_sum
 from trl_dance.losses import normalized_log_ratio
-from trl_dance.sampling import RolloutPlan, SDEWindow, compressed_steps
+from trl_dance.sampling import RolloutPlan, SDEWindow, compressed_steps, solve
 from trl_dance.sde import flow_sde_step
 
 ROWS = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
@@ -103,13 +103,13 @@ def test_steps_outside_the_window_are_the_schedulers_deterministic_steps(tiny_mo
         scheduler = copy.deepcopy(policy.pipeline.scheduler)
         scheduler.set_timesteps(6, **policy._scheduler_kwargs())
     else:
-        scheduler = copy.deepcopy(policy.scheduler)
+        scheduler = copy.deepcopy(policy.process.scheduler)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     x = trainer._initial_noise(generators, 0)
     cond = policy.encode_prompts([ROWS[0]["prompt"]] * 2)
     for i, t in enumerate(scheduler.timesteps):
         with torch.no_grad():
-            output = policy.predict(trainer.model, x, torch.full((2,), i), cond)
+            output = policy.predict(trainer.model, x, cond, at=torch.full((2,), i))
         x = scheduler.step(output, t, x, **({"eta": 0.0} if kind == "sd" else {})).prev_sample
         if i == 2:
             torch.testing.assert_close(result["latents"][:, 0], x, rtol=1e-5, atol=1e-5)
@@ -149,24 +149,21 @@ def test_flash_grid_and_solver(tiny_model_dir, tmp_path):
         gradient_accumulation_steps=2,
     )
     policy = trainer.policy
-    torch.testing.assert_close(policy.sigma_at(torch.arange(13.0)), policy.sigmas)
+    torch.testing.assert_close(policy.process.sigma_at(torch.arange(13.0)), policy.process.sigmas)
     plan = trainer.rollout_plan(0)
     assert (plan.sde_start, plan.sde_end) == (0, 2) and compressed_steps(10, 0.4) == 4
     assert len(plan.post_window_sigmas) == 5 and plan.post_window_sigmas[-1] == 0
-    torch.testing.assert_close(torch.tensor(plan.post_window_sigmas[0]), policy.sigmas[2])
+    torch.testing.assert_close(torch.tensor(plan.post_window_sigmas[0]), policy.process.sigmas[2])
     result = _sample(trainer, plan, count=2)
     assert result["denoiser_calls"] == 2 * (2 + 4)
     cond = policy.encode_prompts([ROWS[0]["prompt"]] * 2)
     with torch.no_grad():
         before, index = result["latents"][:, -2], torch.full((2,), plan.sde_end - 1)
-        x0_hat = policy.predicted_clean(policy.predict(trainer.model, before, index, cond), before, index)
-        previous = (x0_hat, policy.sigma_values[plan.sde_end - 1])
-        again = policy.solve(
-            trainer.model, result["latents"][:, -1], cond, plan.post_window_sigmas, "dpm_solver++", previous
-        )
-        first_order = policy.solve(
-            trainer.model, result["latents"][:, -1], cond, plan.post_window_sigmas, "dpm_solver++"
-        )
+        x0_hat = policy.process.predicted_clean(policy.predict(trainer.model, before, cond, at=index), before, index)
+        previous = (x0_hat, policy.process.sigma_values[plan.sde_end - 1])
+        last = result["latents"][:, -1]
+        again = solve(policy, trainer.model, last, cond, plan.post_window_sigmas, "dpm_solver++", previous)
+        first_order = solve(policy, trainer.model, last, cond, plan.post_window_sigmas, "dpm_solver++")
     torch.testing.assert_close(result["final_latents"], again, rtol=1e-5, atol=1e-5)
     assert (result["final_latents"] - first_order).abs().max() > 1e-4
     trainer._generate_and_score(ROWS)

@@ -336,7 +336,7 @@ def test_kl_scalings_differ_by_the_steps_delta_sigma(tiny_model_dir, tmp_path):
             trainer.compute_loss(trainer.model, inputs)
         kls[scaling] = recorded["kl"]
     step = inputs["step_index"]
-    delta = trainer.policy.sigma(step) - trainer.policy.sigma(step + 1)
+    delta = trainer.policy.process.sigma(step) - trainer.policy.process.sigma(step + 1)
     assert (kls["gaussian"] > 0).all() and len(set(step.tolist())) > 1
     torch.testing.assert_close(kls["flow_grpo"], kls["gaussian"] * delta)
 
@@ -634,8 +634,8 @@ def test_lora_export_round_trips_for_every_family(tiny_model_dir, tmp_path, kind
     steps = torch.tensor([0, 3])
     cond = trainer.policy.encode_prompts(["a cat", "a dog"])
     with torch.no_grad():
-        expected = trainer.policy.predict(trainer.model, latents, steps, cond)
-        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, steps, cond)
+        expected = trainer.policy.predict(trainer.model, latents, cond, at=steps)
+        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, cond, at=steps)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

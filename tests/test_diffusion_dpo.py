@@ -373,11 +373,11 @@ def test_sft_mode_and_lora_export(tiny_model_dir, tmp_path):
     assert "diffusion-dpo" in card and "sft loss" in card and "arXiv:2311.12908" in card
     pipeline = DiffusionPipeline.from_pretrained(tiny_model_dir("sd"))
     pipeline.load_lora_weights(str(tmp_path / "lora"))
-    latents, t = torch.randn(2, 4, 16, 16), torch.tensor([10, 500])
+    latents, t = torch.randn(2, 4, 16, 16), torch.tensor([10, 500]) / 999  # (the training timesteps 10 and 500)
     cond = trainer.policy.encode_prompts(["a cat", "a dog"])
     with torch.no_grad():
-        expected = trainer.policy.predict_at(trainer.model, latents, t, cond)
-        got = trainer.policy.predict_at(pipeline.unet, latents, t, cond)
+        expected = trainer.policy.predict(trainer.model, latents, cond, at=t)
+        got = trainer.policy.predict(pipeline.unet, latents, cond, at=t)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

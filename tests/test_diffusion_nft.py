@@ -160,11 +160,11 @@ def test_a_round_of_two_updates_matches_a_transcription_of_the_reference(tiny_mo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     for update in range(2):
         for inputs in batches[3 * update : 3 * update + 3]:
-            t = policy.timestep_at(inputs["sigma"])
+            t = inputs["sigma"]
             s, x0, xt = inputs["sigma"].view(-1, 1, 1), inputs["x0"], inputs["noisy"]
             with torch.no_grad():
-                old_v = policy.predict_at(old, xt, t, inputs["cond"])
-            v = policy.predict_at(model, xt, t, inputs["cond"])
+                old_v = policy.predict(old, xt, inputs["cond"], at=t)
+            v = policy.predict(model, xt, inputs["cond"], at=t)
             r = (inputs["advantages"].clamp(-5, 5) / 5 / 2 + 0.5).clamp(0, 1)
             terms = []
             for implicit in (

@@ -113,14 +113,14 @@ def test_each_prompt_gets_its_teacher_as_diffusers_loads_it(tiny_model_dir, tmp_
     steps = torch.tensor([0, 3])
     trainer._use_adapter(trainer.model, "teacher_0")
     with torch.no_grad():
-        ours = trainer.policy.predict(trainer.model, latents, steps, cond)
+        ours = trainer.policy.predict(trainer.model, latents, cond, at=steps)
     trainer._use_adapter(trainer.model, "default")
     reference = DiffusionPipeline.from_pretrained(model)
     reference.load_lora_weights(folder)
     with torch.no_grad():
         settings = SamplerSettings.from_config(args)
-        theirs = make_policy(reference, settings).predict(reference.transformer, latents, steps, cond)
-        student = trainer.policy.predict(trainer.model, latents, steps, cond)
+        theirs = make_policy(reference, settings).predict(reference.transformer, latents, cond, at=steps)
+        student = trainer.policy.predict(trainer.model, latents, cond, at=steps)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert (student - theirs).abs().max() > 1e-3
 

@@ -11,6 +11,7 @@ from peft import LoraConfig
 from trl_dance import DirectRewardConfig, DirectRewardTrainer
 from trl_dance.direct_align import direct_align_levels, semantic_relative_reward
 from trl_dance.forward_process import add_noise, euler_step, flow_coefficients, recover_clean
+from trl_dance.sampling import solve
 
 
 def _config(output_dir, **overrides):
@@ -101,7 +102,7 @@ def test_reward_gradient_through_step_x0_and_decode_matches_finite_differences(t
 
     def loss():
         clean = trainer.clean_latents(
-            model, trainer.policy.add_noise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond
+            model, trainer.policy.process.add_noise(x0, noise, sigma_from), noise, sigma_from, sigma_to, cond
         )
         reward = trainer.item_rewards(trainer.decode(clean), PROMPTS[:2], inversion, position)
         return torch.relu(2.0 - reward).sum()
@@ -138,9 +139,9 @@ def test_draft_with_one_step_is_direct_align_without_renoising(tiny_model_dir, t
     policy, model = trainer.policy, trainer.model
     cond = policy.encode_prompts(PROMPTS[:2])
     noise = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
-    sigmas = tuple(policy.sigmas.tolist())
+    sigmas = tuple(policy.process.sigmas.tolist())
     with torch.no_grad():
-        state = policy.solve(model, noise, cond, sigmas[:-1])  # σ_0 … σ_{N−1}
+        state = solve(policy, model, noise, cond, sigmas[:-1])  # σ_0 … σ_{N−1}
     gradients = []
     for clean in (
         lambda: trainer.draft_latents(model, noise, cond, 1),

@@ -57,11 +57,11 @@ def test_gradient_scale_matches_the_closed_form_and_autograd(tiny_model_dir, tmp
     """g_t = Δ(1 + s²(1−σ)/(2σ))/(s√Δ); on-policy ∂log p/∂v = −g_t·ε/D (mean reduction over D elements)."""
     trainer = _trainer(tiny_model_dir, tmp_path, **FLASH)
     policy, steps = trainer.policy, trainer.policy.trainable_steps()
-    sigmas = policy.sigmas
+    sigmas = policy.process.sigmas
     sigma, delta = sigmas[steps], sigmas[steps] - sigmas[[i + 1 for i in steps]]
     s = sigmas[1] * sigma + sigmas[-1] * (1 - sigma)  # η = 1
     closed = delta * (1 + s**2 * (1 - sigma) / (2 * sigma)) / (s * delta.sqrt())
-    torch.testing.assert_close(policy.log_prob_gradient_scale(steps), closed)
+    torch.testing.assert_close(policy.process.log_prob_gradient_scale(steps), closed)
     index = torch.tensor(steps)
     latents, eps = torch.randn(2, len(steps), 4, 3, 3).unbind(0)
     output = torch.randn(len(steps), 4, 3, 3, requires_grad=True)
@@ -79,7 +79,7 @@ def test_rectification_puts_every_timestep_on_one_gradient_scale(tiny_model_dir,
     cond = policy.encode_prompts(PROMPTS[:1] * len(steps))
     index = torch.tensor(steps)
     latents = torch.randn(len(steps), *policy.initial_noise([torch.Generator().manual_seed(0)]).shape[1:])
-    output = policy.predict(trainer.model, latents, index, cond).detach().requires_grad_(True)
+    output = policy.predict(trainer.model, latents, cond, at=index).detach().requires_grad_(True)
     first = policy.step(output.detach(), latents, index, compute_log_prob=False)
     eps = torch.randn(1, *latents.shape[1:]).expand_as(latents)
     at = first.mean + first.std.view(-1, *[1] * (latents.ndim - 1)) * eps

@@ -41,7 +41,7 @@ def _count(kind: str, mode: str, cfg: bool, checkpointing: bool, **more) -> tupl
         policy._negative_cond(2, cond)  # its text encoding is not the denoiser's
     counter = DenoiserFlops(policy.flop_layout, policy.flop_tokens).attach(denoiser)
     with FlopCounterMode(display=False) as torch_count, torch.set_grad_enabled(mode != "frozen"):
-        output = policy.predict(denoiser, latents, torch.zeros(2, dtype=torch.long), cond)
+        output = policy.predict(denoiser, latents, cond, at=torch.zeros(2, dtype=torch.long))
         if mode != "frozen":
             output.square().mean().backward()
     return counter.take(), torch_count.get_total_flops()

@@ -112,7 +112,7 @@ def test_image_to_video_ratio_is_one_with_cfg_and_the_image_conditions_every_sam
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
     with torch.no_grad():
         cond = trainer.policy.encode_prompts(["a cat"] * 2, image=[dataset[0]["image"], dataset[1]["image"]])
-        output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), cond)
+        output = trainer.policy.predict(trainer.model, latents, cond, at=torch.tensor([1, 1]))
     assert (output[0] - output[1]).abs().max() > 1e-3
     trainer.train()
     trainer.save_model(str(tmp_path / "lora"))

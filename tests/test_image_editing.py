@@ -64,7 +64,7 @@ def test_editing_ratio_is_one_and_the_source_image_conditions_every_sample(tiny_
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
     with torch.no_grad():
         cond = trainer.policy.encode_prompts(["add a cat"] * 2, image=[dataset[0]["image"], dataset[1]["image"]])
-        output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), cond)
+        output = trainer.policy.predict(trainer.model, latents, cond, at=torch.tensor([1, 1]))
     assert (output[0] - output[1]).abs().max() > 1e-3  # same instruction and noise, other source: other prediction
     trainer.create_model_card()
     assert "pipeline_tag: image-to-image" in (tmp_path / "README.md").read_text()

@@ -95,7 +95,7 @@ def _sample_conditioned(policy, latents, cond):
     """:func:`_sample_deterministically` from conditioning already encoded."""
     for i in range(policy.num_steps):
         index = torch.full((latents.shape[0],), i)
-        output = policy.predict_step(policy.denoiser, latents, i, index, cond)
+        output = policy.predict(policy.denoiser, latents, cond, at=i)
         latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
     return policy.decode(policy.final_latents(latents, cond))
 
@@ -433,7 +433,7 @@ def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs
         latents = initial
         for i in range(policy.num_steps):
             index = torch.full((latents.shape[0],), i)
-            output = policy.predict_step(policy.denoiser, latents, i, index, cond)
+            output = policy.predict(policy.denoiser, latents, cond, at=i)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
         ours, audio = policy.decode(latents), policy.decode_audio(latents)
         expected = pipeline(

@@ -146,7 +146,7 @@ def test_out_of_memory_names_the_phase_the_sizes_and_the_fields(tiny_model_dir, 
         tiny_model_dir("flux"), reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
     )
     if phase == "rollout":
-        trainer.policy.predict_step = out_of_memory
+        trainer.policy.predict = out_of_memory
     elif phase == "training":
         trainer.compute_loss = out_of_memory
     fields = {

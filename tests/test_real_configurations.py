@@ -76,12 +76,12 @@ def test_rewarded_sample_is_the_last_steps_deterministic_result(tiny_model_dir, 
     index = torch.full((2,), last)
     cond = policy.encode_prompts(PROMPTS[:2])
     with torch.no_grad():
-        output = policy.predict(trainers[False].model, latents[:, last], index, cond)
+        output = policy.predict(trainers[False].model, latents[:, last], cond, at=index)
     expected = policy.step(output, latents[:, last], index, compute_log_prob=False, eta=0.0).prev_sample
     torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-5)
     if kind != "sd":
-        sigma = policy.sigmas[last]
-        assert policy.sigmas[-1] == 0
+        sigma = policy.process.sigmas[last]
+        assert policy.process.sigmas[-1] == 0
         torch.testing.assert_close(final, latents[:, last] - sigma * output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rollouts[False]["images"], policy.decode(final), rtol=1e-5, atol=1e-5)
 
@@ -113,9 +113,9 @@ def test_flow_dpo_draws_sigma_on_the_shifted_training_grid(tiny_model_dir, tmp_p
     )
     latents = torch.zeros(2 * 20000, 4, 2, 2)
     pairs = trainer.pairs
-    _, _, timesteps = pairs.noised(latents, *pairs.draw(latents[::2].shape, trainer._noise_generator, "cpu"))
-    sigma = timesteps[0::2] / 1000
-    assert torch.equal(timesteps[0::2], timesteps[1::2])  # one σ per pair
+    _, _, time = pairs.noised(latents, *pairs.draw(latents[::2].shape, trainer._noise_generator, "cpu"))
+    sigma = time[0::2]
+    assert torch.equal(time[0::2], time[1::2])  # one σ per pair
     assert abs(sigma.mean().item() - expected) < 0.01 and sigma.max() <= 1
 
 

@@ -260,8 +260,8 @@ def test_train_guidance_is_separate_from_the_rollouts(tiny_model_dir, tmp_path):
     latents = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
     level = torch.full((2,), 0.6)
     with torch.no_grad():
-        trained = trainer._train_policy.predict_at(trainer.model, latents, level, cond)
-        rollout = policy.predict_at(trainer.model, latents, level, cond)
+        trained = trainer._train_policy.predict(trainer.model, latents, cond, at=level)
+        rollout = policy.predict(trainer.model, latents, cond, at=level)
     assert not torch.allclose(trained, rollout)
 
 

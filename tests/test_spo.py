@@ -93,7 +93,7 @@ def test_scorer_decides_the_pairs_and_chains_continue_from_a_candidate(tiny_mode
     trainer._prepare_inputs(CHAINS)
     assert [s[:2] for s in seen] == [(6, (6, 3, 32, 32))] * 4
     for (_, _, timesteps), step in zip(seen, (3, 4, 5)):
-        assert torch.equal(timesteps, trainer.policy.model_timestep(torch.tensor([step])).expand(6))
+        assert torch.equal(timesteps, trainer.policy.process.model_timestep(torch.tensor([step])).expand(6))
     assert not seen[3][2].any()  # the last step's candidates are clean samples, judged at timestep 0
     candidates, rollout = results[0]["candidates"], trainer._rollout  # (B, S, k, ...)
     assert torch.equal(rollout["chosen"], candidates[:, :, 0]) and torch.equal(

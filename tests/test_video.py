@@ -189,7 +189,7 @@ def test_image_to_video_ratio_is_one_and_the_image_conditions_every_sample(tiny_
     images = [dataset[0]["image"], dataset[1]["image"]]
     with torch.no_grad():
         two_images = trainer.policy.encode_prompts(["a cat"] * 2, image=images)
-        output = trainer.policy.predict(trainer.model, latents, torch.tensor([1, 1]), two_images)
+        output = trainer.policy.predict(trainer.model, latents, two_images, at=torch.tensor([1, 1]))
     assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
     if kind == "wan22-5b":
         _assert_the_first_frame_is_given(trainer, trainer._microbatch(trainer._microbatches[0]))
@@ -206,7 +206,7 @@ def _assert_the_first_frame_is_given(trainer, inputs):
     ]  # (B, N, C, F', h, w): the states before each of the N − 1 stored steps, and after
     assert torch.equal(trajectory[:, 1:, :, :1], trajectory[:, :1, :, :1].expand_as(trajectory[:, 1:, :, :1]))
     with torch.no_grad():
-        output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["step_index"], inputs["cond"])
+        output = trainer.policy.predict(trainer.model, inputs["latents"], inputs["cond"], at=inputs["step_index"])
         moved = inputs["next_latents"].clone()
         moved[:, :, 0] += 1.0
         scores = [
@@ -291,8 +291,8 @@ def test_two_expert_wan_trains_one_expert_on_its_own_steps(
     columns = {"image": dataset["image"][:2]} if kind.endswith("i2v") else {}
     cond = trainer.policy.encode_prompts(dataset["prompt"][:2], **columns)
     with torch.no_grad():
-        expected = trainer.policy.predict(trainer.model, latents, index, cond)
-        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, index, cond)
+        expected = trainer.policy.predict(trainer.model, latents, cond, at=index)
+        got = trainer.policy.predict(getattr(reloaded, trainer.policy.denoiser_name), latents, cond, at=index)
         untouched = getattr(reloaded, "transformer" if train_expert == "low_noise" else "transformer_2")
         assert not getattr(untouched, "_hf_peft_config_loaded", False)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -111,6 +111,28 @@ def forward_flops(model: torch.nn.Module, layout: FlopLayout, tokens: Mapping[st
     return float(sum(op.flops(tokens, batch) for op in denoiser_ops(model, layout)))
 
 
+def denoiser_tokens(inputs: Mapping[str, object], config) -> dict[str, int]:
+    """Per-sample token counts of a denoiser call with named ``inputs`` (a transformer's or UNet's keyword arguments)
+    for a model of ``config``: ``image`` (video) tokens after patching, ``text`` tokens, ``image_embeds`` (an image
+    encoder's tokens, Wan I2V), and :data:`SAMPLE` rows (1, or one per token where the timestep is per token)."""
+    hidden = inputs.get("hidden_states", inputs.get("sample"))
+    patch = config.get("patch_size") or 1
+    if hidden.dim() == 3:  # packed tokens (FLUX, Qwen-Image)
+        image = hidden.shape[1]
+    elif hidden.dim() == 4:  # (B, C, H, W)
+        image = (hidden.shape[2] // patch) * (hidden.shape[3] // patch)
+    else:  # (B, C, F, H, W)
+        patch_t, patch_h, patch_w = (
+            patch if isinstance(patch, (list, tuple)) else (config.get("patch_size_t") or 1, patch, patch)
+        )
+        image = (hidden.shape[2] // patch_t) * (hidden.shape[3] // patch_h) * (hidden.shape[4] // patch_w)
+    tokens = {"image": image, SAMPLE: inputs["timestep"][0].numel()}
+    for stream, name in (("text", "encoder_hidden_states"), ("image_embeds", "encoder_hidden_states_image")):
+        if isinstance(inputs.get(name), torch.Tensor):
+            tokens[stream] = inputs[name].shape[1]
+    return tokens
+
+
 def _inner_dim(attention: torch.nn.Module) -> int:
     """Heads × head dimension of an attention module (its query width)."""
     if isinstance(getattr(attention, "inner_dim", None), int):

@@ -2,7 +2,7 @@
 ``trl_dance/model_configs/`` (each a diffusers pipeline folder without weights or tokenizer files), so that speed and
 memory are measured at full size with nothing downloaded.
 
-Prompts go through the tiny offline tokenizers of :mod:`trl_dance.testing` (only the sequence length, not the
+Prompts go through the tiny offline tokenizers of :mod:`trl_dance.testing.components` (only the sequence length, not the
 vocabulary, matches the real model's); every network has the real checkpoint's classes and shapes.
 """
 
@@ -34,7 +34,7 @@ def random_weight_models() -> list[str]:
 
 
 def _tokenizer(class_name: str):
-    from . import testing
+    from .testing import components as testing
 
     for prefix, build in (
         ("CLIP", testing._clip_tokenizer),

@@ -3,7 +3,8 @@
 A :class:`RolloutPlan` says which steps of a rollout are stochastic (the SDE window, whose transitions are stored and
 trained), which are deterministic (the ODE / DDIM-η=0 step), and how the steps after the window are solved (the
 policy's own grid, or a compressed grid with DPM-Solver++(2M), MixGRPO-Flash). Everything every step does is the
-policy's: :meth:`~trl_dance.policies.DiffusionPolicy.step` and ``solve``; this module only orders them.
+policy's (:meth:`~trl_dance.policies.DiffusionPolicy.predict` and ``step``, the process's σ grid); this module only
+orders them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Literal
 
 import torch
 
-from .policies import Conditioning, DiffusionPolicy
+from .policies import Conditioning, DiffusionPolicy, require_flow
+from .sde import flow_dpm_solver_step
 
 PostWindowSolver = Literal["ode", "dpm_solver++"]
 WindowSchedule = Literal["random", "progressive"]
@@ -238,9 +240,9 @@ def rollout(
         step_index = torch.full((batch,), i, device=latents.device, dtype=torch.long)
         rows = None if grad_steps is None else grad_steps[:, i].nonzero().flatten()
         if rows is None or len(rows) == 0:
-            output, graph = policy.predict_step(model, latents, i, step_index, cond), None
+            output, graph = policy.predict(model, latents, cond, at=i), None
         else:
-            output, graph = _predict_with_grad(policy, model, latents, i, step_index, cond, rows)
+            output, graph = _predict_with_grad(policy, model, latents, i, cond, rows)
         calls += batch
         window = plan.sde_start <= i < plan.sde_end
         noisy = window or (i == plan.num_steps - 1 and plan.last_step_sde)
@@ -258,7 +260,7 @@ def rollout(
             differentiable.append((rows, i, log_prob.log_prob))
         if i == end - 1 and plan.post_window_solver == "dpm_solver++" and plan.post_window_sigmas is not None:
             # DPM-Solver++(2M)'s first step after the window is second order, from this step's x̂0.
-            previous = (policy.predicted_clean(output, latents, step_index), policy.sigma_values[i])
+            previous = (policy.process.predicted_clean(output, latents, step_index), policy.process.sigma_values[i])
         latents = result.prev_sample
         if window:
             stored.append(latents)
@@ -266,7 +268,7 @@ def rollout(
             if keep_means:
                 means.append(result.mean)
     if plan.post_window_sigmas is not None:
-        latents = policy.solve(model, latents, cond, plan.post_window_sigmas, plan.post_window_solver, previous)
+        latents = solve(policy, model, latents, cond, plan.post_window_sigmas, plan.post_window_solver, previous)
         calls += batch * (len(plan.post_window_sigmas) - 1)
 
     out = {"final_latents": latents, "denoiser_calls": calls}
@@ -290,7 +292,6 @@ def _predict_with_grad(
     model: torch.nn.Module,
     latents: torch.Tensor,
     i: int,
-    step_index: torch.Tensor,
     cond: Conditioning,
     rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,15 +303,11 @@ def _predict_with_grad(
     others[rows] = False
     rest = others.nonzero().flatten().to(device)
     with torch.enable_grad():
-        graph = policy.predict_step(
-            model, latents[taken], i, step_index[taken], {k: v[taken] for k, v in cond.items()}
-        )
+        graph = policy.predict(model, latents[taken], {k: v[taken] for k, v in cond.items()}, at=i)
     output = torch.empty((len(latents), *graph.shape[1:]), dtype=graph.dtype, device=device)
     output[taken] = graph.detach()
     if len(rest):
-        output[rest] = policy.predict_step(
-            model, latents[rest], i, step_index[rest], {k: v[rest] for k, v in cond.items()}
-        )
+        output[rest] = policy.predict(model, latents[rest], {k: v[rest] for k, v in cond.items()}, at=i)
     return output, graph
 
 
@@ -333,7 +330,7 @@ def _staggered_rollout(
     means = latents.new_zeros(batch, window, *latents.shape[1:]) if keep_means else None
     for i in range(plan.num_steps):
         step_index = torch.full((batch,), i, device=device, dtype=torch.long)
-        output = policy.predict_step(model, latents, i, step_index, cond)
+        output = policy.predict(model, latents, cond, at=i)
         offset = i - starts  # host: each sample's position in its window
         if (offset == 0).any():
             entering = (offset == 0).nonzero().flatten().to(device)
@@ -354,12 +351,39 @@ def _staggered_rollout(
     return out | {"log_probs": log_probs} | ({"means": means} if keep_means else {})
 
 
+def solve(
+    policy: DiffusionPolicy,
+    model: torch.nn.Module,
+    latents: torch.Tensor,
+    cond: Conditioning,
+    sigmas: tuple[float, ...],
+    solver: PostWindowSolver = "ode",
+    previous: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Deterministically solve a flow policy from ``sigmas[0]`` down the given σ grid to 0 (MixGRPO-Flash's compressed
+    steps after the SDE window; any σ, not only the policy's grid): ``"ode"`` the Euler step, ``"dpm_solver++"``
+    DPM-Solver++(2M) (:func:`~trl_dance.sde.flow_dpm_solver_step`), whose first step is second order when ``previous``
+    = (x̂0, σ) of the step that reached ``latents`` is given. Returns float32 latents."""
+    require_flow(policy.process, "a compressed post-window grid")
+    if solver not in ("ode", "dpm_solver++"):
+        raise ValueError(f"solver must be 'ode' or 'dpm_solver++', got {solver!r}")
+    latents = latents.float()
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+        velocity = policy.predict(model, latents, cond, at=float(sigma))
+        if solver == "ode":
+            latents = latents + (sigma_next - sigma) * velocity
+            continue
+        x0_hat = latents - sigma * velocity
+        latents, previous = flow_dpm_solver_step(x0_hat, latents, sigma, sigma_next, previous), (x0_hat, sigma)
+    return latents
+
+
 def deterministic_step(
     policy: DiffusionPolicy, model: torch.nn.Module, latents: torch.Tensor, i: int, cond: Conditioning
 ) -> torch.Tensor:
     """Step ``i`` of the policy's sampler without noise (flow: Euler; DDIM η = 0), differentiable in the model."""
     step_index = torch.full((latents.shape[0],), i, device=latents.device, dtype=torch.long)
-    output = policy.predict_step(model, latents, i, step_index, cond)
+    output = policy.predict(model, latents, cond, at=i)
     zeros = torch.zeros_like(latents, dtype=torch.float32)
     return policy.step(output, latents, step_index, noise=zeros, compute_log_prob=False, eta=0.0).prev_sample
 
@@ -370,6 +394,7 @@ __all__ = [
     "StepScorer",
     "compressed_steps",
     "deterministic_step",
+    "solve",
     "generate",
     "group_generators",
     "mix_seed",
@@ -458,7 +483,7 @@ def pooled_rollout(
     for i in range(steps):
         step_index = torch.full((batch,), i, device=latents.device, dtype=torch.long)
         if output is None:
-            output = policy.predict_step(model, latents, i, step_index, cond)
+            output = policy.predict(model, latents, cond, at=i)
             calls += batch
         if i not in pools:
             level = 0.0 if i == steps - 1 else None
@@ -478,9 +503,9 @@ def pooled_rollout(
         ).prev_sample
         if i + 1 < steps:
             cond_k = {key: value.repeat(k, *[1] * (value.ndim - 1)) for key, value in cond.items()}
-            next_output = policy.predict_step(model, candidates, i + 1, repeated + 1, cond_k)
+            next_output = policy.predict(model, candidates, cond_k, at=i + 1)
             calls += k * batch
-            clean = policy.predicted_clean(next_output, candidates, repeated + 1)
+            clean = policy.process.predicted_clean(next_output, candidates, repeated + 1)
         else:
             next_output, clean = None, candidates
         scores = score(clean, repeated + 1)

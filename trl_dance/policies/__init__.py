@@ -25,16 +25,25 @@ from diffusers import (
     ZImagePipeline,
 )
 
-from .base import Conditioning, DiffusionPolicy, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import At, Conditioning, DiffusionPolicy
 from .flux import Flux2KleinPolicy, Flux2Policy, FluxKontextPolicy, FluxPolicy
 from .hunyuan_video import HunyuanSkyreelsImageToVideoPolicy, HunyuanVideoPolicy
 from .hunyuan_video15 import HunyuanVideo15ImageToVideoPolicy, HunyuanVideo15Policy
+from .layout import (
+    OneFrameLatents,
+    PackedLatents,
+    PatchifiedLatents,
+    RGBAOneFrameLatents,
+    SpatialLatents,
+    VideoLatents,
+)
 from .ltx2 import LTX2Policy
+from .process import DiffusionProcess, FlowProcess, VPProcess, require_flow
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .qwen_image21 import QwenImage21Policy
 from .runtime import PolicyRuntime
 from .sd3 import SD3Policy
+from .settings import SamplerSettings
 from .stable_diffusion import StableDiffusionPolicy, StableDiffusionXLPolicy
 from .wan import WanImageToVideoPolicy, WanPolicy
 from .z_image import ZImagePolicy
@@ -119,10 +128,20 @@ def make_policy(
 
 
 __all__ = [
+    "At",
     "Conditioning",
     "DiffusionPolicy",
+    "DiffusionProcess",
+    "FlowProcess",
+    "OneFrameLatents",
+    "PackedLatents",
+    "PatchifiedLatents",
     "PolicyRuntime",
-    "FlowMatchingPolicy",
+    "RGBAOneFrameLatents",
+    "SpatialLatents",
+    "VPProcess",
+    "VideoLatents",
+    "require_flow",
     "Flux2KleinPolicy",
     "Flux2Policy",
     "FluxKontextPolicy",

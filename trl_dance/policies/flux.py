@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .layout import PackedLatents, PatchifiedLatents
 
 
 def linear_sigmas_with_shift(config, steps: int, image_seq_len: int) -> dict:
@@ -29,13 +28,29 @@ def linear_sigmas_with_shift(config, steps: int, image_seq_len: int) -> dict:
     return {**kwargs, "mu": mu}
 
 
-class FluxPolicy(FlowMatchingPolicy):
+def packed_noise(
+    pipeline, settings: SamplerSettings, generators: list[torch.Generator], device: torch.device, leading: tuple = ()
+) -> torch.Tensor:
+    """(B, tokens, 4C) float32 starting latents of a pipeline with FLUX's packed ``prepare_latents`` (FLUX.1/.2,
+    Kontext, Qwen-Image), sample ``b`` drawn from ``generators[b]``; ``leading``: its arguments before the batch size
+    (an editing pipeline's source image: ``None``, encoded with the conditions instead)."""
+    out = pipeline.prepare_latents(
+        *leading, len(generators), pipeline.transformer.config.in_channels // 4, settings.height, settings.width,
+        torch.float32, device, generators,
+    )  # fmt: skip
+    # FLUX.1 and FLUX.2 return (latents, ids), Kontext (latents, image latents, ids, image ids), Qwen-Image latents.
+    return out[0] if isinstance(out, tuple) else out
+
+
+class FluxPolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.FluxPipeline`. Latents are packed tokens: (B, H/16 · W/16, 4 · C).
 
     FLUX.1-dev is guidance-distilled: ``guidance_scale`` feeds its guidance embedding and sampling uses no CFG.
     """
 
     supports_cfg = False
+    layout_class = PackedLatents
+    timestep_units = "sigma"  # the FLUX transformer takes σ (= diffusers timestep / 1000)
     flop_layout = FlopLayout(
         streams=(
             (r"time_\w*embed|modulation|norm\w*\.linear", SAMPLE),
@@ -45,18 +60,10 @@ class FluxPolicy(FlowMatchingPolicy):
         attention=((r"transformer_blocks", "image+text", "image+text"),),
     )
 
-    def __init__(self, pipeline: FluxPipeline, settings: SamplerSettings):
-        scale = pipeline.vae_scale_factor
-        # Needed by _scheduler_kwargs, which the base constructor calls.
-        self._latent_hw = (2 * (settings.height // (2 * scale)), 2 * (settings.width // (2 * scale)))
-        self.latent_channels = pipeline.transformer.config.in_channels // 4
-        super().__init__(pipeline, settings)
-
     def _scheduler_kwargs(self) -> dict:
+        h, w = self.layout.latent_hw
         return linear_sigmas_with_shift(
-            self.pipeline.scheduler.config,
-            self.settings.num_inference_steps,
-            (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2),
+            self.pipeline.scheduler.config, self.settings.num_inference_steps, h // 2 * w // 2
         )
 
     @torch.no_grad()
@@ -73,22 +80,7 @@ class FluxPolicy(FlowMatchingPolicy):
     """Arguments of the pipeline's ``prepare_latents`` before the batch size (Kontext: no source image, ``None``)."""
 
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        settings = self.settings
-        out = self.pipeline.prepare_latents(
-            *self._leading_latent_args,
-            len(generators),
-            self.latent_channels,
-            settings.height,
-            settings.width,
-            torch.float32,
-            self.device,
-            generators,
-        )
-        # FLUX.1 and FLUX.2 return (latents, ids), Kontext (latents, image latents, ids, image ids), Qwen-Image latents.
-        return out[0] if isinstance(out, tuple) else out
-
-    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
-        return t  # the FLUX transformer takes σ (= diffusers timestep / 1000)
+        return packed_noise(self.pipeline, self.settings, generators, self.device, self._leading_latent_args)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         batch, device, dtype = latents.shape[0], latents.device, self.denoiser.dtype
@@ -110,30 +102,17 @@ class FluxPolicy(FlowMatchingPolicy):
 
     def _image_ids(self, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Position ids (tokens, 3) of the image tokens the transformer reads."""
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         return self.pipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
-
-    def encode_images(
-        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        latents = super().encode_images(images, generator)
-        batch, channels, height, width = latents.shape
-        return self.pipeline._pack_latents(latents, batch, channels, height, width)
 
     def context_parallel_lengths(self) -> dict[str, int]:
         # diffusers' FLUX plan splits the joint sequence's image tokens (with Kontext's source tokens) and text tokens.
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         image = (h // 2) * (w // 2) * (2 if self.condition_columns else 1)
         return {"image tokens": image, "text tokens": self.settings.max_sequence_length}
 
     def context_parallel_hint(self) -> str:
         return "height/width or max_sequence_length"
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        unpacked = self.pipeline._unpack_latents(
-            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
-        )
-        return super().decode(unpacked)
 
 
 class FluxKontextPolicy(FluxPolicy):
@@ -181,6 +160,8 @@ class Flux2Policy(FluxPolicy):
     guidance-distilled); the prompt embeddings are padded to ``max_sequence_length`` as the pipeline pads them.
     """
 
+    layout_class = PatchifiedLatents
+
     def __init__(self, pipeline, settings):
         super().__init__(pipeline, settings)
         self._ids: dict[tuple, torch.Tensor] = {}
@@ -189,7 +170,8 @@ class Flux2Policy(FluxPolicy):
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
         steps = self.settings.num_inference_steps
-        seq_len = (self._latent_hw[0] // 2) * (self._latent_hw[1] // 2)
+        h, w = self.layout.latent_hw
+        seq_len = (h // 2) * (w // 2)
         sigmas = (
             None
             if self.pipeline.scheduler.config.get("use_flow_sigmas", False)
@@ -216,7 +198,7 @@ class Flux2Policy(FluxPolicy):
         return self._ids[key]
 
     def _latent_ids(self, batch: int, device: torch.device) -> torch.Tensor:
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         return self._position_ids("latent", (batch, 1, h // 2, w // 2), device)
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
@@ -234,32 +216,6 @@ class Flux2Policy(FluxPolicy):
             img_ids=self._latent_ids(batch, device),
             return_dict=False,
         )[0]
-
-    def _batch_norm(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        vae = self.pipeline.vae
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like)
-        return mean, std
-
-    def encode_images(
-        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        vae = self.pipeline.vae
-        latents = vae.encode(images.to(self.device, vae.dtype)).latent_dist.sample(generator).float()
-        latents = self.pipeline._patchify_latents(latents)
-        mean, std = self._batch_norm(latents)
-        return self.pipeline._pack_latents((latents - mean) / std)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        pipeline, vae = self.pipeline, self.pipeline.vae
-        # Tokens are in raster order (the latent ids'), so this is the pipeline's _unpack_latents_with_ids without
-        # its id maxima, which would read the device.
-        h, w = self._latent_hw
-        unpacked = latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], h // 2, w // 2)
-        mean, std = self._batch_norm(unpacked)
-        unpacked = pipeline._unpatchify_latents(unpacked * std + mean)
-        decoded = vae.decode(unpacked.to(vae.dtype), return_dict=False)[0]
-        return self._postprocess(decoded).to(torch.promote_types(decoded.dtype, torch.float32))
 
 
 class Flux2KleinPolicy(Flux2Policy):

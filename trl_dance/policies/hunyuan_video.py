@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import HunyuanVideoPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import Conditioning, DiffusionPolicy
+from .layout import VideoLatents
 
 
-class HunyuanVideoPolicy(FlowMatchingPolicy):
+def unshifted_sigmas(steps: int) -> dict:
+    """``set_timesteps`` arguments of the HunyuanVideo pipelines: the unshifted grid linspace(1, 0, N + 1)[:-1] (the
+    scheduler shifts it)."""
+    return {"sigmas": np.linspace(1.0, 0.0, steps + 1)[:-1]}
+
+
+class HunyuanVideoPolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.HunyuanVideoPipeline`. Latents are (B, C, F', H/8, W/8) with F' = (F − 1)/4 + 1;
     :meth:`decode` returns videos (B, F, 3, H, W) in [0, 1]. ``num_frames=1`` is DanceGRPO's text-to-image use of the
     model: a one-frame video, decoded to (B, 1, 3, H, W), which image rewards score as that frame.
@@ -24,9 +29,10 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
     """
 
     supports_cfg = False
-    is_video = True
+    layout_class = VideoLatents
     masks_text = True
     default_num_frames = 129
+    """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
     flop_layout = FlopLayout(
         streams=(
             (r"time_text_embed|norm\w*\.linear", SAMPLE),
@@ -35,19 +41,13 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
         ),
         attention=((r"token_refiner", "text", "text"), (r"transformer_blocks", "image+text", "image+text")),
     )
-    """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
-
-    def __init__(self, pipeline: HunyuanVideoPipeline, settings: SamplerSettings):
-        settings = self._with_num_frames(pipeline, settings)
-        super().__init__(pipeline, settings)
 
     @property
     def pipeline_tag(self) -> str:
         return "text-to-image" if self.settings.num_frames == 1 else "text-to-video"
 
     def _scheduler_kwargs(self) -> dict:
-        steps = self.settings.num_inference_steps
-        return {"sigmas": np.linspace(1.0, 0.0, steps + 1)[:-1]}
+        return unshifted_sigmas(self.settings.num_inference_steps)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -137,9 +137,6 @@ class HunyuanVideoPolicy(FlowMatchingPolicy):
             guidance=guidance.to(dtype),
             return_dict=False,
         )[0]
-
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
 
 
 class HunyuanSkyreelsImageToVideoPolicy(HunyuanVideoPolicy):

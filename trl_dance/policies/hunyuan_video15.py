@@ -9,14 +9,28 @@ from diffusers.guiders import ClassifierFreeGuidance
 from diffusers.utils import logging
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
-from .hunyuan_video import HunyuanVideoPolicy
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .hunyuan_video import unshifted_sigmas
+from .layout import VideoLatents
 
 logger = logging.get_logger(__name__)
 
 
-class HunyuanVideo15Policy(FlowMatchingPolicy):
+class _OneVideoAtATime(VideoLatents):
+    """HunyuanVideo 1.5's VAE encodes and decodes one video at a time (its mid-block attention breaks on batches of
+    several in diffusers 0.42.1; the pipeline samples one)."""
+
+    def encode(self, images: torch.Tensor, generator=None, device=None) -> torch.Tensor:
+        generators = generator if isinstance(generator, list) else [generator] * len(images)
+        encode = super().encode
+        return torch.cat([encode(video[None], g, device) for video, g in zip(images, generators)])
+
+    def decode(self, latents: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+        decode = super().decode
+        return torch.cat([decode(video[None], clamp) for video in latents])
+
+
+class HunyuanVideo15Policy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.HunyuanVideo15Pipeline` (HunyuanVideo 1.5 T2V, 480p / 720p). Latents are
     (B, C, F', H/16, W/16) with F' = (F − 1)/4 + 1; the transformer reads them with zero condition latents and a zero
     mask channel concatenated (the image-to-video inputs, empty for text-to-video), as the pipeline does.
@@ -31,12 +45,12 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
     tokens and masks it, so the length changes nothing), and ByT5 embeddings of quoted text (zeros and an empty mask
     when a prompt has none). The pipeline's 729 image-embedding slots, all masked in text-to-video, and the ByT5 padding
     beyond the batch's longest quoted text are left out of the sequence (the same outputs, less work). The VAE decodes
-    one video at a time: its mid-block attention breaks on batches of several in diffusers 0.42.1. No
+    one video at a time, and so does its encoder: its mid-block attention breaks on batches of several in diffusers 0.42.1. No
     context-parallel plan ships for this transformer.
     """
 
     pipeline: HunyuanVideo15Pipeline
-    is_video = True
+    layout_class = _OneVideoAtATime
     masks_text = True
     default_num_frames = 121
     flop_layout = FlopLayout(
@@ -51,7 +65,6 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
     )
 
     def __init__(self, pipeline: HunyuanVideo15Pipeline, settings: SamplerSettings):
-        settings = self._with_num_frames(pipeline, settings)
         super().__init__(pipeline, settings)
         guider = pipeline.guider
         config = guider.config if isinstance(guider, ClassifierFreeGuidance) else None
@@ -73,8 +86,9 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             )
 
     pipeline_tag = "text-to-video"
-    _scheduler_kwargs = HunyuanVideoPolicy._scheduler_kwargs  # the pipeline's linspace(1, 0, N + 1)[:-1], shifted
-    _postprocess = HunyuanVideoPolicy._postprocess
+
+    def _scheduler_kwargs(self) -> dict:
+        return unshifted_sigmas(self.settings.num_inference_steps)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -138,9 +152,6 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
             image_embeds=image_embeds.to(dtype),
             return_dict=False,
         )[0]
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return torch.cat([super(HunyuanVideo15Policy, self).decode(video[None]) for video in latents])
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         hidden = inputs["hidden_states"]

@@ -14,8 +14,8 @@ from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 from diffusers.utils import logging
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .layout import VideoLatents
 
 logger = logging.get_logger(__name__)
 
@@ -53,7 +53,89 @@ class _Geometry:
         return self.frames * self.height * self.width * self.video_channels
 
 
-class LTX2Policy(FlowMatchingPolicy):
+def guidance_options(settings: SamplerSettings) -> dict:
+    """:data:`LTX2_GUIDANCE` with ``settings.pipeline_kwargs``; the audio terms left unset take the video's, as in the
+    pipeline."""
+    options = {**LTX2_GUIDANCE, **(settings.pipeline_kwargs or {})}
+    for name in ("audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale"):
+        options[name] = options[name] or options[name[len("audio_") :]]
+    return options
+
+
+class AudioVideoLatents(VideoLatents):
+    """LTX-2's latents: one row (B, D) per sample, the packed video tokens (F'·h·w, C) then the packed audio tokens
+    (L, C_a·M), in the :class:`_Geometry` of the settings' size, frame count and frame rate."""
+
+    def __init__(self, pipeline: LTX2Pipeline, settings: SamplerSettings):
+        super().__init__(pipeline, settings)
+        transformer, audio_config = pipeline.transformer, pipeline.audio_vae.config
+        frame_rate = guidance_options(settings)["frame_rate"]
+        self.geometry = _Geometry(
+            frames=(settings.num_frames - 1) // pipeline.vae_temporal_compression_ratio + 1,
+            height=settings.height // pipeline.vae_spatial_compression_ratio,
+            width=settings.width // pipeline.vae_spatial_compression_ratio,
+            video_channels=transformer.config.in_channels,
+            audio_frames=round(  # (in the pipeline's order of operations: the rounding must agree)
+                settings.num_frames
+                / frame_rate
+                * (
+                    pipeline.audio_sampling_rate
+                    / pipeline.audio_hop_length
+                    / float(pipeline.audio_vae_temporal_compression_ratio)
+                )
+            ),
+            audio_channels=audio_config.latent_channels
+            * (audio_config.mel_bins // pipeline.audio_vae_mel_compression_ratio),
+        )
+        self._decode_timestep = torch.zeros(1) if pipeline.vae.config.timestep_conditioning else None
+
+    def size_multiple(self) -> int:
+        return self.pipeline.vae_spatial_compression_ratio * self.pipeline.transformer.config.patch_size
+
+    def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
+        g = self.geometry
+        video, audio = latents[:, : g.video_size], latents[:, g.video_size :]
+        batch = len(latents)
+        return video.reshape(batch, -1, g.video_channels), audio.reshape(batch, g.audio_frames, g.audio_channels)
+
+    @staticmethod
+    def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`split`."""
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    def encode(self, images: torch.Tensor, generator=None, device=None) -> torch.Tensor:
+        raise NotImplementedError(
+            "LTX-2 denoises a video and its soundtrack together: encoding real videos (Diffusion-DPO pairs) would need "
+            "their audio latents too, which trl-dance does not encode yet"
+        )
+
+    def decode(self, latents: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+        """The videos (B, F, 3, H, W) float32 in [0, 1] of final latents (B, D), decoded as the pipeline decodes them
+        (at ``decode_timestep`` 0 for a timestep-conditioned VAE)."""
+        pipeline, g = self.pipeline, self.geometry
+        vae = pipeline.vae
+        video = pipeline._unpack_latents(self.split(latents)[0], g.frames, g.height, g.width)
+        video = pipeline._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        timestep = None if self._decode_timestep is None else self._decode_timestep.to(video.device).expand(len(video))
+        decoded = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
+        return self.postprocess(decoded).float()
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """The soundtracks (B, channels, samples) float32 of final latents (B, D), at the vocoder's
+        ``output_sampling_rate``: the audio VAE's mel spectrogram through the vocoder, as the pipeline decodes it."""
+        pipeline, g = self.pipeline, self.geometry
+        audio_vae = pipeline.audio_vae
+        audio = pipeline._denormalize_audio_latents(
+            self.split(latents)[1], audio_vae.latents_mean, audio_vae.latents_std
+        )
+        mel_bins = audio_vae.config.mel_bins // pipeline.audio_vae_mel_compression_ratio
+        audio = pipeline._unpack_audio_latents(audio, g.audio_frames, num_mel_bins=mel_bins)
+        spectrogram = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
+        return pipeline.vocoder(spectrogram.to(pipeline.vocoder.dtype)).float()
+
+
+class LTX2Policy(DiffusionPolicy):
     """Policy over an :class:`~diffusers.LTX2Pipeline` (LTX-2 / LTX-2.3 text-to-audio-video).
 
     Latents: one (B, D) float32 row per sample, the video's packed tokens (F'·h·w, C) flattened, then its audio's
@@ -78,7 +160,7 @@ class LTX2Policy(FlowMatchingPolicy):
     """
 
     pipeline: LTX2Pipeline
-    is_video = True
+    layout_class = AudioVideoLatents
     has_audio = True
     masks_text = True
     default_num_frames = 121
@@ -107,32 +189,10 @@ class LTX2Policy(FlowMatchingPolicy):
     )
 
     def __init__(self, pipeline: LTX2Pipeline, settings: SamplerSettings):
-        options = {**LTX2_GUIDANCE, **(settings.pipeline_kwargs or {})}
-        for name in ("audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale"):
-            options[name] = options[name] or options[name[len("audio_") :]]  # as the pipeline: unset takes the video's
-        self.options = options
-        settings = self._with_num_frames(pipeline, settings)
-        transformer, vae = pipeline.transformer, pipeline.vae
+        self.options = options = guidance_options(settings)
+        transformer = pipeline.transformer
         if (transformer.config.patch_size, transformer.config.patch_size_t) != (1, 1):
             raise ValueError("LTX2Policy packs latents with patch size 1 (every LTX-2 checkpoint)")
-        audio_config = pipeline.audio_vae.config
-        self.geometry = _Geometry(
-            frames=(settings.num_frames - 1) // pipeline.vae_temporal_compression_ratio + 1,
-            height=settings.height // pipeline.vae_spatial_compression_ratio,
-            width=settings.width // pipeline.vae_spatial_compression_ratio,
-            video_channels=transformer.config.in_channels,
-            audio_frames=round(  # (in the pipeline's order of operations: the rounding must agree)
-                settings.num_frames
-                / options["frame_rate"]
-                * (
-                    pipeline.audio_sampling_rate
-                    / pipeline.audio_hop_length
-                    / float(pipeline.audio_vae_temporal_compression_ratio)
-                )
-            ),
-            audio_channels=audio_config.latent_channels
-            * (audio_config.mel_bins // pipeline.audio_vae_mel_compression_ratio),
-        )
         self.fps = conditioning_frame_rate(options["frame_rate"], options["motion_speed"])
         blocks = [b for b in options["spatio_temporal_guidance_blocks"] or [] if b < transformer.config.num_layers]
         # Without perturbed attention (LTX-2.0) or a perturbed block, the STG forward is the conditional one again.
@@ -153,7 +213,6 @@ class LTX2Policy(FlowMatchingPolicy):
                     *layout.attention,
                 ),
             )
-        self._decode_timestep = torch.zeros(1) if vae.config.timestep_conditioning else None
         self.audio_sample_rate = pipeline.vocoder.config.output_sampling_rate
         super().__init__(pipeline, settings)  # (its σ grid shifts with the geometry's token count)
         length, connectors = settings.max_sequence_length, pipeline.connectors.config
@@ -170,9 +229,9 @@ class LTX2Policy(FlowMatchingPolicy):
                 f"connectors fill the padding, so call it with max_sequence_length={length} to sample as trained"
             )
 
-    @staticmethod
-    def _size_multiple(pipeline: LTX2Pipeline) -> int:
-        return pipeline.vae_spatial_compression_ratio * pipeline.transformer.config.patch_size
+    @property
+    def geometry(self) -> _Geometry:
+        return self.layout.geometry
 
     @property
     def use_cfg(self) -> bool:
@@ -195,20 +254,6 @@ class LTX2Policy(FlowMatchingPolicy):
         )
         return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
 
-    # --- latents: video and audio tokens as one row per sample ---------------------------------------------------
-
-    def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
-        g = self.geometry
-        video, audio = latents[:, : g.video_size], latents[:, g.video_size :]
-        batch = len(latents)
-        return video.reshape(batch, -1, g.video_channels), audio.reshape(batch, g.audio_frames, g.audio_channels)
-
-    @staticmethod
-    def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`split`."""
-        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
-
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """Each sample's video noise then its audio noise from its generator, as the pipeline draws them."""
         pipeline, settings, g = self.pipeline, self.settings, self.geometry
@@ -222,7 +267,7 @@ class LTX2Policy(FlowMatchingPolicy):
                 1, pipeline.audio_vae.config.latent_channels, g.audio_frames, pipeline.audio_vae.config.mel_bins, 0.0,
                 torch.float32, self.device, generator,
             )  # fmt: skip
-            rows.append(self.join(video, audio))
+            rows.append(self.layout.join(video, audio))
         return torch.cat(rows)
 
     # --- conditioning and guidance --------------------------------------------------------------------------------
@@ -238,7 +283,7 @@ class LTX2Policy(FlowMatchingPolicy):
 
     def _forward(self, model, latents, timestep, cond, stg: bool = False, isolate: bool = False) -> torch.Tensor:
         dtype, g = self.denoiser.dtype, self.geometry
-        video, audio = self.split(latents)
+        video, audio = self.layout.split(latents)
         video_out, audio_out = model(
             hidden_states=video.to(dtype),
             audio_hidden_states=audio.to(dtype),
@@ -258,7 +303,7 @@ class LTX2Policy(FlowMatchingPolicy):
             use_cross_timestep=self.options["use_cross_timestep"],
             return_dict=False,
         )
-        return self.join(video_out, audio_out)
+        return self.layout.join(video_out, audio_out)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         video, audio = inputs["hidden_states"].shape[1], inputs["audio_hidden_states"].shape[1]
@@ -269,7 +314,7 @@ class LTX2Policy(FlowMatchingPolicy):
         tokens |= {"a2v_video": video * crossed, "v2a_video": video * crossed}
         return tokens | {"a2v_audio": audio * crossed, "v2a_audio": audio * crossed}
 
-    def predict_at(
+    def _guided(
         self,
         model: torch.nn.Module,
         latents: torch.Tensor,
@@ -316,38 +361,5 @@ class LTX2Policy(FlowMatchingPolicy):
             parts.append(rescale_noise_cfg(result, conditional, rescale) if rescale > 0 else result)
         return (x - torch.cat(parts, dim=1)) / sigma
 
-    # --- decoding -------------------------------------------------------------------------------------------------
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """The videos (B, F, 3, H, W) float32 in [0, 1] of final latents (B, D), decoded as the pipeline decodes them
-        (at ``decode_timestep`` 0 for a timestep-conditioned VAE)."""
-        pipeline, g = self.pipeline, self.geometry
-        vae = pipeline.vae
-        video = pipeline._unpack_latents(self.split(latents)[0], g.frames, g.height, g.width)
-        video = pipeline._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-        timestep = None if self._decode_timestep is None else self._decode_timestep.to(video.device).expand(len(video))
-        decoded = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
-        return self._postprocess(decoded).float()
-
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
-
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
-        """The soundtracks (B, channels, samples) float32 of final latents (B, D), at :attr:`audio_sample_rate` (the
-        vocoder's ``output_sampling_rate``): the audio VAE's mel spectrogram through the vocoder, as the pipeline
-        decodes it."""
-        pipeline, g = self.pipeline, self.geometry
-        audio_vae = pipeline.audio_vae
-        audio = pipeline._denormalize_audio_latents(
-            self.split(latents)[1], audio_vae.latents_mean, audio_vae.latents_std
-        )
-        mel_bins = audio_vae.config.mel_bins // pipeline.audio_vae_mel_compression_ratio
-        audio = pipeline._unpack_audio_latents(audio, g.audio_frames, num_mel_bins=mel_bins)
-        spectrogram = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
-        return pipeline.vocoder(spectrogram.to(pipeline.vocoder.dtype)).float()
-
-    def encode_images(self, images: torch.Tensor, generator=None) -> torch.Tensor:
-        raise NotImplementedError(
-            "LTX-2 denoises a video and its soundtrack together: encoding real videos (Diffusion-DPO pairs) would need "
-            "their audio latents too, which trl-dance does not encode yet"
-        )
+        return self.layout.decode_audio(latents)

@@ -8,7 +8,8 @@ import torch
 
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, DiffusionPolicy
-from .flux import FluxPolicy
+from .flux import linear_sigmas_with_shift, packed_noise
+from .layout import OneFrameLatents
 
 
 def padded_prompt(embeds: torch.Tensor, mask: torch.Tensor | None, length: int, prefix: str = "") -> Conditioning:
@@ -23,35 +24,7 @@ def padded_prompt(embeds: torch.Tensor, mask: torch.Tensor | None, length: int, 
     }
 
 
-class OneFrameLatents:
-    """Mixin of policies whose pipeline packs the one-frame latents of a video VAE into tokens (Qwen-Image, 2.1):
-    :meth:`encode_images` and :meth:`decode` add and remove the frame axis and the packing around the base policy's
-    VAE calls. Goes before the policy's base class."""
-
-    def _vae_input(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) in [-1, 1] as the VAE reads them (its own channels)."""
-        return images
-
-    def encode_images(
-        self, images: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None = None
-    ) -> torch.Tensor:
-        latents = DiffusionPolicy.encode_images(
-            self, self._vae_input(images).unsqueeze(2), generator
-        )  # (B, C, 1, h, w)
-        batch, channels, _, height, width = latents.shape
-        return self.pipeline._pack_latents(latents, batch, channels, height, width)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        unpacked = self.pipeline._unpack_latents(
-            latents, self.settings.height, self.settings.width, self.pipeline.vae_scale_factor
-        )  # (B, C, 1, h, w)
-        return DiffusionPolicy.decode(self, unpacked)
-
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return DiffusionPolicy._postprocess(self, decoded[:, :, 0])  # the one frame of the video VAE
-
-
-class QwenImagePolicy(OneFrameLatents, FluxPolicy):
+class QwenImagePolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.QwenImagePipeline`. Latents are packed tokens (B, H/16 · W/16, 4 · C) as in
     FLUX, with FLUX's resolution-dependent schedule shift.
 
@@ -64,6 +37,8 @@ class QwenImagePolicy(OneFrameLatents, FluxPolicy):
     """
 
     masks_text = True
+    layout_class = OneFrameLatents
+    timestep_units = "sigma"  # the transformer takes σ (the pipeline's timestep / 1000)
     flop_layout = FlopLayout(
         streams=(
             (r"time_text_embed|_mod\.|norm\w*\.linear", SAMPLE),
@@ -72,12 +47,25 @@ class QwenImagePolicy(OneFrameLatents, FluxPolicy):
         attention=((r"transformer_blocks", "image+text", "image+text"),),
     )
 
+    _leading_latent_args: tuple = ()
+    """Arguments of the pipeline's ``prepare_latents`` before the batch size (editing: no source image, ``None``)."""
+
+    def _scheduler_kwargs(self) -> dict:
+        h, w = self.layout.latent_hw
+        return linear_sigmas_with_shift(
+            self.pipeline.scheduler.config, self.settings.num_inference_steps, h // 2 * w // 2
+        )
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        return packed_noise(self.pipeline, self.settings, generators, self.device, self._leading_latent_args)
+
     def context_parallel_lengths(self) -> dict[str, int]:
         # diffusers' plan splits image and text tokens and each block's text mask (checked against one process).
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         return {"image tokens": (h // 2) * (w // 2), "text tokens": self.settings.max_sequence_length}
 
-    supports_cfg = True
+    def context_parallel_hint(self) -> str:
+        return "height/width or max_sequence_length"
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -87,7 +75,7 @@ class QwenImagePolicy(OneFrameLatents, FluxPolicy):
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         return model(
             hidden_states=latents.to(dtype),
             timestep=timestep.to(dtype),

@@ -10,9 +10,9 @@ from diffusers import QwenImage21Pipeline
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
-from .qwen_image import OneFrameLatents, padded_prompt
+from .base import Conditioning, DiffusionPolicy
+from .layout import RGBAOneFrameLatents
+from .qwen_image import padded_prompt
 
 _SLOT = 4  # latent tokens per image slot of the text encoder's sequence (a 2×2 group)
 
@@ -26,7 +26,7 @@ def resampled_sigmas(grid: list[float], steps: int) -> np.ndarray:
     return np.interp(np.linspace(0, len(grid) - 1, steps), np.arange(len(grid)), grid)
 
 
-class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
+class QwenImage21Policy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.QwenImage21Pipeline` (Qwen-Image 2.1, text-to-image).
 
     The transformer reads one sequence: the prompt's tokens (the Qwen3-VL encoder's last layer before its final norm,
@@ -52,6 +52,8 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
     pipeline: QwenImage21Pipeline
     masks_text = True
     supports_cfg = True
+    layout_class = RGBAOneFrameLatents
+    timestep_units = "sigma"  # the transformer takes σ (the pipeline's timestep / 1000)
     flop_layout = FlopLayout(
         streams=(
             (r"time_text_embed|^modulation|norm_out\.linear", SAMPLE),
@@ -64,16 +66,11 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
         default="image+text",  # the blocks and proj_out read the joint sequence
     )
 
-    def __init__(self, pipeline: QwenImage21Pipeline, settings: SamplerSettings):
-        scale = pipeline.vae_scale_factor
-        self._latent_hw = (2 * (settings.height // (2 * scale)), 2 * (settings.width // (2 * scale)))
-        super().__init__(pipeline, settings)
-
     def _scheduler_kwargs(self) -> dict:
         steps, config = self.settings.num_inference_steps, self.pipeline.scheduler.config
         grid = self.pipeline.config.get("sample_sigmas")
         sigmas = resampled_sigmas(grid, steps) if grid else np.linspace(1.0, 1 / steps, steps)
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         mu = calculate_shift(
             h * w,
             config.get("base_image_seq_len", 256),
@@ -82,9 +79,6 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
             config.get("max_shift", 1.15),
         )
         return {"sigmas": sigmas, "mu": mu}
-
-    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
-        return t  # the transformer takes σ (the pipeline's timestep / 1000)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -114,7 +108,7 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
         return latents
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
-        dtype, (h, w) = self.denoiser.dtype, self._latent_hw
+        dtype, (h, w) = self.denoiser.dtype, self.layout.latent_hw
         tokens = latents.shape[1]
         lengths = cond["prompt_length"].tolist()
         output = None
@@ -146,9 +140,3 @@ class QwenImage21Policy(OneFrameLatents, FlowMatchingPolicy):
         rows = batch + 1 if self.denoiser.config.causal_condition else batch  # + the t = 0 row of the prompt tokens
         pairs = text * text + image * (text + image)
         return {"image": image, "text": text, SAMPLE: rows / batch, "one": 1, "pairs": pairs}
-
-    def _vae_input(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.cat([images, torch.ones_like(images[:, :1])], dim=1)  # RGBA, opaque (alpha 1 in [-1, 1])
-
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return super()._postprocess(decoded[:, :3])  # RGB of the RGBA frame

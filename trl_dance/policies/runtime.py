@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class PolicyRuntime:
     """A run's settings and state beside a policy's sampler settings: where frozen modules live, the
-    context-parallel gradient scale, the sampling context's depth. A trainer sets them once on its policy's runtime;
-    :func:`trl_dance.trainer.evaluation.policy_with` (evaluation samplers, training guidance) gives the copy the same
-    object, so no copy can run with a different one (a copy that lost ``gradient_scale`` once trained a
-    context-parallel LoRA half as far, silently).
+    context-parallel gradient scale, the sampling context's depth, whether decoding clamps. A trainer sets them once
+    on its policy's runtime; every copy of the policy (:func:`trl_dance.trainer.evaluation.policy_with`: evaluation
+    samplers, training guidance; :func:`~trl_dance.policies.make_policy` with ``runtime``) holds the same object, so
+    no copy can run with a different one (a copy that lost ``gradient_scale`` once trained a context-parallel LoRA
+    half as far, silently).
 
     Attributes:
         offload_text_encoders: text encoders on the CPU, on the accelerator only while encoding.
@@ -19,12 +22,30 @@ class PolicyRuntime:
         gradient_scale: multiplies the gradient of every denoiser output (context parallelism: each of a group's C
             ranks gets its slice's gradient, and the group's gradients are summed, not averaged: C).
         sampling_depth: nesting of ``sampling()`` contexts (the frozen expert moves at the outermost one).
+        unclamped_decode: images decode without the final clamp to [0, 1] (inside ``unclamped_decode()``).
     """
 
     offload_text_encoders: bool = False
     offload_frozen_expert: bool = False
     gradient_scale: float = 1.0
     sampling_depth: int = 0
+    unclamped_decode: bool = False
 
 
-__all__ = ["PolicyRuntime"]
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``tensor`` unchanged, its gradient multiplied by ``scale`` in the backward pass."""
+    return _ScaleGradient.apply(tensor, scale) if tensor.requires_grad else tensor
+
+
+__all__ = ["PolicyRuntime", "scale_gradient"]

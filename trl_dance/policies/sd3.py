@@ -6,11 +6,10 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning
-from .flow_matching import FlowMatchingPolicy
+from .base import Conditioning, DiffusionPolicy
 
 
-class SD3Policy(FlowMatchingPolicy):
+class SD3Policy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.StableDiffusion3Pipeline`; latents are (B, C, H/8, W/8)."""
 
     pipeline: StableDiffusion3Pipeline

@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
-from ..forward_process import UNIFORM, TimeDensity, per_sample, vp_coefficients
-from ..schedulers import ddim_alpha_pairs
-from ..sde import PREDICTION_TYPES, SDEStepOutput, ddim_sde_step, diffusion_target, epsilon_and_x0
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .process import VPProcess
 
 
 class StableDiffusionPolicy(DiffusionPolicy):
@@ -25,31 +23,12 @@ class StableDiffusionPolicy(DiffusionPolicy):
     """
 
     denoiser_name = "unet"
+    process_class = VPProcess
     pipeline: StableDiffusionPipeline
 
     def __init__(self, pipeline: StableDiffusionPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)
         self.flop_layout = self._unet_flop_layout(len(pipeline.unet.config.down_block_types))
-        config = pipeline.scheduler.config
-        name = type(pipeline.scheduler).__name__
-        self.prediction_type = config.get("prediction_type", "epsilon")
-        if self.prediction_type not in PREDICTION_TYPES:
-            raise ValueError(
-                f"{name}'s prediction_type {self.prediction_type!r} is not supported; use one of {PREDICTION_TYPES}"
-            )
-        if config.get("thresholding", False):
-            raise ValueError(
-                f"{name} sets thresholding=True: dynamic thresholding of x̂0 is not supported by the DDIM-η step; set "
-                "thresholding=False in the pipeline's scheduler config"
-            )
-        # clip_sample as the given config says; a config without it (PNDM, Euler) does not clip, whatever DDIM's
-        # default.
-        clip = bool(config.get("clip_sample", False))
-        self.scheduler = DDIMScheduler.from_config(config, clip_sample=clip, thresholding=False)
-        self.clip_sample_range = self.scheduler.config.clip_sample_range if clip else None
-        self.scheduler.set_timesteps(settings.num_inference_steps)
-        self.timesteps = self.scheduler.timesteps.to(torch.long).clone()
-        self.alpha_prod_t, self.alpha_prod_t_prev = ddim_alpha_pairs(self.scheduler)
 
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         # The pipeline's prepare_latents scales by the shipped scheduler's init_noise_sigma (SDXL's Euler: 14.6); the
@@ -58,79 +37,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         shape = (len(generators), self.denoiser.config.in_channels)
         shape += (self.settings.height // scale, self.settings.width // scale)
         noise = randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
-        return noise * self.scheduler.init_noise_sigma
-
-    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
-        return self.timesteps.to(step_index.device)[step_index]
-
-    # The forward process at the training timestep round(t·(T − 1)): x_t = √ᾱ·x0 + √(1 − ᾱ)·ε.
-
-    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
-        return (t * (self.scheduler.config.num_train_timesteps - 1)).round().long()
-
-    def _alpha_bar(self, t: torch.Tensor) -> torch.Tensor:
-        return self.scheduler.alphas_cumprod.to(t.device)[self.timestep_at(t)]
-
-    def noise_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return vp_coefficients(self._alpha_bar(t))
-
-    def training_target(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return diffusion_target(x0, noise, per_sample(self._alpha_bar(t), x0), self.prediction_type)
-
-    def sample_training_times(
-        self,
-        count: int,
-        generator: torch.Generator | None,
-        device: torch.device | str,
-        density: TimeDensity = UNIFORM,
-    ) -> torch.Tensor:
-        """A uniform training timestep in [0, T_train), as t = timestep / (T_train − 1) (DDPM's training)."""
-        steps = self.scheduler.config.num_train_timesteps
-        return torch.randint(0, steps, (count,), generator=generator, device=device) / (steps - 1)
-
-    def deterministic_step(
-        self, model_output: torch.Tensor, latents: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor
-    ) -> torch.Tensor:
-        step = ddim_sde_step(
-            model_output, latents, self._alpha_bar(t), self._alpha_bar(t_next), eta=0.0,
-            prediction_type=self.prediction_type, clip_sample_range=self.clip_sample_range, compute_log_prob=False,
-            noise=torch.zeros_like(latents),
-        )  # fmt: skip
-        return step.prev_sample
-
-    def predicted_clean(
-        self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
-    ) -> torch.Tensor:
-        """DDIM's x̂0 from the network's ε, v or x0 at step ``step_index``, (B, ...) float32."""
-        alpha = self.alpha_prod_t.to(latents.device)[step_index].view(-1, *[1] * (latents.ndim - 1))
-        return epsilon_and_x0(model_output, latents, alpha, self.prediction_type)[1]
-
-    def step(
-        self,
-        model_output: torch.Tensor,
-        latents: torch.Tensor,
-        step_index: torch.Tensor,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-        compute_log_prob: bool = True,
-        noise: torch.Tensor | None = None,
-        eta: float | None = None,
-    ) -> SDEStepOutput:
-        device = latents.device
-        return ddim_sde_step(
-            model_output,
-            latents,
-            self.alpha_prod_t.to(device)[step_index],
-            self.alpha_prod_t_prev.to(device)[step_index],
-            eta=self.settings.eta if eta is None else eta,
-            prediction_type=self.prediction_type,
-            clip_sample_range=self.clip_sample_range,
-            prev_sample=prev_sample,
-            generator=generator,
-            reduction=self.settings.log_prob_reduction,
-            compute_log_prob=compute_log_prob,
-            noise=noise,
-        )
+        return noise * self.process.scheduler.init_noise_sigma
 
     @staticmethod
     def _unet_flop_layout(depth: int) -> FlopLayout:

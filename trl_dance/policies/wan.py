@@ -11,11 +11,11 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
 from ..sde import SDEStepOutput
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import At, Conditioning, DiffusionPolicy, SamplerSettings
+from .layout import VideoLatents
 
 
-class WanPolicy(FlowMatchingPolicy):
+class WanPolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.WanPipeline`: Wan 2.1 T2V, Wan 2.2 TI2V-5B as T2V, and the two-expert Wan 2.2
     A14B.
 
@@ -28,8 +28,9 @@ class WanPolicy(FlowMatchingPolicy):
     stays frozen, and only the trained expert's steps become transitions.
     """
 
-    is_video = True
+    layout_class = VideoLatents
     default_num_frames = 81
+    """Wan 2.1's published frame count (5 s at 16 fps), used when ``settings.num_frames`` is None."""
     flop_layout = FlopLayout(
         streams=(
             (r"condition_embedder\.time", SAMPLE),
@@ -38,7 +39,6 @@ class WanPolicy(FlowMatchingPolicy):
         ),
         attention=((r"attn1", "image", "image"), (r"attn2", "image", "text+image_embeds")),
     )
-    """Wan 2.1's published frame count (5 s at 16 fps), used when ``settings.num_frames`` is None."""
 
     def __init__(self, pipeline: WanPipeline, settings: SamplerSettings):
         if settings.train_expert not in ("high_noise", "low_noise"):
@@ -55,7 +55,7 @@ class WanPolicy(FlowMatchingPolicy):
             )
         # An instance attribute: the trained expert is the pipeline component the trainer trains and saves.
         self.denoiser_name = "transformer_2" if settings.train_expert == "low_noise" else "transformer"
-        settings = self._with_num_frames(pipeline, settings)
+        settings = VideoLatents.checked_settings(pipeline, settings, self.default_num_frames)
         temporal = pipeline.vae_scale_factor_temporal
         # The transformer's rotary tables cover rope_max_seq_len patches per axis (1024 in Wan; less in small models).
         config = pipeline.transformer.config
@@ -77,7 +77,7 @@ class WanPolicy(FlowMatchingPolicy):
         steps = torch.arange(self.num_steps)
         if two_experts:
             boundary = pipeline.config.boundary_ratio * pipeline.scheduler.config.num_train_timesteps
-            high_noise = self.model_timestep(steps) >= boundary
+            high_noise = self.process.model_timestep(steps) >= boundary
             self._trained_steps = (high_noise if self.denoiser_name == "transformer" else ~high_noise).tolist()
         else:
             self._trained_steps = [True] * self.num_steps
@@ -115,15 +115,18 @@ class WanPolicy(FlowMatchingPolicy):
         frozen = self._frozen_expert_name
         return None if frozen is None else getattr(self.pipeline, frozen)
 
-    def predict_step(
-        self, model: torch.nn.Module, latents: torch.Tensor, step: int, step_index: torch.Tensor, cond: Conditioning
-    ) -> torch.Tensor:
-        if self._trained_steps[step]:
-            return super().predict_step(model, latents, step, step_index, cond)
-        scale = self._expert_guidance_scale(self._frozen_expert_name)
-        return self.predict_at(
-            self.frozen_expert, latents, self.model_timestep(step_index), cond, guidance_scale=scale
-        )
+    def _serving(self, model: torch.nn.Module, at: At) -> tuple[torch.nn.Module, float | None]:
+        # A host-side step or time picks the expert that serves it; per-sample tensors are the trained expert's.
+        frozen = self._frozen_expert_name
+        if frozen is None or isinstance(at, torch.Tensor):
+            return model, None
+        if isinstance(at, int):
+            trained = self._trained_steps[at]
+        else:  # off the grid the expert is picked as the pipeline picks it, by the timestep against the boundary
+            train_steps = self.pipeline.scheduler.config.num_train_timesteps
+            high_noise = at * train_steps >= self.pipeline.config.boundary_ratio * train_steps
+            trained = ("transformer" if high_noise else "transformer_2") != frozen
+        return (model, None) if trained else (self.frozen_expert, self._expert_guidance_scale(frozen))
 
     def context_parallel_lengths(self) -> dict[str, int]:
         # diffusers' Wan plan splits the video tokens only (the text is attended to whole, by cross-attention).
@@ -131,24 +134,6 @@ class WanPolicy(FlowMatchingPolicy):
 
     def context_parallel_hint(self) -> str:
         return "num_frames/height/width"
-
-    def predict_at_sigma(
-        self, model: torch.nn.Module, latents: torch.Tensor, sigma: float, cond: Conditioning
-    ) -> torch.Tensor:
-        # Off the grid the expert is picked as the pipeline picks it, by the timestep against the boundary.
-        frozen = self._frozen_expert_name
-        timestep = self.timestep_at(torch.full((latents.shape[0],), sigma, device=latents.device))
-        if frozen is not None:
-            boundary = self.pipeline.config.boundary_ratio * self.pipeline.scheduler.config.num_train_timesteps
-            serving = (
-                "transformer"
-                if sigma * self.pipeline.scheduler.config.num_train_timesteps >= boundary
-                else "transformer_2"
-            )
-            if serving == frozen:
-                scale = self._expert_guidance_scale(frozen)
-                return self.predict_at(self.frozen_expert, latents, timestep, cond, guidance_scale=scale)
-        return self.predict_at(model, latents, timestep, cond)
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:
@@ -201,9 +186,6 @@ class WanPolicy(FlowMatchingPolicy):
         frames, height, width = latents.shape[2:]
         return latents.new_ones(frames // patch_t * (height // patch_h) * (width // patch_w))
 
-    def _postprocess(self, decoded: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.video_processor.postprocess_video(decoded, output_type="pt")
-
 
 class WanImageToVideoPolicy(WanPolicy):
     """Policy over a :class:`~diffusers.WanImageToVideoPipeline`: each sample starts from the image in the dataset
@@ -226,34 +208,15 @@ class WanImageToVideoPolicy(WanPolicy):
         if self._first_frame_given and self.denoiser.config.patch_size[0] != 1:
             raise ValueError("Wan 2.2 TI2V image-to-video needs one latent frame per token (patch_size[0] == 1)")
 
-    def step(
-        self,
-        model_output: torch.Tensor,
-        latents: torch.Tensor,
-        step_index: torch.Tensor,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-        compute_log_prob: bool = True,
-        noise: torch.Tensor | None = None,
-        eta: float | None = None,
-    ) -> SDEStepOutput:
-        # (check_schedule probes the noise with (B, 1) latents, which have no frames.)
-        if not self._first_frame_given or latents.ndim != 5:
-            return super().step(
-                model_output, latents, step_index, prev_sample, generator, compute_log_prob, noise, eta
-            )
+    def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
+        if not self._first_frame_given:
+            return super().step(model_output, latents, step_index, **options)
         # The first latent frame is replaced by the image's in every model input and in the output: it carries
         # over unchanged, and only the other frames are drawn and scored.
-        rest = super().step(
-            model_output[:, :, 1:],
-            latents[:, :, 1:],
-            step_index,
-            None if prev_sample is None else prev_sample[:, :, 1:],
-            generator,
-            compute_log_prob,
-            None if noise is None else noise[:, :, 1:],
-            eta,
-        )
+        for name in ("prev_sample", "noise"):
+            if options.get(name) is not None:
+                options[name] = options[name][:, :, 1:]
+        rest = super().step(model_output[:, :, 1:], latents[:, :, 1:], step_index, **options)
         first = latents[:, :, :1].float()
         return SDEStepOutput(
             prev_sample=torch.cat([first, rest.prev_sample], dim=2),

@@ -8,8 +8,7 @@ from diffusers import ZImagePipeline
 from diffusers.utils import logging
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, SamplerSettings
-from .flow_matching import FlowMatchingPolicy
+from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .flux import linear_sigmas_with_shift
 
 logger = logging.get_logger(__name__)
@@ -21,7 +20,7 @@ def _padded(tokens: int) -> int:
     return -(-tokens // _SEQUENCE_MULTIPLE) * _SEQUENCE_MULTIPLE
 
 
-class ZImagePolicy(FlowMatchingPolicy):
+class ZImagePolicy(DiffusionPolicy):
     """Policy over a :class:`~diffusers.ZImagePipeline` (Z-Image, Z-Image-Turbo; 6B).
 
     ``guidance_scale`` means what it means to the pipeline: CFG runs when it is above 0 (not 1), combining the branches
@@ -37,6 +36,8 @@ class ZImagePolicy(FlowMatchingPolicy):
 
     pipeline: ZImagePipeline
     masks_text = True
+    # The pipeline feeds (T − σ·T) / T for the scheduler's timestep σ·T: 1 − σ, in the same float32 operations.
+    timestep_units = "one_minus_sigma"
     flop_layout = FlopLayout(
         streams=(
             (r"t_embedder|adaLN_modulation", SAMPLE),
@@ -51,8 +52,6 @@ class ZImagePolicy(FlowMatchingPolicy):
     )
 
     def __init__(self, pipeline: ZImagePipeline, settings: SamplerSettings):
-        scale = pipeline.vae_scale_factor
-        self._latent_hw = (2 * (settings.height // (2 * scale)), 2 * (settings.width // (2 * scale)))
         super().__init__(pipeline, settings)
         if 0 < settings.guidance_scale <= 1:
             # Other families' "no CFG" (1.0, several methods' default) is CFG here, at twice the cost.
@@ -69,15 +68,10 @@ class ZImagePolicy(FlowMatchingPolicy):
         return cond + scale * (cond - uncond)
 
     def _scheduler_kwargs(self) -> dict:
-        h, w = self._latent_hw
+        h, w = self.layout.latent_hw
         return linear_sigmas_with_shift(
             self.pipeline.scheduler.config, self.settings.num_inference_steps, (h // 2) * (w // 2)
         )
-
-    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
-        # The pipeline feeds (T − σ·T) / T for the scheduler's timestep σ·T: 1 − σ, in the same float32 operations.
-        train_steps = self.pipeline.scheduler.config.num_train_timesteps
-        return (train_steps - t * train_steps) / train_steps
 
     @torch.no_grad()
     def _encode(self, prompts: list[str], negative: bool = False) -> Conditioning:

@@ -144,7 +144,7 @@ def _table(names: list[str], results: dict[str, torch.Tensor]) -> list[str]:
 
 def _tiny_sampling(args) -> dict:
     """The sampling settings a tiny pipeline saved by ``trl-dance tiny`` carries (else none)."""
-    from trl_dance.testing import TINY_SAMPLING_FILE
+    from trl_dance.tiny_folders import TINY_SAMPLING_FILE
 
     path = os.path.join(args.model_name_or_path, TINY_SAMPLING_FILE)
     if not os.path.isfile(path):

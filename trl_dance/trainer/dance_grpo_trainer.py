@@ -6,7 +6,7 @@ import torch
 
 from ..advantages import extremes_per_group
 from ..losses import clipped_fraction, clipped_surrogate, dppo_surrogate, gaussian_step_kl, normalized_log_ratio
-from ..policies import DiffusionPolicy
+from ..policies import DiffusionPolicy, FlowProcess
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
 from .dance_grpo_config import DanceGRPOConfig
 from .rollout_trainer import RolloutTrainer
@@ -60,7 +60,7 @@ class DanceGRPOTrainer(RolloutTrainer):
             "sde_type='flash' is a rectified-flow SDE": args.sde_type == "flash",
         }
         for what, used in flow_only.items():
-            if used and policy.prediction_type != "flow_prediction":
+            if used and not isinstance(policy.process, FlowProcess):
                 raise ValueError(
                     f"{what}, which {type(policy.pipeline).__name__}'s DDIM steps do not have; flow-matching models only"
                 )
@@ -83,7 +83,7 @@ class DanceGRPOTrainer(RolloutTrainer):
             )
         # g_t = |∂μ/∂output|/std of each trainable step: Flash-GRPO's rectification and DPPO's v-space KL use it.
         self._gradient_scale = torch.zeros(policy.num_steps)
-        self._gradient_scale[trainable] = policy.log_prob_gradient_scale(trainable)
+        self._gradient_scale[trainable] = policy.process.log_prob_gradient_scale(trainable)
         self._rectification = None
         if args.temporal_rectification:  # 1 / each candidate step's gradient scale, averaging 1 over them
             steps = trainable if self.sde_window is None else list(range(self.sde_window.low, self.sde_window.high))
@@ -179,7 +179,7 @@ class DanceGRPOTrainer(RolloutTrainer):
         sigmas = None
         if args.post_window_step_ratio < 1 or args.post_window_solver != "ode":
             count = compressed_steps(steps - end, args.post_window_step_ratio)
-            sigmas = tuple(self.policy.sigma_at(torch.linspace(end, steps, count + 1)).tolist())
+            sigmas = tuple(self.policy.process.sigma_at(torch.linspace(end, steps, count + 1)).tolist())
         return RolloutPlan(steps, start, end, post_window_sigmas=sigmas, post_window_solver=args.post_window_solver)
 
     def _choose_steps(self, candidates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -255,7 +255,7 @@ class DanceGRPOTrainer(RolloutTrainer):
             loss, self._retained = self._retained, None
             return (loss, None) if return_outputs else loss
         latents, step_index = inputs["latents"], inputs["step_index"]
-        output = self.policy.predict(model, latents, step_index, inputs["cond"])
+        output = self.policy.predict(model, latents, inputs["cond"], at=step_index)
         step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
 
         if self.args.ratio_normalization:
@@ -308,7 +308,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         return per_transition
 
     def _delta_sigma(self, step_index: torch.Tensor) -> torch.Tensor:
-        return self.policy.sigma(step_index) - self.policy.sigma(step_index + 1)
+        process = self.policy.process  # (a flow process: the config checks refuse Δσ options on others)
+        return process.sigma(step_index) - process.sigma(step_index + 1)
 
     def _normalized_log_ratio(self, output: torch.Tensor, inputs: dict, step) -> torch.Tensor:
         # ℓ(μ) and ℓ(μ_old) under the current Gaussian, through the same step function (same latent elements).
@@ -319,7 +320,7 @@ class DanceGRPOTrainer(RolloutTrainer):
 
     def _reference_mean(self, model, inputs) -> torch.Tensor:
         latents, step_index = inputs["latents"], inputs["step_index"]
-        output = self.reference_prediction(model, latents, self.policy.model_timestep(step_index), inputs["cond"])
+        output = self.reference_prediction(model, latents, inputs["cond"], step_index)
         return self.policy.step(
             output, latents, step_index, prev_sample=inputs["next_latents"], compute_log_prob=False
         ).mean

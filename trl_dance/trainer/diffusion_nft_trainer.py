@@ -15,7 +15,7 @@ from ..losses import (
     nft_loss,
     optimality_probability,
 )
-from ..policies import DiffusionPolicy
+from ..policies import DiffusionPolicy, require_flow
 from ..sampling import RolloutPlan
 from .diffusion_nft_config import DiffusionNFTConfig
 from .evaluation import policy_with
@@ -66,11 +66,8 @@ class DiffusionNFTTrainer(RolloutTrainer):
 
     def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
         name = type(policy.pipeline).__name__
-        if policy.prediction_type != "flow_prediction":
-            raise ValueError(
-                f"DiffusionNFT trains velocity predictions of flow-matching models; {name} predicts "
-                f"{getattr(policy, 'prediction_type', 'noise')} (SD1.x/SDXL): use DanceGRPOTrainer or DiffusionDPOTrainer"
-            )
+        hint = ": use DanceGRPOTrainer or DiffusionDPOTrainer"
+        self.process = require_flow(policy.process, f"DiffusionNFT (velocity predictions; {name})", hint)
         if getattr(policy, "_first_frame_given", False):
             raise ValueError(
                 f"{name} gives the first latent frame (Wan 2.2 TI2V image-to-video); the forward-process loss would "
@@ -99,7 +96,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
         if self.args.rollout_solver == "ode":
             return RolloutPlan.deterministic(steps)
         return RolloutPlan.deterministic(
-            steps, post_window_sigmas=self.policy.sigma_values, post_window_solver="dpm_solver++"
+            steps, post_window_sigmas=self.process.sigma_values, post_window_solver="dpm_solver++"
         )
 
     def _rollout_model(self) -> torch.nn.Module:
@@ -168,10 +165,10 @@ class DiffusionNFTTrainer(RolloutTrainer):
         noise = torch.stack(
             [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
         ).to(device)
-        sigma = self.policy.sigmas[levels].to(device)
+        sigma = self.process.sigmas[levels].to(device)
         cond_rows = rollout["prompt_index"][samples.to(device)]
         return {
-            "noisy": self.policy.add_noise(x0, noise, sigma),
+            "noisy": self.process.add_noise(x0, noise, sigma),
             "noise": noise,
             "groups": torch.arange(len(seeds), device=device) // self.args.num_generations,  # DGPO: whole groups
             "x0": x0,
@@ -188,14 +185,13 @@ class DiffusionNFTTrainer(RolloutTrainer):
         self._sync_old_policies()
         noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs["x0"]
         advantages = inputs["advantages"]
-        timestep = policy.timestep_at(sigma)
-        velocity = policy.predict_at(model, noisy, timestep, cond)
+        velocity = policy.predict(model, noisy, cond, at=sigma)
         dims = tuple(range(1, velocity.ndim))
         reference = None
         if self._needs_reference(args):
-            reference = self.reference_prediction(model, noisy, timestep, cond, policy)
+            reference = self.reference_prediction(model, noisy, cond, sigma, policy)
         with torch.no_grad():
-            ema = None if self.fast_ema is None else policy.predict_at(self.fast_ema.model, noisy, timestep, cond)
+            ema = None if self.fast_ema is None else policy.predict(self.fast_ema.model, noisy, cond, at=sigma)
         if args.loss_type == "dgpo":
             error = flow_matching_error(velocity, inputs["noise"], x0)
             reference_error = flow_matching_error(reference, inputs["noise"], x0)
@@ -206,7 +202,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
             )
         else:
             with torch.no_grad():
-                old_velocity = policy.predict_at(self.old_policy.model, noisy, timestep, cond)
+                old_velocity = policy.predict(self.old_policy.model, noisy, cond, at=sigma)
                 self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
             if args.loss_type == "nft":
                 r = optimality_probability(advantages, args.adv_clip_max)

@@ -103,7 +103,7 @@ class DiffusionOPDTrainer(DanceGRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         latents, step_index, cond = inputs["latents"], inputs["step_index"], inputs["cond"]
-        output = self.policy.predict(model, latents, step_index, cond)
+        output = self.policy.predict(model, latents, cond, at=step_index)
         teacher_output = torch.empty_like(output)
         with torch.no_grad():
             unwrapped = self._reference_toggle(model)[0]
@@ -112,7 +112,7 @@ class DiffusionOPDTrainer(DanceGRPOTrainer):
                     rows = (inputs["teacher"] == index).nonzero().flatten().to(latents.device)
                     self._use_adapter(model, f"teacher_{index}")
                     part = {key: value[rows] for key, value in cond.items()}
-                    teacher_output[rows] = self.policy.predict(unwrapped, latents[rows], step_index[rows], part)
+                    teacher_output[rows] = self.policy.predict(unwrapped, latents[rows], part, at=step_index[rows])
             finally:
                 self._use_adapter(model, "default")
         if self.args.opd_target == "velocity":

@@ -96,14 +96,16 @@ class DiffusionSFTTrainer(DatasetTrainer):
         policy, shape = self.policy, (1, *latents.shape[1:])
         if generators is None:
             noise = torch.randn(latents.shape, generator=self._noise_generator, device=latents.device)
-            time = policy.sample_training_times(len(latents), self._noise_generator, latents.device, self.density)
+            time = policy.process.sample_training_times(
+                len(latents), self._noise_generator, latents.device, self.density
+            )
         else:
-            draws = [(torch.randn(shape, generator=g), policy.sample_training_times(1, g, "cpu", self.density))
+            draws = [(torch.randn(shape, generator=g), policy.process.sample_training_times(1, g, "cpu", self.density))
                      for g in generators]  # fmt: skip
             noise, time = (torch.cat(part).to(latents.device) for part in zip(*draws))
-        noisy = policy.add_noise(latents, noise, time)
-        target = policy.training_target(latents, noise, time)
-        prediction = policy.predict_at(model, noisy, policy.timestep_at(time), cond)
+        noisy = policy.process.add_noise(latents, noise, time)
+        target = policy.process.training_target(latents, noise, time)
+        prediction = policy.predict(model, noisy, cond, at=time)
         return ((prediction - target.float()) ** 2).mean(dim=tuple(range(1, latents.ndim))), prediction
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -34,6 +34,7 @@ from ..flops import DenoiserFlops
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loading_code, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
+from ..tiny_folders import is_tiny_folder, load_tiny_pipeline
 from .checkpoints import named_save_failure, resolve_checkpoint, write_manifest
 from .context_parallel import (
     DataParallel,
@@ -73,13 +74,6 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _is_tiny(folder: str) -> bool:
-    """Whether ``folder`` holds a tiny test pipeline saved by :func:`trl_dance.testing.save_tiny_pipeline`."""
-    from ..testing import TINY_SAMPLING_FILE
-
-    return os.path.isfile(os.path.join(folder, TINY_SAMPLING_FILE))
-
-
 def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | None = None) -> DiffusionPipeline:
     """A pipeline instance from a Hub id or local folder (``from_pretrained`` of ``pipeline_class``, a diffusers
     pipeline class name, default the folder's own, with ``args.model_init_kwargs``), or as given.
@@ -104,9 +98,7 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
             raise ValueError(f"pipeline_class must name a diffusers pipeline class, got {pipeline_class!r}")
     try:
         with _without_zero3_init(args):
-            if pipeline_class is None and _is_tiny(model):
-                from ..testing import load_tiny_pipeline  # (a Qwen-VL processor is rebuilt from its saved parts)
-
+            if pipeline_class is None and is_tiny_folder(model):  # (a Qwen-VL processor is rebuilt from its parts)
                 pipeline = load_tiny_pipeline(model, **kwargs)
             else:
                 pipeline = loader.from_pretrained(model, **kwargs)
@@ -456,18 +448,18 @@ class DiffusionTrainer(_BaseTrainer):
         # TRL's telemetry reads a transformers config (model_type); a diffusers denoiser has none.
         return
 
-    def reference_prediction(self, model, latents, timestep, cond, policy=None) -> torch.Tensor:
-        """The reference model's prediction, without gradients: the LoRA disabled, or the frozen copy (through
-        ``policy``, default the trainer's)."""
+    def reference_prediction(self, model, latents, cond, at, policy=None) -> torch.Tensor:
+        """The reference model's prediction at ``at`` (a step or time, see :meth:`DiffusionPolicy.predict`), without
+        gradients: the LoRA disabled, or the frozen copy (through ``policy``, default the trainer's)."""
         policy = self.policy if policy is None else policy
         with torch.no_grad():
             if self.ref_model is not None:
-                return policy.predict_at(self.ref_model, latents, timestep, cond)
+                return policy.predict(self.ref_model, latents, cond, at=at)
             unwrapped, lora_layers = self._reference_toggle(model)
             for layer in lora_layers:
                 layer.enable_adapters(False)
             try:
-                return policy.predict_at(unwrapped, latents, timestep, cond)
+                return policy.predict(unwrapped, latents, cond, at=at)
             finally:
                 for layer in lora_layers:
                     layer.enable_adapters(True)

@@ -175,8 +175,10 @@ class DirectRewardTrainer(RolloutTrainer):
         to ``level_to`` (B,) (flow: Euler; VP: DDIM η = 0), then the clean latents recovered with the known ε;
         differentiable in the model (and ``latents``)."""
         policy = self._train_policy
-        output = policy.predict_at_time(model, latents, level_from, cond)
-        return policy.recover_clean(policy.deterministic_step(output, latents, level_from, level_to), noise, level_to)
+        output, process = policy.predict(model, latents, cond, at=level_from), policy.process
+        return process.recover_clean(
+            process.deterministic_step(output, latents, level_from, level_to), noise, level_to
+        )
 
     def draft_latents(self, model, noise: torch.Tensor, cond, k: int) -> torch.Tensor:
         """DRaFT-K: the sampler's first N − K deterministic steps without gradients from ε, its last K with (each
@@ -236,7 +238,9 @@ class DirectRewardTrainer(RolloutTrainer):
                 inputs["position"], inputs["inversion"], self._window, int((1 - args.groundtruth_ratio) * TABLE) + 1
             )
             sigma_from, sigma_to = sigma_from.to(device), sigma_to.to(device)
-            latents = self.policy.add_noise(x0, noise, sigma_from)  # the clean latents re-noised with their own ε
+            latents = self.policy.process.add_noise(
+                x0, noise, sigma_from
+            )  # the clean latents re-noised with their own ε
             clean = self.clean_latents(model, latents, noise, sigma_from, sigma_to, cond)
             reward = self.item_rewards(self.decode(clean), inputs["prompts"], inputs["inversion"], m)
             loss = torch.relu(args.reward_margin - reward).mean()

@@ -92,7 +92,7 @@ class PairDenoising:
     def draw(self, shape: tuple[int, ...], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per pair a noise (P, ...) and a time (P,) of the forward process."""
         noise = torch.randn(shape, generator=generator, device=device)
-        return noise, self.policy.sample_training_times(shape[0], generator, device, self.density)
+        return noise, self.policy.process.sample_training_times(shape[0], generator, device, self.density)
 
     def draw_per_pair(self, shape: tuple[int, ...], generators: list[torch.Generator], device):
         """:meth:`draw` with pair ``b``'s noise and time from the CPU generator ``generators[b]`` (independent of
@@ -102,25 +102,21 @@ class PairDenoising:
 
     def noised(self, latents: torch.Tensor, noise: torch.Tensor, time: torch.Tensor):
         """The 2P noisy latents of ``latents`` (2P, ...) ordered w0, l0, w1, l1, ... (each pair's noise (P, ...) and
-        time (P,) shared by its two samples), their target and the denoiser's timesteps."""
+        time (P,) shared by its two samples), their target and their times (2P,)."""
         noise, time = noise.repeat_interleave(2, dim=0), time.repeat_interleave(2)
-        policy = self.policy
-        return (
-            policy.add_noise(latents, noise, time),
-            policy.training_target(latents, noise, time),
-            policy.timestep_at(time),
-        )
+        process = self.policy.process
+        return process.add_noise(latents, noise, time), process.training_target(latents, noise, time), time
 
     def errors(self, trainer, model, latents: torch.Tensor, cond: dict, draws: tuple[torch.Tensor, torch.Tensor]):
         """Per-sample errors (2P,) float32 of the policy and of ``trainer``'s reference (None when no loss type needs
         it), and the policy's prediction, for pairs of clean ``latents`` (2P, ...) conditioned by ``cond`` (2P rows)."""
-        noisy, target, timesteps = self.noised(latents, *draws)
+        noisy, target, time = self.noised(latents, *draws)
         dims = tuple(range(1, latents.ndim))
-        prediction = self.policy.predict_at(model, noisy, timesteps, cond)
+        prediction = self.policy.predict(model, noisy, cond, at=time)
         errors = ((prediction - target.float()) ** 2).mean(dim=dims)
         ref_errors = None
         if self.args.needs_reference:
-            reference = trainer.reference_prediction(model, noisy, timesteps, cond)
+            reference = trainer.reference_prediction(model, noisy, cond, time)
             ref_errors = ((reference - target.float()) ** 2).mean(dim=dims)
         return errors, ref_errors, prediction
 

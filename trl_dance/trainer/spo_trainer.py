@@ -186,7 +186,7 @@ class SPOTrainer(RolloutTrainer):
     def _score_timesteps(self, step_index: torch.Tensor) -> torch.Tensor:
         """The model timestep of each candidate's x̂0 prediction; 0 for clean samples (index N)."""
         last = step_index >= self.policy.num_steps
-        timesteps = self.policy.model_timestep(step_index.clamp_max(self.policy.num_steps - 1))
+        timesteps = self.policy.process.model_timestep(step_index.clamp_max(self.policy.num_steps - 1))
         return torch.where(last, torch.zeros_like(timesteps), timesteps)
 
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
@@ -242,8 +242,8 @@ class SPOTrainer(RolloutTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         policy, args = self.policy, self.args
         latents, step_index, cond, keep = inputs["latents"], inputs["step_index"], inputs["cond"], inputs["keep"]
-        output = policy.predict(model, latents, step_index, cond)  # x_w and x_l share x_t: one prediction
-        reference = self.reference_prediction(model, latents, policy.model_timestep(step_index), cond)
+        output = policy.predict(model, latents, cond, at=step_index)  # x_w and x_l share x_t: one prediction
+        reference = self.reference_prediction(model, latents, cond, step_index)
         log_ratios = []
         for side in ("chosen", "rejected"):
             log_prob = policy.step(output, latents, step_index, prev_sample=inputs[side]).log_prob
