@@ -20,6 +20,16 @@ from trl_dance import (
     DiffusionDPOTrainer,
     DiffusionNFTConfig,
     DiffusionNFTTrainer,
+    DiffusionOPDConfig,
+    DiffusionOPDTrainer,
+    DiffusionSFTConfig,
+    DiffusionSFTTrainer,
+    DirectRewardConfig,
+    DirectRewardTrainer,
+    OnlineDiffusionDPOConfig,
+    OnlineDiffusionDPOTrainer,
+    SPOConfig,
+    SPOTrainer,
 )
 from trl_dance.testing import tiny_preference_dataset
 
@@ -45,24 +55,79 @@ def build(kind: str, method: str, lora: str, model_dir: str, output_dir: str):
         return DiffusionDPOTrainer(
             model_dir, args=args, train_dataset=tiny_preference_dataset(kind, 4), peft_config=peft
         )
+    if method == "sft":  # the same samples, brighter, as videos to imitate
+        data = tiny_preference_dataset(kind, 4).rename_column("chosen", "video").remove_columns("rejected")
+        args = DiffusionSFTConfig(**base, resolution=32, per_device_train_batch_size=2, learning_rate=10.0)
+        return DiffusionSFTTrainer(model_dir, args=args, train_dataset=data, peft_config=peft)
     online = {
         "num_generations": 2, "generation_batch_size": 2, "num_inference_steps": 4, "height": 32, "width": 32,
         "activation_checkpointing": kind.startswith("wan"),
     }  # fmt: skip
-    if method == "grpo":
-        args = DanceGRPOConfig(
-            **base, **online, learning_rate=100.0, per_device_train_batch_size=2, timestep_fraction=0.6, eta=1.0,
-            epsilon=0.5,
-        )  # fmt: skip
+    prompts = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+    grpo = {"learning_rate": 100.0, "per_device_train_batch_size": 2, "timestep_fraction": 0.6, "eta": 1.0, "epsilon": 0.5}  # fmt: skip
+    if method.startswith("grpo"):
+        # "grpo-reference": the KL to the reference (the LoRA switched off) and GRPO-Guard's stored means.
+        options = {"beta": 0.04, "ratio_normalization": True} if method == "grpo-reference" else {}
+        args = DanceGRPOConfig(**base, **online, **grpo, **options)
         trainer_class = DanceGRPOTrainer
-    else:  # "nft", or "nft-guided": training forwards with CFG 4, through a second policy (policy_with)
-        guided = {"train_guidance_scale": 4.0, "learning_rate": 10.0} if method == "nft-guided" else {}
+    elif method == "dppo":  # Flow-DPPO's trust region on the stored rollout means
+        args = DanceGRPOConfig(**base, **online, **grpo, trust_region="dppo")
+        trainer_class = DanceGRPOTrainer
+    elif method.startswith("nft"):
+        # "nft-guided": training forwards with CFG 4 through a second policy (policy_with), and AWM's fast EMA copy.
+        guided = (
+            {"train_guidance_scale": 4.0, "learning_rate": 10.0, "ema_kl_beta": 0.1} if method == "nft-guided" else {}
+        )
         args = DiffusionNFTConfig(
             **(base | {"learning_rate": 1.0} | guided), **online, per_device_train_batch_size=2, timestep_fraction=0.5
         )
         trainer_class = DiffusionNFTTrainer
-    prompts = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
+    elif method == "direct-guided":  # Direct-Align with a training guidance: the training forwards' policy copy
+        args = DirectRewardConfig(
+            **(base | {"learning_rate": 1000.0}), **(online | {"num_generations": 1}), per_device_train_batch_size=2,
+            train_guidance_scale=4.0,
+        )  # fmt: skip
+        trainer_class = DirectRewardTrainer
+    elif method == "spo":
+        args = SPOConfig(
+            **(base | {"learning_rate": 1.0}), **(online | {"num_generations": 1}), pool_start_step=2,
+            per_device_train_batch_size=4, score_scale=100.0, pair_threshold=0.0,
+        )  # fmt: skip
+        trainer_class = SPOTrainer
+    elif method == "online-dpo":
+        args = OnlineDiffusionDPOConfig(
+            **(base | {"learning_rate": 1.0}), **(online | {"generation_batch_size": 4}), per_device_train_batch_size=1,
+            beta=500.0,
+        )  # fmt: skip
+        trainer_class = OnlineDiffusionDPOTrainer
+    elif method == "opd":  # one teacher: a random LoRA on the same base, switched in for the teacher's forwards
+        teacher = _random_lora_teacher(model_dir, os.path.join(output_dir, "teacher"))
+        args = DiffusionOPDConfig(
+            **(base | {"learning_rate": 10.0}), **online, per_device_train_batch_size=2, timestep_fraction=0.6,
+            eta=1.0, teacher_adapters=[f"a={teacher}"],
+        )  # fmt: skip
+        prompts = prompts.add_column("task", ["a"] * len(prompts))
+        trainer_class = DiffusionOPDTrainer
+    else:
+        raise ValueError(f"unknown case method {method!r}")
     return trainer_class(model_dir, "brightness", args=args, train_dataset=prompts, peft_config=peft)
+
+
+def _random_lora_teacher(model_dir: str, folder: str) -> str:
+    """A LoRA with nonzero random B on the pipeline's transformer, saved in the diffusers format (one folder per
+    process: each writes its own, identical)."""
+    from diffusers import DiffusionPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    folder = f"{folder}-rank{os.environ.get('RANK', '0')}"
+    pipeline = DiffusionPipeline.from_pretrained(model_dir)
+    pipeline.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"]))
+    generator = torch.Generator().manual_seed(7)
+    for name, parameter in pipeline.transformer.named_parameters():
+        if "lora_B" in name:
+            parameter.data = 0.1 * torch.randn(parameter.shape, generator=generator)
+    type(pipeline).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(pipeline.transformer))
+    return folder
 
 
 for case in cases:
@@ -70,12 +135,12 @@ for case in cases:
     name = f"{kind}-{method}-{lora}"
     trainer = build(kind, method, lora, model_dir, os.path.join(result_dir, name))
     rounds = []
-    if method != "dpo":
+    if hasattr(trainer, "_plan_round"):  # the methods that roll out
         original = trainer._plan_round
 
         def recording(rollout, plan, advantages, original=original, rounds=rounds):
             rounds.append({"latents": rollout["latents"].clone(), "log_probs": rollout.get("log_probs"),
-                           "advantages": advantages.clone()})  # fmt: skip
+                           "advantages": None if advantages is None else advantages.clone()})  # fmt: skip
             return original(rollout, plan, advantages)
 
         trainer._plan_round = recording

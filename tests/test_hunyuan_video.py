@@ -148,3 +148,18 @@ def test_image_to_video_brightness_rises(tiny_model_dir, tmp_path, kind, rounds,
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"{kind}: per round {rewards}")
     assert_learned("brightness", first, last, trainer.state.log_history[0]["reward_std"], margin)
+
+
+def test_hunyuan_video15_encodes_a_batch_of_videos_as_each_alone():
+    """HunyuanVideo 1.5's VAE breaks on batches of several videos in diffusers 0.42.1 (its mid-block attention): its
+    layout encodes (Diffusion-DPO, SFT) and decodes one video at a time, each with its own generator."""
+    from trl_dance.policies import SamplerSettings, make_policy
+    from trl_dance.testing import TINY_PIPELINES
+
+    settings = SamplerSettings(num_inference_steps=4, height=32, width=32, num_frames=TINY_VIDEO_FRAMES)
+    policy = make_policy(TINY_PIPELINES["hunyuan-video15"](0), settings)
+    videos = torch.rand(2, TINY_VIDEO_FRAMES, 3, 32, 32) * 2 - 1
+    both = policy.encode_images(videos, [torch.Generator().manual_seed(i) for i in range(2)])
+    alone = [policy.encode_images(videos[i : i + 1], torch.Generator().manual_seed(i)) for i in range(2)]
+    assert torch.equal(both, torch.cat(alone)) and both.shape[0] == 2
+    assert policy.decode(both).shape == (2, TINY_VIDEO_FRAMES, 3, 32, 32)

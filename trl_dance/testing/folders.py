@@ -42,7 +42,7 @@ from .z_image import tiny_z_image_pipeline
 
 def tiny_condition_images(count: int, seed: int = 0) -> list:
     """``count`` distinct 32×32 PIL images (smooth random colour gradients) for image-to-video datasets."""
-    from .visualization import to_pil
+    from ..visualization import to_pil
 
     generator = torch.Generator().manual_seed(seed)
     corners = torch.rand(count, 3, 2, 2, generator=generator)
@@ -119,7 +119,7 @@ def tiny_preference_dataset(
     text-to-video kinds (``"wan"``) lists of ``num_frames`` PIL frames, every frame shifted alike."""
     from datasets import Dataset
 
-    from .visualization import to_pil
+    from ..visualization import to_pil
 
     if kind not in (*_IMAGE_KINDS, "wan"):
         raise ValueError(f"preference pairs: choose kind from {(*_IMAGE_KINDS, 'wan')}, got {kind!r}")

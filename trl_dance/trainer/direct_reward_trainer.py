@@ -70,9 +70,23 @@ class DirectRewardTrainer(RolloutTrainer):
             raise ValueError(f"{len(scales)} reward_scales for {len(self.reward_funcs)} reward functions")
         self._reward_affine: list[tuple[float, float] | None] = [None if v is None else (v, 0.0) for v in scales]
         self._train_policy = policy_with(self.policy, guidance_scale=args.train_guidance_scale or args.guidance_scale)
+        framewise = [reward_name(f) for f in self.reward_funcs if not getattr(f, "accepts_video", False)]
+        if self.policy.is_video and framewise:  # (the loss back-propagates each reward's score of the whole sample)
+            raise ValueError(
+                f"{type(self.policy.pipeline).__name__} generates videos; Direct-Align/DRaFT differentiate each reward "
+                f"through the decoded sample, and {framewise} score images (a reward for videos sets "
+                "accepts_video = True and takes (B, F, 3, H, W))"
+            )
         self._srp: list[bool] | None = None  # per reward: the semantic-relative preference applies (first round)
+        vae = self.policy.pipeline.vae
         if args.decoder_checkpointing:  # diffusers' own, per decoder block: the peak is one block's activations
-            self.policy.pipeline.vae.enable_gradient_checkpointing()
+            if vae._supports_gradient_checkpointing:
+                vae.enable_gradient_checkpointing()
+            else:  # (Wan's and some other video VAEs in diffusers 0.42)
+                logger.warning(
+                    f"decoder_checkpointing: diffusers' {type(vae).__name__} has no gradient checkpointing; the "
+                    "decoder keeps its activations for the backward pass"
+                )
 
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         for column, affine in enumerate(self._reward_affine):  # gathered: every process derives the same
