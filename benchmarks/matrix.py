@@ -144,7 +144,7 @@ def run(name: str, command: list[str], timeout: float, extra: list[str]) -> dict
     try:
         result = subprocess.run(
             [sys.executable, os.path.join(HERE, command[0]), *command[1:], *extra],
-            capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": path},
+            capture_output=True, text=True, timeout=timeout, env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": path},
         )  # fmt: skip
     except subprocess.TimeoutExpired as timed_out:
         # What the run printed before it was stopped says where its time went (a device call sees it at once).

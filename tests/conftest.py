@@ -5,6 +5,8 @@ import tempfile
 # Before anything imports huggingface_hub, which reads these once: no test may reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Idle OpenMP threads sleep (as under the trl-dance entry points), here and in every process a test launches.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # trackio also reads its directory at import: a private one per test process, never the user's cache.
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-")
 

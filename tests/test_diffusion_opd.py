@@ -131,8 +131,10 @@ def test_bad_opd_input_is_refused(tiny_model_dir, tmp_path):
         _opd_config(tmp_path, {})
     with pytest.raises(ValueError, match="'task=path'"):
         DiffusionOPDConfig(output_dir=str(tmp_path), use_cpu=True, teacher_adapters=["nopath"])
-    with pytest.raises(ValueError, match="do not apply"):
+    with pytest.raises(ValueError, match="beta > 0 does not apply"):
         _opd_config(tmp_path, {"a": folder}, beta=0.01)
+    with pytest.raises(TypeError, match="trust_region"):  # GRPO's policy-gradient options are not OPD's fields
+        _opd_config(tmp_path, {"a": folder}, trust_region="dppo")
     with pytest.raises(ValueError, match="tasks \\['b'\\] have no teacher"):
         DiffusionOPDTrainer(
             tiny_model_dir("flux"), "brightness", args=_opd_config(tmp_path, {"a": folder}),

@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING
-
-# OpenMP's default active wait keeps torch's idle threads spinning after every parallel region; where other processes
-# use the same cores, they spin against them (measured on a 2-core machine with two other training processes: tiny
-# Diffusion-DPO 1.1 it/s by default, 4.7 it/s passive). Read once, when torch loads its OpenMP runtime: effective when
-# trl_dance is imported before torch (the recipes set it before any import); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .methods import exports
 from .version import __version__

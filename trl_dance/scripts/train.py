@@ -13,7 +13,7 @@ for datasets of images) can be given in the YAML file or on the command line, wh
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/__init__.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/cli.py
 
 import importlib
 import sys

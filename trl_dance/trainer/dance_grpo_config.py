@@ -12,7 +12,176 @@ TRL_AGGREGATIONS = ("dapo", "grpo", "bnpo", "dr_grpo")
 
 
 @dataclass
-class DanceGRPOConfig(SDEArguments, RolloutConfig):
+class TransitionSamplingArguments:
+    r"""
+    Which steps of a rollout are stochastic and which of their transitions train: the fields [`DanceGRPOConfig`] and
+    [`DiffusionOPDConfig`] share (the methods that train sampled transitions x_i → x_{i+1}).
+
+    Parameters:
+        last_step_sde (`bool`, defaults to `False`): The last step is never trained. `False`: it is the
+            deterministic step (for flow models exactly the predicted clean sample x̂0, as DanceGRPO decodes), so the
+            rewarded image carries no sampling noise. `True`: it is an SDE step like the others (Flow-GRPO).
+
+        > Cheaper rollouts: SDE windows (Flow-GRPO-Fast, MixGRPO), MixGRPO-Flash, branching
+
+        sde_window_size (`int` or `None`, defaults to `None`): W consecutive SDE steps per round; every other step
+            is the deterministic step (noise 0: Euler ODE, DDIM η=0) and only the window's transitions are stored and
+            trained (`timestep_fraction` then applies to W). `None`: every step is stochastic (DanceGRPO, Flow-GRPO).
+        sde_window_range (`list[int]` or `None`, defaults to `None`): `[low, high)`, the steps the window may cover
+            (Flow-GRPO-Fast SD3: `[0, 5]`). `None`: all trainable steps (the first N−1, or the trained expert's).
+        sde_window_schedule (`str`, defaults to `"random"`): `"random"`: a uniform start per round, the same on
+            every process (Flow-GRPO-Fast); `"progressive"`: the start advances by `sde_window_stride` every
+            `sde_window_stride_rounds` rounds and wraps (MixGRPO). Both follow the round counter, so resuming from a
+            checkpoint continues the schedule exactly.
+        sde_window_stride (`int`, defaults to `1`), sde_window_stride_rounds (`int`, defaults to `25`): The
+            progressive schedule's advance and its period in rounds (MixGRPO: 1 every 25 iterations; Flash: 20).
+        post_window_solver (`str`, defaults to `"ode"`): The steps after the window: `"ode"`, the deterministic step;
+            `"dpm_solver++"`, DPM-Solver++(2M) (MixGRPO-Flash; flow-matching models).
+        post_window_step_ratio (`float`, defaults to `1.0`): With a window, the steps after it are replaced by a grid
+            of `max(1, ⌊ratio · remaining⌋)` steps from the window's end to σ = 0 (MixGRPO-Flash: 0.4; flow-matching
+            models). 1 keeps the schedule's own steps.
+        branching (`bool`, defaults to `False`): The G samples of a group share the deterministic prefix before the
+            window, computed once per group instead of G times, and differ from the window on (the original
+            Flow-GRPO-Fast, TempFlow-GRPO). Needs a window and `share_initial_noise="group"`.
+
+        > Which transitions train
+
+        timestep_fraction (`float` or `None`, defaults to `None`): Fraction of the trainable steps (the first N−1, or
+            the SDE window) trained per sample; the last step is never trained. `None`: 0.6 of the first N−1 steps
+            (DanceGRPO) and, with an SDE window, every window step (Flow-GRPO-Fast and MixGRPO train their whole
+            window).
+        timestep_selection (`str`, defaults to `"random"`): Which of them: `"random"`, drawn per sample (DanceGRPO);
+            `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %");
+            `"iso_temporal"`, drawn per group, so that every member of a group trains the same steps and their
+            advantages compare samples, not timesteps (Flash-GRPO, arXiv 2605.15980). With an SDE window the window
+            itself is placed per group (uniformly in `sde_window_range`, from (seed, round, group)) instead of per
+            round: Flash-GRPO is `sde_window_size=1` (one SDE step per video, the rest ODE), `sde_window_range`
+            `[0, 10]` of 20 steps, `sde_type="flash"`, `temporal_rectification=True`.
+    """
+
+    per_device_train_batch_size: int = field(
+        default=1, metadata={"help": "Transitions (denoising steps) per micro-batch per process."}
+    )
+    last_step_sde: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample the last (never trained) step with the SDE too (Flow-GRPO); default: deterministic."
+        },
+    )
+    sde_window_size: int | None = field(
+        default=None, metadata={"help": "W consecutive SDE steps per round, ODE elsewhere (None: every step SDE)."}
+    )
+    sde_window_range: list[int] | None = field(
+        default=None, metadata={"help": "[low, high): the steps the window may cover (None: all trainable steps)."}
+    )
+    sde_window_schedule: str = field(
+        default="random",
+        metadata={"help": "random | progressive window start.", "choices": ["random", "progressive"]},
+    )
+    sde_window_stride: int = field(default=1, metadata={"help": "Progressive window: advance of the start."})
+    sde_window_stride_rounds: int = field(default=25, metadata={"help": "Progressive window: rounds per advance."})
+    post_window_solver: str = field(
+        default="ode",
+        metadata={"help": "ode | dpm_solver++ after the window.", "choices": ["ode", "dpm_solver++"]},
+    )
+    post_window_step_ratio: float = field(
+        default=1.0, metadata={"help": "Steps after the window, as a fraction of the schedule's (Flash: 0.4)."}
+    )
+    branching: bool = field(
+        default=False, metadata={"help": "A group shares the deterministic prefix before the window."}
+    )
+    timestep_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Fraction of the trainable steps trained (None: 0.6, or 1 with an SDE window)."},
+    )
+    timestep_selection: str = field(
+        default="random",
+        metadata={
+            "help": "random | first | last | iso_temporal (per group) trainable steps.",
+            "choices": ["random", "first", "last", "iso_temporal"],
+        },
+    )
+
+    def _check_transitions(self) -> None:
+        _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
+        _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
+        _choice("timestep_selection", self.timestep_selection, ("random", "first", "last", "iso_temporal"))
+        if self.timestep_fraction is None:
+            self.timestep_fraction = 0.6 if self.sde_window_size is None else 1.0
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        steps = self.num_inference_steps - 1  # trainable at most
+        window = self.sde_window_size
+        for name in ("sde_window_stride", "sde_window_stride_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if window is not None and not 1 <= window <= steps:
+            raise ValueError(
+                f"sde_window_size must be in [1, {steps}] (num_inference_steps − 1 = the trainable steps), got {window}"
+            )
+        if self.sde_window_range is not None:
+            if window is None:
+                raise ValueError("sde_window_range needs sde_window_size")
+            if len(self.sde_window_range) != 2:
+                raise ValueError(f"sde_window_range must be [low, high), got {self.sde_window_range}")
+            low, high = self.sde_window_range
+            if not 0 <= low < high <= steps or high - low < window:
+                raise ValueError(
+                    f"sde_window_range [{low}, {high}) must lie in the {steps} trainable steps [0, {steps}) and hold "
+                    f"sde_window_size ({window}) steps"
+                )
+        if not 0 < self.post_window_step_ratio <= 1:
+            raise ValueError(f"post_window_step_ratio must be in (0, 1], got {self.post_window_step_ratio}")
+        needs_window = {
+            "branching": self.branching,
+            "post_window_solver='dpm_solver++'": self.post_window_solver != "ode",
+            "post_window_step_ratio < 1": self.post_window_step_ratio < 1,
+        }
+        for name, used in needs_window.items():
+            if used and window is None:
+                raise ValueError(f"{name} applies to SDE-window rollouts: set sde_window_size")
+        if window is not None and self.last_step_sde:
+            raise ValueError(
+                "last_step_sde=True with sde_window_size: outside the window every step is deterministic; unset one"
+            )
+        if self.branching and self.share_initial_noise != "group":
+            raise ValueError(
+                "branching shares a group's deterministic prefix, which needs share_initial_noise='group' (got "
+                f"{self.share_initial_noise!r}): with per-sample initial noise there is no shared prefix"
+            )
+        if self.timestep_selection == "iso_temporal" and window is not None:
+            clashes = {
+                "branching (a group's prefix before a round-wide window)": self.branching,
+                f"sde_window_schedule={self.sde_window_schedule!r} (one start per round)": self.sde_window_schedule
+                != "random",
+                "a compressed grid after the window": self.post_window_step_ratio < 1
+                or self.post_window_solver != "ode",
+            }
+            for what, used in clashes.items():
+                if used:
+                    raise ValueError(
+                        f"timestep_selection='iso_temporal' places the SDE window per group, which excludes {what}"
+                    )
+
+    def _round_items(self) -> tuple[int, str]:
+        samples, k = self.per_device_trained_samples, self.timesteps_per_sample
+        return samples * k, f"{samples} samples × {k} steps = {samples * k} transitions"
+
+    @property
+    def per_device_trained_samples(self) -> int:
+        """Samples of each process whose transitions are trained per round."""
+        return self.per_device_generation_batch_size
+
+    @property
+    def timesteps_per_sample(self) -> int:
+        """K: transitions trained per sample, of the first N−1 steps or of the SDE window."""
+        steps = self.num_inference_steps - 1 if self.sde_window_size is None else self.sde_window_size
+        # The tolerance keeps e.g. 15 × 0.6 at 9 whatever the float rounding.
+        return max(1, math.floor(steps * self.timestep_fraction + 1e-9))
+
+
+@dataclass
+class DanceGRPOConfig(TransitionSamplingArguments, SDEArguments, RolloutConfig):
     r"""
     Configuration for [`DanceGRPOTrainer`]: GRPO on the denoising chain of diffusion / rectified-flow models.
 
@@ -42,31 +211,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         eta (`float`, defaults to `0.3`): Noise level of the SDE (η, or `a` for flow_grpo/cps). Must be > 0.
         log_prob_reduction (`str`, defaults to `"mean"`): Reduce per-element log-densities by `"mean"` (the
             convention the clip range 1e-4 is tuned for) or `"sum"`.
-        last_step_sde (`bool`, defaults to `False`): The last step is never trained. `False`: it is the
-            deterministic step (for flow models exactly the predicted clean sample x̂0, as DanceGRPO decodes), so the
-            rewarded image carries no sampling noise. `True`: it is an SDE step like the others (Flow-GRPO).
 
-        > Cheaper rollouts: SDE windows (Flow-GRPO-Fast, MixGRPO), MixGRPO-Flash, branching
-
-        sde_window_size (`int` or `None`, defaults to `None`): W consecutive SDE steps per round; every other step
-            is the deterministic step (noise 0: Euler ODE, DDIM η=0) and only the window's transitions are stored and
-            trained (`timestep_fraction` then applies to W). `None`: every step is stochastic (DanceGRPO, Flow-GRPO).
-        sde_window_range (`list[int]` or `None`, defaults to `None`): `[low, high)`, the steps the window may cover
-            (Flow-GRPO-Fast SD3: `[0, 5]`). `None`: all trainable steps (the first N−1, or the trained expert's).
-        sde_window_schedule (`str`, defaults to `"random"`): `"random"`: a uniform start per round, the same on
-            every process (Flow-GRPO-Fast); `"progressive"`: the start advances by `sde_window_stride` every
-            `sde_window_stride_rounds` rounds and wraps (MixGRPO). Both follow the round counter, so resuming from a
-            checkpoint continues the schedule exactly.
-        sde_window_stride (`int`, defaults to `1`), sde_window_stride_rounds (`int`, defaults to `25`): The
-            progressive schedule's advance and its period in rounds (MixGRPO: 1 every 25 iterations; Flash: 20).
-        post_window_solver (`str`, defaults to `"ode"`): The steps after the window: `"ode"`, the deterministic step;
-            `"dpm_solver++"`, DPM-Solver++(2M) (MixGRPO-Flash; flow-matching models).
-        post_window_step_ratio (`float`, defaults to `1.0`): With a window, the steps after it are replaced by a grid
-            of `max(1, ⌊ratio · remaining⌋)` steps from the window's end to σ = 0 (MixGRPO-Flash: 0.4; flow-matching
-            models). 1 keeps the schedule's own steps.
-        branching (`bool`, defaults to `False`): The G samples of a group share the deterministic prefix before the
-            window, computed once per group instead of G times, and differ from the window on (the original
-            Flow-GRPO-Fast, TempFlow-GRPO). Needs a window and `share_initial_noise="group"`.
+        > Transition sampling (windows, MixGRPO-Flash, branching, which steps train): see
+        [`~trl_dance.trainer.dance_grpo_config.TransitionSamplingArguments`]
 
         > Optimization
 
@@ -110,17 +257,6 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             exact KL times Δ = σ_i − σ_{i+1}, as Flow-GRPO computes it, so its β (0.01–0.04) transfers. With
             `sde_type="cps"` both are the exact KL: CPS's std is already the step's own, and Flow-GRPO divides by its
             square. Flow models only.
-        timestep_fraction (`float` or `None`, defaults to `None`): Fraction of the trainable steps (the first N−1, or
-            the SDE window) trained per sample; the last step is never trained. `None`: 0.6 of the first N−1 steps
-            (DanceGRPO) and, with an SDE window, every window step (Flow-GRPO-Fast and MixGRPO train their whole
-            window).
-        timestep_selection (`str`, defaults to `"random"`): Which of them: `"random"`, drawn per sample (DanceGRPO);
-            `"first"` or `"last"`, the earliest or latest (DanceGRPO's ablation: "first 30 %", "last 40 %");
-            `"iso_temporal"`, drawn per group, so that every member of a group trains the same steps and their
-            advantages compare samples, not timesteps (Flash-GRPO, arXiv 2605.15980). With an SDE window the window
-            itself is placed per group (uniformly in `sde_window_range`, from (seed, round, group)) instead of per
-            round: Flash-GRPO is `sde_window_size=1` (one SDE step per video, the rest ODE), `sde_window_range`
-            `[0, 10]` of 20 steps, `sde_type="flash"`, `temporal_rectification=True`.
         temporal_rectification (`bool`, defaults to `False`): Flash-GRPO's temporal gradient rectification: each
             transition's policy loss is multiplied by 1/g_t, g_t = |∂μ/∂output|/std the scale at which the step's
             log-probability responds to the network output (flow: Δσ·(1 + s²(1−σ)/(2σ))/(s·√Δσ)), normalised to
@@ -132,37 +268,6 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
 
     updates_per_round = 3  # DanceGRPO's FLUX recipe: 12 samples × 9 transitions in 3 updates
 
-    per_device_train_batch_size: int = field(
-        default=1, metadata={"help": "Transitions (denoising steps) per micro-batch per process."}
-    )
-    last_step_sde: bool = field(
-        default=False,
-        metadata={
-            "help": "Sample the last (never trained) step with the SDE too (Flow-GRPO); default: deterministic."
-        },
-    )
-    sde_window_size: int | None = field(
-        default=None, metadata={"help": "W consecutive SDE steps per round, ODE elsewhere (None: every step SDE)."}
-    )
-    sde_window_range: list[int] | None = field(
-        default=None, metadata={"help": "[low, high): the steps the window may cover (None: all trainable steps)."}
-    )
-    sde_window_schedule: str = field(
-        default="random",
-        metadata={"help": "random | progressive window start.", "choices": ["random", "progressive"]},
-    )
-    sde_window_stride: int = field(default=1, metadata={"help": "Progressive window: advance of the start."})
-    sde_window_stride_rounds: int = field(default=25, metadata={"help": "Progressive window: rounds per advance."})
-    post_window_solver: str = field(
-        default="ode",
-        metadata={"help": "ode | dpm_solver++ after the window.", "choices": ["ode", "dpm_solver++"]},
-    )
-    post_window_step_ratio: float = field(
-        default=1.0, metadata={"help": "Steps after the window, as a fraction of the schedule's (Flash: 0.4)."}
-    )
-    branching: bool = field(
-        default=False, metadata={"help": "A group shares the deterministic prefix before the window."}
-    )
     epsilon: float = field(default=1e-4, metadata={"help": "PPO clip range."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (None: epsilon)."})
     loss_type: str = field(
@@ -193,17 +298,6 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             "choices": ["gaussian", "flow_grpo"],
         },
     )
-    timestep_fraction: float | None = field(
-        default=None,
-        metadata={"help": "Fraction of the trainable steps trained (None: 0.6, or 1 with an SDE window)."},
-    )
-    timestep_selection: str = field(
-        default="random",
-        metadata={
-            "help": "random | first | last | iso_temporal (per group) trainable steps.",
-            "choices": ["random", "first", "last", "iso_temporal"],
-        },
-    )
     temporal_rectification: bool = field(
         default=False, metadata={"help": "Flash-GRPO: divide each step's loss by its log-prob gradient scale."}
     )
@@ -213,10 +307,8 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
 
     def _check_method(self) -> None:
         self._check_sde("a deterministic step has no log-probability")
+        self._check_transitions()
         _choice("kl_scaling", self.kl_scaling, ("gaussian", "flow_grpo"))
-        _choice("sde_window_schedule", self.sde_window_schedule, ("random", "progressive"))
-        _choice("post_window_solver", self.post_window_solver, ("ode", "dpm_solver++"))
-        _choice("timestep_selection", self.timestep_selection, ("random", "first", "last", "iso_temporal"))
         _choice("trust_region", self.trust_region, ("clip", "dppo"))
         if self.loss_type in ("cispo", "sapo", "luspo", "vespo"):
             raise ValueError(
@@ -228,13 +320,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         _choice("dppo_kl_space", self.dppo_kl_space, ("x", "v"))
         if not (self.dppo_kl_threshold > 0 and math.isfinite(self.dppo_kl_threshold)):
             raise ValueError(f"dppo_kl_threshold must be a positive number, got {self.dppo_kl_threshold}")
-        if self.timestep_fraction is None:
-            self.timestep_fraction = 0.6 if self.sde_window_size is None else 1.0
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
         if not self.epsilon > 0 or not math.isfinite(self.epsilon):
             raise ValueError(f"epsilon must be > 0, got {self.epsilon}")
-        self._check_cheaper_rollouts()
+        self._check_policy_gradient()
         if self.best_of_n_k is not None:
             self._check_whole_groups("best_of_n_k selects within")
 
@@ -274,65 +362,9 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
             if used:
                 raise ValueError(f"rollout_backprop is exact only at one on-policy update per round; not with {why}")
 
-    def _round_items(self) -> tuple[int, str]:
-        samples, k = self.per_device_trained_samples, self.timesteps_per_sample
-        return samples * k, f"{samples} samples × {k} steps = {samples * k} transitions"
-
-    def _check_cheaper_rollouts(self) -> None:
-        steps = self.num_inference_steps - 1  # trainable at most
-        window = self.sde_window_size
-        for name in ("sde_window_stride", "sde_window_stride_rounds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if window is not None and not 1 <= window <= steps:
-            raise ValueError(
-                f"sde_window_size must be in [1, {steps}] (num_inference_steps − 1 = the trainable steps), got {window}"
-            )
-        if self.sde_window_range is not None:
-            if window is None:
-                raise ValueError("sde_window_range needs sde_window_size")
-            if len(self.sde_window_range) != 2:
-                raise ValueError(f"sde_window_range must be [low, high), got {self.sde_window_range}")
-            low, high = self.sde_window_range
-            if not 0 <= low < high <= steps or high - low < window:
-                raise ValueError(
-                    f"sde_window_range [{low}, {high}) must lie in the {steps} trainable steps [0, {steps}) and hold "
-                    f"sde_window_size ({window}) steps"
-                )
-        if not 0 < self.post_window_step_ratio <= 1:
-            raise ValueError(f"post_window_step_ratio must be in (0, 1], got {self.post_window_step_ratio}")
-        needs_window = {
-            "branching": self.branching,
-            "post_window_solver='dpm_solver++'": self.post_window_solver != "ode",
-            "post_window_step_ratio < 1": self.post_window_step_ratio < 1,
-        }
-        for name, used in needs_window.items():
-            if used and window is None:
-                raise ValueError(f"{name} applies to SDE-window rollouts: set sde_window_size")
-        if window is not None and self.last_step_sde:
-            raise ValueError(
-                "last_step_sde=True with sde_window_size: outside the window every step is deterministic; unset one"
-            )
-        if self.branching and self.share_initial_noise != "group":
-            raise ValueError(
-                "branching shares a group's deterministic prefix, which needs share_initial_noise='group' (got "
-                f"{self.share_initial_noise!r}): with per-sample initial noise there is no shared prefix"
-            )
+    def _check_policy_gradient(self) -> None:
         if self.epsilon_high is not None and not self.epsilon_high > 0:
             raise ValueError(f"epsilon_high must be > 0 (or None), got {self.epsilon_high}")
-        if self.timestep_selection == "iso_temporal" and window is not None:
-            clashes = {
-                "branching (a group's prefix before a round-wide window)": self.branching,
-                f"sde_window_schedule={self.sde_window_schedule!r} (one start per round)": self.sde_window_schedule
-                != "random",
-                "a compressed grid after the window": self.post_window_step_ratio < 1
-                or self.post_window_solver != "ode",
-            }
-            for what, used in clashes.items():
-                if used:
-                    raise ValueError(
-                        f"timestep_selection='iso_temporal' places the SDE window per group, which excludes {what}"
-                    )
         if self.temporal_rectification and (self.sde_type == "cps" or self.step_reweighting):
             raise ValueError(
                 "temporal_rectification divides out the Gaussian log-probability's gradient scale: not with "
@@ -356,10 +388,3 @@ class DanceGRPOConfig(SDEArguments, RolloutConfig):
         if self.best_of_n_k is None:
             return local
         return local // self.num_generations * 2 * self.best_of_n_k
-
-    @property
-    def timesteps_per_sample(self) -> int:
-        """K: transitions trained per sample, of the first N−1 steps or of the SDE window."""
-        steps = self.num_inference_steps - 1 if self.sde_window_size is None else self.sde_window_size
-        # The tolerance keeps e.g. 15 × 0.6 at 9 whatever the float rounding.
-        return max(1, math.floor(steps * self.timestep_fraction + 1e-9))

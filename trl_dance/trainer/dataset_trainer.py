@@ -4,6 +4,7 @@ policy from the config, the collated rows, the seeded noise of the forward proce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -71,8 +72,8 @@ class DatasetTrainer(DiffusionTrainer):
                 f"{type(self).__name__} learns from real videos; {type(pipeline).__name__} denoises each video with its "
                 "soundtrack, which trl-dance does not encode from data yet (its rollout trainers train it)"
             )
-        if policy.supports_cfg:
-            settings.guidance_scale = 1.0  # the loss trains the conditional prediction; CFG belongs to sampling
+        if policy.supports_cfg:  # the loss trains the conditional prediction; CFG belongs to sampling
+            policy = make_policy(pipeline, dataclasses.replace(settings, guidance_scale=1.0))
         # Video models: clips of the policy's frame count (its family's default when num_frames is None).
         self._clip_frames = policy.settings.num_frames if policy.is_video else None
         train_dataset = self._prepare_dataset(train_dataset, args, "train_dataset", policy)
@@ -81,21 +82,21 @@ class DatasetTrainer(DiffusionTrainer):
             if isinstance(eval_dataset, IterableDataset):  # evaluated whole at every evaluation: read it once
                 eval_dataset = list(eval_dataset)
         self._missing_images, self._warned_missing = 0, False
-        # Crops, flips and caption dropout: seeded per data-parallel rank (a context-parallel group draws alike).
-        seed = args.seed + 7919 * (args.process_index // args.context_parallel_size)
         super().__init__(
             policy,
             args,
             peft_config,
             need_reference=need_reference,
             ref_model=self._reference_denoiser(ref_model, policy, args),
-            data_collator=data_collator or self._collator(args, seed, training=True),
+            data_collator=data_collator,
             train_dataset=train_dataset,
             # With eval_prompts alone, an empty list: the Trainer refuses an eval_strategy without an eval_dataset.
             eval_dataset=eval_dataset if eval_dataset is not None or not args.eval_prompts else [],
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if data_collator is None:  # crops, flips and caption dropout: seeded per data-parallel rank (a group alike)
+            self.data_collator = self._collator(args, args.seed + 7919 * self.data_parallel.rank, training=True)
         self._noise_generator = torch.Generator(device=self.accelerator.device).manual_seed(
             args.seed + 7919 * (self.data_parallel.rank + 1)
         )

@@ -2,14 +2,14 @@
 
 from dataclasses import dataclass, field
 
-from .dance_grpo_config import DanceGRPOConfig
-from .rollout_config import _choice
+from .dance_grpo_config import TransitionSamplingArguments
+from .rollout_config import RolloutConfig, SDEArguments, _choice
 
 OPD_TARGETS = ("kl", "velocity")
 
 
 @dataclass
-class DiffusionOPDConfig(DanceGRPOConfig):
+class DiffusionOPDConfig(TransitionSamplingArguments, SDEArguments, RolloutConfig):
     r"""
     Configuration for [`DiffusionOPDTrainer`]: multi-teacher on-policy distillation (DiffusionOPD, arXiv 2605.15055).
 
@@ -17,10 +17,10 @@ class DiffusionOPDConfig(DanceGRPOConfig):
     DiffusionNFT on another) is distilled into one student LoRA along the student's own rollouts: each prompt names its
     task in `task_column`, and each of its sampled transitions x_t → x_{t+1} is trained toward that task's teacher by
     the closed-form KL of the two step Gaussians (the same state, the same std: mean matching). Rollouts, SDE windows,
-    `timestep_fraction` / `timestep_selection` and the micro-batch units are [`DanceGRPOConfig`]'s; the reward
-    functions only monitor (`reward`, `rewards/*` and `opd/<task>/reward` are logged; no advantage enters the loss),
-    and the policy-gradient fields (clip range, trust region, ratio normalisation, step reweighting, rectification,
-    best-of-N, `beta`) are refused.
+    `timestep_fraction` / `timestep_selection` and the micro-batch units are [`DanceGRPOConfig`]'s
+    ([`~trl_dance.trainer.dance_grpo_config.TransitionSamplingArguments`]); the reward functions only monitor
+    (`reward`, `rewards/*` and `opd/<task>/reward` are logged; no advantage enters the loss), so GRPO's
+    policy-gradient fields are not this config's (`beta`, the reference KL, is refused).
 
     Parameters:
         teacher_adapters (`list[str]`): `"task=path"` per task: a folder holding `pytorch_lora_weights.safetensors`
@@ -34,6 +34,20 @@ class DiffusionOPDConfig(DanceGRPOConfig):
             and stays finite for deterministic rollouts.
     """
 
+    updates_per_round = 3  # as DanceGRPO's (the same transition micro-batches)
+    # GRPO's policy-gradient options, fixed off: the loss is the KL to each task's teacher (the trainer is GRPO's
+    # engine with that loss).
+    epsilon, epsilon_high, loss_type, trust_region, dppo_kl_threshold, dppo_kl_space = (
+        1e-4,
+        None,
+        "dapo",
+        "clip",
+        0,
+        "x",
+    )
+    ratio_normalization = step_reweighting = rollout_backprop = temporal_rectification = False
+    kl_scaling, best_of_n_k = "gaussian", None
+
     teacher_adapters: list[str] = field(
         default_factory=list, metadata={"help": "task=path of each teacher's LoRA folder (diffusers format)."}
     )
@@ -43,7 +57,8 @@ class DiffusionOPDConfig(DanceGRPOConfig):
     )
 
     def _check_method(self) -> None:
-        super()._check_method()
+        self._check_sde("a deterministic step has no log-probability")
+        self._check_transitions()
         _choice("opd_target", self.opd_target, OPD_TARGETS)
         if not self.teacher_adapters:
             raise ValueError("teacher_adapters must name at least one teacher as 'task=path'")
@@ -55,17 +70,8 @@ class DiffusionOPDConfig(DanceGRPOConfig):
             raise ValueError(f"teacher_adapters entries are 'task=path', got {self.teacher_adapters}")
         if len(set(names)) != len(names):
             raise ValueError(f"teacher_adapters names a task twice: {names}")
-        policy_gradient = {
-            "trust_region='dppo'": self.trust_region != "clip",
-            "ratio_normalization": self.ratio_normalization,
-            "step_reweighting": self.step_reweighting,
-            "temporal_rectification": self.temporal_rectification,
-            "best_of_n_k": self.best_of_n_k is not None,
-            "beta > 0": self.beta > 0,
-        }
-        used = [name for name, on in policy_gradient.items() if on]
-        if used:
-            raise ValueError(f"DiffusionOPD's loss is the KL to each task's teacher: {', '.join(used)} do not apply")
+        if self.beta > 0:
+            raise ValueError("DiffusionOPD's loss is the KL to each task's teacher: beta > 0 does not apply")
 
     @property
     def teachers(self) -> dict[str, str]:
