@@ -1,8 +1,9 @@
 """The forward process x_t = α_t·x0 + σ_t·ε (pure tensor math): noising clean latents, recovering them from a known
 noise, and the step of a deterministic sampler between two times.
 
-Every family addresses it by a time t ∈ [0, 1] (1: pure noise), through its policy (:meth:`DiffusionPolicy.add_noise`
-and its neighbours), which picks the parametrisation:
+Every family addresses it by a time t ∈ [0, 1] (1: pure noise), through its policy's process
+(:class:`~trl_dance.policies.FlowProcess` or :class:`~trl_dance.policies.VPProcess`: ``policy.process.add_noise`` and
+its neighbours), which is the parametrisation:
 
 - flow matching (FLUX, SD3, Wan, ...): σ = t, ``(α, σ) = (1 − t, t)``, the model predicts the velocity ε − x0;
 - variance preserving (SD1.x/2.x, SDXL): the training timestep ``round(t·(T − 1))``, ``(α, σ) = (√ᾱ, √(1 − ᾱ))``, the

@@ -99,7 +99,7 @@ def _gaussian_step(
 
 def _check_eta(eta: float, compute_log_prob: bool) -> None:
     # Only the scalar is checked: testing the per-sample std would cost a host-device sync every step. A schedule's
-    # zero-width steps (σ_next = σ, or CPS onto σ = 0) are found once by DiffusionPolicy.check_schedule.
+    # zero-width steps (σ_next = σ, or CPS onto σ = 0) are found once by DiffusionProcess.check_schedule.
     if compute_log_prob and eta <= 0:
         raise ValueError(
             f"noise level {eta} gives the step zero standard deviation: its log-probability is undefined. "

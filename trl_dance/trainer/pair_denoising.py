@@ -81,7 +81,7 @@ class DPOLossArguments(TimeDensityArguments):
 
 class PairDenoising:
     """Noise, times, targets and errors of preference pairs for one policy and one :class:`DPOLossArguments`, through
-    the policy's forward process (:meth:`DiffusionPolicy.sample_training_times`, ``add_noise``, ``training_target``):
+    the policy's forward process (``policy.process``: ``sample_training_times``, ``add_noise``, ``training_target``):
     flow models σ on the model's training grid, drawn with ``weighting_scheme``'s density; ε/v models a uniform
     training timestep."""
 
