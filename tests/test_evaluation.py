@@ -192,3 +192,30 @@ def test_grpo_streams_an_iterable_dataset_in_groups(tiny_model_dir, tmp_path, mo
         assert all(len(set(group)) == 1 for group in groups) and len({g[0] for g in groups}) == len(groups)
     assert {prompt for batch in rounds for prompt in batch} <= set(PROMPTS)
     assert "eval_reward" in trainer.evaluate(IterableDataset.from_generator(lambda: iter(rows[:2])))
+
+
+def test_eval_refuses_a_lora_of_another_model_and_samples_tiny_videos_at_their_saved_frames(tiny_model_dir, tmp_path):
+    """`trl-dance eval` of an SD3 LoRA on a FLUX base once gave a win rate with only a peft warning: the LoRA's layers
+    are checked against the base's denoiser first, and the error names the base its card gives. A tiny Wan folder
+    carries its 5 frames (the pipeline's 81 exceed the tiny transformer's rotary table)."""
+    from peft.utils import get_peft_model_state_dict
+
+    from trl_dance.scripts.evaluate import main
+
+    sd3 = DiffusionPipeline.from_pretrained(tiny_model_dir("sd3"))
+    sd3.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]))
+    lora = tmp_path / "sd3-lora"
+    type(sd3).save_lora_weights(str(lora), transformer_lora_layers=get_peft_model_state_dict(sd3.transformer))
+    (lora / "README.md").write_text("---\nbase_model: stabilityai/stable-diffusion-3.5-medium\n---\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\n")
+    common = ["--prompts_file", str(prompts), "--reward_funcs", "brightness", "--num_inference_steps", "2"]
+    with pytest.raises(ValueError, match="not trained for this FluxTransformer2DModel .*stable-diffusion-3.5-medium"):
+        main(["--model_name_or_path", tiny_model_dir("flux"), "--checkpoints", str(lora), "--max_sequence_length",
+              "16", "--output_dir", str(tmp_path / "flux"), *common])  # fmt: skip
+    rewards = main(["--model_name_or_path", tiny_model_dir("sd3"), "--checkpoints", str(lora), "--output_dir",
+                    str(tmp_path / "sd3"), *common])  # fmt: skip
+    assert len(rewards) == 2 and rewards["base"].shape == (2, 1)
+    videos = main(["--model_name_or_path", tiny_model_dir("wan"), "--max_sequence_length", "16", "--output_dir",
+                   str(tmp_path / "wan"), *common])  # fmt: skip
+    assert videos["base"].shape == (2, 1)

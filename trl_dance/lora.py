@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+import safetensors
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.loaders.lora_base import LoraBaseMixin
+from huggingface_hub import ModelCard
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -80,9 +82,46 @@ def lora_loading_code(pipeline_class: type[DiffusionPipeline], denoiser_name: st
     return f"pipeline.load_lora_weights({path!r}{into})"
 
 
+def check_lora_fits(denoiser: torch.nn.Module, lora_name: str, directory: str) -> None:
+    """Raise ``ValueError`` unless every layer of the LoRA in ``directory`` (keys ``<lora_name>.<module>.lora_A/B``)
+    adapts a module of ``denoiser`` with the same input and output sizes: a LoRA of another model (an SD3 LoRA on a
+    FLUX base) would otherwise load with a peft warning and change nothing it was trained for. The error names the
+    base model the LoRA's card gives."""
+    path = os.path.join(directory, LORA_WEIGHTS_NAME)
+    modules = dict(denoiser.named_modules())
+    prefix, unfit = f"{lora_name}.", []
+    with safetensors.safe_open(path, framework="pt") as handle:
+        names = handle.keys()
+        keys = [key for key in names if key.startswith(prefix) and ".lora_" in key]
+        for key in keys:
+            name, part = key[len(prefix) :].split(".lora_", 1)
+            module, shape = modules.get(name), handle.get_slice(key).get_shape()
+            weight = getattr(module, "weight", None)
+            if weight is None:
+                unfit.append(name)
+            elif (
+                part.startswith("A")
+                and shape[1] != weight.shape[1]
+                or part.startswith("B")
+                and shape[0] != weight.shape[0]
+            ):
+                unfit.append(f"{name} (sizes {tuple(shape)} against {tuple(weight.shape)})")
+    if keys and not unfit:
+        return
+    card = os.path.join(directory, "README.md")
+    base = ModelCard.load(card).data.base_model if os.path.isfile(card) else None
+    trained = f" (its card names the base model {base!r})" if base else ""
+    what = f"its layers {sorted(set(unfit))[:3]} are not" if keys else f"it has no {prefix!r} layers, which are"
+    raise ValueError(
+        f"the LoRA in {directory} was not trained for this {type(denoiser).__name__}{trained}: {what} this "
+        "model's; pass the base model it was trained on"
+    )
+
+
 def load_lora_into_pipeline(pipeline: DiffusionPipeline, denoiser_name: str, lora_name: str, directory: str) -> None:
     """Load a LoRA saved by :func:`save_lora` into ``pipeline``'s denoiser ``denoiser_name`` (the file's key prefix
-    is ``lora_name``), with the pipeline's ``load_lora_weights`` where it has one."""
+    is ``lora_name``), with the pipeline's ``load_lora_weights`` where it has one, after :func:`check_lora_fits`."""
+    check_lora_fits(getattr(pipeline, denoiser_name), lora_name, directory)
     if not hasattr(pipeline, "load_lora_weights"):
         denoiser = getattr(pipeline, denoiser_name)
         denoiser.load_lora_adapter(directory, weight_name=LORA_WEIGHTS_NAME, prefix=lora_name)

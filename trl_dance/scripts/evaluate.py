@@ -151,7 +151,7 @@ def _tiny_sampling(args) -> dict:
         return {}
     with open(path) as handle:
         tiny = {key: value for key, value in json.load(handle).items() if key != "kind"}
-    print(f"a tiny pipeline: sampling defaults {tiny} (--height, --width, --num_inference_steps override them)")
+    print(f"a tiny pipeline: sampling defaults {tiny} (--height, --width, --num_inference_steps, --num_frames override)")
     return tiny
 
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         sigma_schedule="pipeline",
         negative_prompt=args.negative_prompt,
         max_sequence_length=args.max_sequence_length,
-        num_frames=args.num_frames,
+        num_frames=args.num_frames or defaults.get("num_frames"),
     )
     policy = make_policy(pipeline, settings)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

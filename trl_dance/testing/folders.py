@@ -101,7 +101,8 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
         with open(index_path, "w") as handle:
             json.dump({**index, "processor": ["transformers", type(processor).__name__]}, handle, indent=2)
     with open(os.path.join(directory, TINY_SAMPLING_FILE), "w") as handle:
-        json.dump({"kind": kind, **TINY_SAMPLING}, handle)
+        video = {"num_frames": TINY_VIDEO_FRAMES} if getattr(pipeline, "video_processor", None) is not None else {}
+        json.dump({"kind": kind, **TINY_SAMPLING, **video}, handle)
     return directory
 
 
