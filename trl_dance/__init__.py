@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from .methods import exports
 from .version import __version__
+
+
+class _TorchvisionFallback(logging.Filter):
+    """Drops transformers' notice that an image processor falls back to its PIL backend without torchvision (CPU-only
+    torch ships none): the diffusers pipelines import such processors, so every run printed it, and the PIL backend is
+    the one trl-dance uses on the CPU anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+logging.getLogger("transformers.utils.import_utils").addFilter(_TorchvisionFallback())
 
 # Public names, imported on first use so `import trl_dance` stays cheap (as in trl): every method's config and
 # trainer (trl_dance/methods.py), and the tools below.

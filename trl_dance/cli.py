@@ -180,6 +180,54 @@ def env() -> str:
     return "\n".join(["Copy-paste the following information when you open an issue:", "", *lines])
 
 
+_COMMON = {
+    "prompts": [
+        ("--reward_funcs NAME ...", "registered rewards, module:function, or http(s) URLs of reward servers"),
+        ("--prompts_file FILE", "prompts: .txt (one per line), .jsonl or .csv (or --dataset_name)"),
+        ("--num_generations G", "samples per prompt (a group); --generation_batch_size N samples per round"),
+    ],
+    "dataset": [
+        ("--dataset_name NAME", "the training data: a Hub id, a saved dataset folder or an image folder"),
+        ("--resolution N", "training size (videos: --num_frames F)"),
+    ],
+}
+
+
+_METHOD_PAGES = {"online-dpo": "dpo"}
+
+
+def short_help(command: str) -> str:
+    """``trl-dance COMMAND --help``: the options most runs set, without importing the trainers (``--help_all`` lists
+    every option of the script and the method's config)."""
+    method = METHODS[command]
+    options = [
+        ("--config FILE.yaml", "a recipe (recipes/configs/ has one per model); the command line overrides it"),
+        ("--model_name_or_path ID", "the diffusers pipeline: a Hub id or a local folder"),
+        ("--output_dir DIR", "checkpoints, the LoRA (diffusers format), samples and the model card"),
+        ("--use_peft --lora_r N ...", "train a LoRA (peft; --lora_alpha, --lora_target_modules)"),
+        *_COMMON[method.data],
+        ("--learning_rate LR", "and --max_steps N, --seed N, --bf16"),
+        ("--per_device_train_batch_size N", "and --gradient_accumulation_steps N"),
+        ("--report_to NAME", "trackers (tensorboard, wandb, trackio, none); --logging_steps N"),
+        ("--save_steps N", "checkpoints; --resume_from_checkpoint [PATH] continues a run"),
+        ("--push_to_hub", "upload the trained model and its card (--hub_model_id ID)"),
+    ]
+    launcher = [
+        ("--accelerate_config NAME", "ddp | zero2 | zero3 | fsdp2 | multinode, or a file"),
+        ("--num_processes N", "and any other accelerate launch option (--multi_gpu, --num_machines, ...)"),
+    ]
+
+    def block(rows):
+        return "\n".join(f"  {flag:<34}{text}" for flag, text in rows)
+
+    return (
+        f"usage: trl-dance {command} --config FILE.yaml [--option value ...] [accelerate launch options]\n\n"
+        f"{method.help}.\n\ncommon options:\n{block(options)}\n\nlauncher options:\n{block(launcher)}\n\n"
+        f"trl-dance {command} --help_all lists every option with its default; the method's page is "
+        f"docs/methods/{_METHOD_PAGES.get(command, command)}.md."
+    )
+
+
 def _usage() -> str:
     commands = {name: method.help for name, method in METHODS.items()}
     commands |= {name: help_text for name, (_, help_text) in OTHER_COMMANDS.items()}
@@ -203,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-dance {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    if command in METHODS and ("-h" in rest or "--help" in rest):
+        print(short_help(command))
+        return 0
+    rest = ["--help" if item == "--help_all" else item for item in rest]
     try:
         if command in METHODS:
             launch_training(command, rest)

@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see trl_dance/cli.py
 
+import argparse
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -30,9 +31,9 @@ JOBS = {"prompts": "trl_dance.scripts.from_rollouts", "dataset": "trl_dance.scri
 
 @dataclass
 class MethodArguments:
-    command: str | None = field(
-        default=None, metadata={"help": f"The training method: {' | '.join(METHODS)} (see the module docstring)."}
-    )
+    # The training method (grpo | nft | ...; see the module docstring): internal, the trl-dance command sets it, so
+    # the help does not list it.
+    command: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
 def _option(argv: list[str], name: str) -> str | None:
