@@ -1,6 +1,7 @@
 import io
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -292,8 +293,9 @@ def test_resume_reproduces_the_uninterrupted_run_across_epochs(tiny_model_dir, t
 
 
 def test_bad_preference_data_is_named(tiny_model_dir, tmp_path, caplog):
-    """Labels other than 0, ½, 1, an all-ties dataset, a truncated image (row and cause named) and missing images
-    beyond max_missing_images (warned once before) each stop with a message."""
+    """Labels other than 0, ½, 1, an all-ties dataset, and missing or undecodable (truncated) images beyond
+    max_missing_images each stop with a message; below it such rows are skipped, counted and named once (row, file,
+    cause): a truncated PNG once stopped a run at its second step with nothing saved."""
 
     def trainer(rows, **overrides):
         args = _config(tmp_path, per_device_train_batch_size=2, **overrides)
@@ -309,9 +311,12 @@ def test_bad_preference_data_is_named(tiny_model_dir, tmp_path, caplog):
         trainer(rows | {"label_0": [0.5, 0.5]})
 
     truncated = red[: len(red) // 2]
-    broken = trainer(rows | {"jpg_1": [blue, truncated], "label_0": [1.0, 1.0]}, max_steps=1)
-    with pytest.raises(ValueError, match=r"row 1 \(prompt 'b'\): cannot decode the image \d+ bytes"):
-        broken.train()
+    broken = trainer(rows | {"jpg_1": [blue, truncated], "label_0": [1.0, 1.0]}, max_steps=2)
+    broken.train()  # row 1 skipped, the run goes on
+    assert broken.state.global_step == 2 and broken._missing_images >= 1
+    warned = [r.message for r in caplog.records if "missing or cannot be decoded" in r.message]
+    assert re.search(r"row 1 \(prompt 'b'\): cannot decode the image \d+ bytes", warned[0])
+    caplog.clear()
 
     missing = trainer(rows | {"jpg_1": [None, blue], "label_0": [1.0, 1.0]}, max_steps=4, max_missing_images=1)
     with pytest.raises(ValueError, match="2 pairs had a missing image, more than max_missing_images \\(1\\)"):

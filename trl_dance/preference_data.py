@@ -246,8 +246,11 @@ class PreferenceCollator:
             where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
             try:
                 chosen, rejected = self._load(chosen_value), self._load(rejected_value)
-            except ValueError as err:
-                raise ValueError(f"preference data, {where} (prompt {prompt!r:.80}): {err}") from err
+            except (
+                ValueError
+            ) as err:  # an undecodable file (truncated, not an image): skipped and counted like a missing one
+                missing.append(f"{where} (prompt {prompt!r:.80}): {err}")
+                continue
             if chosen is None or rejected is None:
                 side, value = ("chosen", chosen_value) if chosen is None else ("rejected", rejected_value)
                 missing.append(f"{where}: the {side} image {describe_missing(value)}")

@@ -31,8 +31,11 @@ class SFTCollator(PreferenceCollator):
             where = f"row {row[INDEX_KEY]}" if INDEX_KEY in row else "a row"
             try:
                 media = self._load(row[self.image_field])
-            except ValueError as err:
-                raise ValueError(f"SFT data, {where} (prompt {prompt!r:.80}): {err}") from err
+            except (
+                ValueError
+            ) as err:  # an undecodable file (truncated, not an image): skipped and counted like a missing one
+                missing.append(f"{where} (prompt {prompt!r:.80}): {err}")
+                continue
             if media is None:
                 missing.append(f"{where}: the image {describe_missing(row[self.image_field])}")
                 continue

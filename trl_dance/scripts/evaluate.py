@@ -151,7 +151,9 @@ def _tiny_sampling(args) -> dict:
         return {}
     with open(path) as handle:
         tiny = {key: value for key, value in json.load(handle).items() if key != "kind"}
-    print(f"a tiny pipeline: sampling defaults {tiny} (--height, --width, --num_inference_steps, --num_frames override)")
+    print(
+        f"a tiny pipeline: sampling defaults {tiny} (--height, --width, --num_inference_steps, --num_frames override)"
+    )
     return tiny
 
 

@@ -159,7 +159,8 @@ class DatasetTrainer(DiffusionTrainer):
         self._missing_images += len(missing)
         if not self._warned_missing and self.accelerator.is_main_process:
             logger.warning(
-                f"{self._name}: skipped a {self._row} whose image is missing: {'; '.join(missing[:3])}. Counted in "
+                f"{self._name}: skipped a {self._row} whose image is missing or cannot be decoded: "
+                f"{'; '.join(missing[:3])}. Counted in "
                 f"data/missing_images, training stops after {self.args.max_missing_images} per process. Warned once."
             )
             self._warned_missing = True
