@@ -6,6 +6,7 @@
 # Arguments after --tiny (or all of them) go to the distillation run, e.g. --max_steps 100.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] && PATH="$PWD/.venv/bin:$PATH"  # the README's environment, activated or not
 if [ "${1:-}" = "--tiny" ]; then
     shift
     [ -f outputs/tiny-flux/model_index.json ] || python -m trl_dance.testing flux outputs/tiny-flux

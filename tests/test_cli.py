@@ -274,6 +274,9 @@ def test_help_is_fast_and_short_with_every_option_one_flag_away():
         assert out.startswith(f"usage: trl-dance {command} --config") and len(out.splitlines()) < 150, out
         assert seconds < 10 and "torch" not in err  # (< 0.2 s measured; the bound is for loaded CI machines)
         assert "--help_all" in out and "--command" not in out
+    for command in ("eval", "serve-reward"):  # their usage names them; no reStructuredText markup
+        out, _, _ = run(command, "--help")
+        assert out.startswith(f"usage: trl-dance {command}") and "``" not in out and ":mod:" not in out
     full, err, _ = run("grpo", "--help_all")
     assert "--learning_rate" in full and "--sde_window_size" in full and "--command" not in full
     assert "requires torchvision" not in err  # transformers' PIL-fallback notice, silenced

@@ -186,7 +186,11 @@ def served_reward(spec: str, reward_kwargs: str | None) -> RewardFunc:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="trl-dance serve-reward", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="trl-dance serve-reward",
+        description="Any reward of trl-dance (a registered name or module:function) behind its HTTP protocol "
+        '(trl_dance.rewards.remote), on Starlette and uvicorn: pip install "trl-dance[serve]".',
+    )
     parser.add_argument("reward", help="a registered reward name or module.path:function")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)

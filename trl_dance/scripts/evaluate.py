@@ -159,7 +159,13 @@ def _tiny_sampling(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Run the comparison; returns each model's (n, F) rewards by label ("base" first)."""
-    (args,) = HfArgumentParser(EvalArguments).parse_args_into_dataclasses(argv)
+    parser = HfArgumentParser(
+        EvalArguments,
+        prog="trl-dance eval",
+        description="A base pipeline against LoRAs or fine-tuned denoisers, on a prompt file, with any rewards: the "
+        "same (prompt, seed) pairs for every model, mean ± standard error and win rates against the base.",
+    )
+    (args,) = parser.parse_args_into_dataclasses(argv)
     if args.num_images_per_prompt < 1 or args.batch_size < 1:
         raise ValueError("num_images_per_prompt and batch_size must be >= 1")
     dataset = load_prompt_dataset(args.prompts_file)

@@ -26,7 +26,8 @@ class DatasetTrainingConfig(TimeDensityArguments, DiffusionTrainingConfig):
     random_flip: bool = field(default=True, metadata={"help": "Random horizontal flip (a pair's images together)."})
     proportion_empty_prompts: float = field(default=0.0, metadata={"help": "Caption dropout probability."})
     max_missing_images: int | None = field(
-        default=100, metadata={"help": "Skipped rows with a missing or undecodable image (per process) before training stops."}
+        default=100,
+        metadata={"help": "Skipped rows with a missing or undecodable image (per process) before training stops."},
     )
     guidance_scale: float = field(default=3.5, metadata={"help": "FLUX guidance embedding during training."})
     max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens."})
