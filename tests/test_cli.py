@@ -280,3 +280,20 @@ def test_help_is_fast_and_short_with_every_option_one_flag_away():
     full, err, _ = run("grpo", "--help_all")
     assert "--learning_rate" in full and "--sde_window_size" in full and "--command" not in full
     assert "requires torchvision" not in err  # transformers' PIL-fallback notice, silenced
+
+
+def test_launched_runs_report_user_errors_in_one_line_and_print_no_launcher_notes(tiny_model_dir, tmp_path):
+    """A user error the launched script finds (here, fewer prompts than a round uses) was two tracebacks after
+    accelerate's note on the launch defaults, printed twice: now one line and exit status 2, and no note."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\n")
+    recipe = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_dance.cli", "grpo", "--config", recipe, "--model_name_or_path",
+         tiny_model_dir("flux"), "--prompts_file", str(prompts), "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("trl-dance grpo: error: train_dataset has 2 prompts but each round uses 8"), lines
+    assert "Traceback" not in result.stderr and "were not passed to `accelerate launch`" not in result.stderr

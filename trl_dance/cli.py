@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import os
+import subprocess
 import sys
 
 # OpenMP's default active wait keeps torch's idle threads spinning after every parallel region; where other processes
@@ -103,7 +104,8 @@ def launch_training(command: str, argv: list[str]) -> None:
     launch = launch_command_parser().parse_args([*launch_args, *script])
     with planned_world_size(planned_processes(launch)):
         parse()  # the whole config, checked for the processes about to start
-    launch_command(launch)
+    os.environ[CLI_ENV] = command  # the launched script reports user errors as this command does
+    launch_command(resolved_launch(launch))
 
 
 def check_config_keys(argv: list[str], config_remaining: list[str], parser) -> None:
@@ -126,18 +128,32 @@ def check_config_keys(argv: list[str], config_remaining: list[str], parser) -> N
     raise ValueError(f"{config}: unknown keys {', '.join(hints)}: neither a training field nor an accelerate option")
 
 
+def resolved_launch(launch):
+    """The parsed ``launch`` options as ``accelerate launch`` resolves them (the config file, its defaults: the GPU
+    count, one machine, no mixed precision, no dynamo), without its notes on the defaults it filled in: launched with
+    them, it prints nothing (it printed its note twice, the same every run)."""
+    import contextlib
+    import copy
+    import io
+    import logging
+
+    from accelerate.commands.launch import _validate_launch_command
+
+    quiet = logging.getLogger("accelerate.commands.launch")
+    before, quiet.disabled = quiet.disabled, True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            resolved, *_ = _validate_launch_command(copy.deepcopy(launch))
+    finally:
+        quiet.disabled = before
+    return resolved
+
+
 def planned_processes(launch) -> int:
     """How many processes ``accelerate launch`` will start for the parsed ``launch`` options (its own resolution of the
     options, the config file and its defaults). Refuses several processes that accelerate would run as one (its simple
     launcher: ``--num_processes N`` on a CPU without ``--multi_gpu``)."""
-    import contextlib
-    import copy
-    import io
-
-    from accelerate.commands.launch import _validate_launch_command
-
-    with contextlib.redirect_stdout(io.StringIO()):  # (its notes on defaults: the launch itself prints them)
-        resolved, *_ = _validate_launch_command(copy.deepcopy(launch))
+    resolved = resolved_launch(launch)
     processes = resolved.num_processes or 1
     several = (
         resolved.use_deepspeed or resolved.tpu or ((resolved.multi_gpu or resolved.use_fsdp) and not resolved.cpu)
@@ -236,6 +252,7 @@ def _usage() -> str:
 
 
 DEBUG_ENV = "TRL_DANCE_DEBUG"
+CLI_ENV = "TRL_DANCE_CLI_COMMAND"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"trl-dance: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
             return 2
+    except subprocess.CalledProcessError as error:  # the launched script failed and said why (user errors in one line)
+        if os.environ.get(DEBUG_ENV):
+            raise
+        return error.returncode
     except (ValueError, OSError) as error:  # bad values, missing or unreadable files and folders
         if os.environ.get(DEBUG_ENV):
             raise

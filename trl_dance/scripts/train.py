@@ -102,4 +102,14 @@ def main(argv: list[str] | None = None, script: str | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    from trl_dance.cli import CLI_ENV, DEBUG_ENV
+
+    try:
+        main()
+    except (ValueError, OSError) as error:  # a user error under `trl-dance`: one line, as the command's own
+        command = os.environ.get(CLI_ENV)
+        if command is None or os.environ.get(DEBUG_ENV):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        sys.exit(2)
