@@ -228,7 +228,7 @@ def rollout(
         shared = {key: value[reps_device] for key, value in cond.items()}
         prefix = latents[reps_device]
         for i in range(plan.sde_start):
-            prefix = deterministic_step(policy, model, prefix, i, shared)
+            prefix = ode_step(policy, model, prefix, i, shared)
         calls += len(reps) * plan.sde_start
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
@@ -378,7 +378,7 @@ def solve(
     return latents
 
 
-def deterministic_step(
+def ode_step(
     policy: DiffusionPolicy, model: torch.nn.Module, latents: torch.Tensor, i: int, cond: Conditioning
 ) -> torch.Tensor:
     """Step ``i`` of the policy's sampler without noise (flow: Euler; DDIM η = 0), differentiable in the model."""
@@ -393,14 +393,14 @@ __all__ = [
     "SDEWindow",
     "StepScorer",
     "compressed_steps",
-    "deterministic_step",
-    "solve",
     "generate",
     "group_generators",
     "mix_seed",
+    "ode_step",
     "pooled_rollout",
     "rollout",
     "sample_generators",
+    "solve",
 ]
 
 

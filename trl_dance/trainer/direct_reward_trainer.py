@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..direct_align import direct_align_levels, draw_positions, semantic_relative_reward, shifted_sigmas
 from ..rewards import reward_name
-from ..sampling import RolloutPlan, deterministic_step
+from ..sampling import RolloutPlan, ode_step
 from .direct_reward_config import DirectRewardConfig
 from .evaluation import policy_with
 from .rollout_trainer import RolloutTrainer
@@ -201,9 +201,9 @@ class DirectRewardTrainer(RolloutTrainer):
         steps, latents = policy.num_steps, noise
         with torch.no_grad():
             for i in range(steps - k):
-                latents = deterministic_step(policy, model, latents, i, cond)
+                latents = ode_step(policy, model, latents, i, cond)
         for i in range(steps - k, steps):
-            step = lambda x, i=i: deterministic_step(policy, model, x, i, cond)  # noqa: E731
+            step = lambda x, i=i: ode_step(policy, model, x, i, cond)  # noqa: E731
             latents = (
                 checkpoint(step, latents, use_reentrant=False) if self.args.decoder_checkpointing else step(latents)
             )
