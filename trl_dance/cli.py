@@ -101,11 +101,11 @@ def launch_training(command: str, argv: list[str]) -> None:
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _without(argv, cli_remaining)
     script = [train.__file__, "--command", command, *script_args]
-    launch = launch_command_parser().parse_args([*launch_args, *script])
+    launch = resolved_launch(launch_command_parser().parse_args([*launch_args, *script]))
     with planned_world_size(planned_processes(launch)):
         parse()  # the whole config, checked for the processes about to start
     os.environ[CLI_ENV] = command  # the launched script reports user errors as this command does
-    launch_command(resolved_launch(launch))
+    launch_command(launch)
 
 
 def check_config_keys(argv: list[str], config_remaining: list[str], parser) -> None:
@@ -149,11 +149,10 @@ def resolved_launch(launch):
     return resolved
 
 
-def planned_processes(launch) -> int:
-    """How many processes ``accelerate launch`` will start for the parsed ``launch`` options (its own resolution of the
-    options, the config file and its defaults). Refuses several processes that accelerate would run as one (its simple
-    launcher: ``--num_processes N`` on a CPU without ``--multi_gpu``)."""
-    resolved = resolved_launch(launch)
+def planned_processes(resolved) -> int:
+    """How many processes ``accelerate launch`` will start for the ``resolved`` launch options
+    (:func:`resolved_launch`). Refuses several processes that accelerate would run as one (its simple launcher:
+    ``--num_processes N`` on a CPU without ``--multi_gpu``)."""
     processes = resolved.num_processes or 1
     several = (
         resolved.use_deepspeed or resolved.tpu or ((resolved.multi_gpu or resolved.use_fsdp) and not resolved.cpu)
@@ -255,6 +254,12 @@ DEBUG_ENV = "TRL_DANCE_DEBUG"
 CLI_ENV = "TRL_DANCE_CLI_COMMAND"
 
 
+def user_error(command: str, error: Exception) -> str:
+    """How ``trl-dance COMMAND`` reports a user error (by itself or in the script it launched): one line, and how to
+    see the traceback."""
+    return f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command; a user error (a bad value, a missing file) is one line on stderr and exit status 2, its traceback
     kept with ``TRL_DANCE_DEBUG=1``."""
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:  # bad values, missing or unreadable files and folders
         if os.environ.get(DEBUG_ENV):
             raise
-        print(f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        print(user_error(command, error), file=sys.stderr)
         return 2
     return 0
 

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, script: str | None = None):
 
 
 if __name__ == "__main__":
-    from trl_dance.cli import CLI_ENV, DEBUG_ENV
+    from trl_dance.cli import CLI_ENV, DEBUG_ENV, user_error
 
     try:
         main()
@@ -111,5 +111,5 @@ if __name__ == "__main__":
         if command is None or os.environ.get(DEBUG_ENV):
             raise
         if os.environ.get("RANK", "0") == "0":
-            print(f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+            print(user_error(command, error), file=sys.stderr)
         sys.exit(2)
