@@ -68,7 +68,15 @@ def build(kind: str, method: str, lora: str, model_dir: str, output_dir: str):
     if method.startswith("grpo"):
         # "grpo-reference": the KL to the reference (the LoRA switched off) and GRPO-Guard's stored means.
         options = {"beta": 0.04, "ratio_normalization": True} if method == "grpo-reference" else {}
-        args = DanceGRPOConfig(**base, **online, **grpo, **options)
+        if method == "grpo-async":  # round 1 sampled by round 0's weights: decoupled PPO's π_prox forward, split
+            options = {
+                "max_staleness": 1,
+                "max_steps": 4,
+                "gradient_accumulation_steps": 1,
+                "ratio_normalization": True,
+            }
+        base_ = base | ({"max_steps": options.pop("max_steps")} if "max_steps" in options else {})
+        args = DanceGRPOConfig(**base_, **online, **grpo, **options)
         trainer_class = DanceGRPOTrainer
     elif method == "dppo":  # Flow-DPPO's trust region on the stored rollout means
         args = DanceGRPOConfig(**base, **online, **grpo, trust_region="dppo")

@@ -21,6 +21,7 @@ CASES = [
     ("hunyuan-video", "grpo", "lora"),  # its plan is ours; the prompts are padded (masked) to 16 tokens
     ("wan", "grpo-reference", "lora"),  # the KL to the reference and GRPO-Guard's normalised ratio
     ("wan", "dppo", "lora"),
+    ("wan", "grpo-async", "lora"),  # max_staleness 1: rounds launched ahead, π_prox's forwards split too
     ("wan", "nft", "lora"),
     # Training guidance: the training forwards run a copy of the policy (policy_with), which once lost the
     # context-parallel gradient scale (the LoRA moved 0.500× as far as one process's); the copy now shares the runtime.

@@ -140,10 +140,10 @@ def test_per_group_windows_do_not_depend_on_how_samples_are_split_over_processes
     group), and a group split across the two keeps one window."""
     trainer = _trainer(tiny_model_dir, tmp_path, **FLASH, num_generations=4)
     plan = trainer.rollout_plan()
-    whole = trainer._sample_plan(plan, 0, 8).sample_starts
-    halves = trainer._sample_plan(plan, 0, 4).sample_starts + trainer._sample_plan(plan, 4, 4).sample_starts
+    whole = trainer._sample_plan(plan, 0, 8, 0).sample_starts
+    halves = trainer._sample_plan(plan, 0, 4, 0).sample_starts + trainer._sample_plan(plan, 4, 4, 0).sample_starts
     assert whole == halves
-    odd = trainer._sample_plan(plan, 2, 4).sample_starts  # samples 2-5: groups 0 and 1
+    odd = trainer._sample_plan(plan, 2, 4, 0).sample_starts  # samples 2-5: groups 0 and 1
     assert odd == whole[2:6] and odd[0] == odd[1] and odd[2] == odd[3]
 
 

@@ -39,6 +39,23 @@ def dppo_surrogate(
     return -advantages * ratio * keep, keep
 
 
+def importance_weight(
+    log_weight: torch.Tensor, mode: str, clip_max: float, clip_min: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's behaviour correction (AReaL; TRL's ``vllm_importance_sampling_*``), per transition (B,):
+    ``w = exp(log π_prox − log μ)`` of the proximal (round-start) policy over the behaviour policy that sampled the
+    transition, detached; ``"truncate"`` caps it to [``clip_min``, ``clip_max``], ``"mask"`` zeroes it outside.
+    Returns (w, kept) with ``kept`` 0/1 floats (0 where ``"mask"`` dropped the transition)."""
+    weight = torch.exp(log_weight.detach())
+    low = 0.0 if clip_min is None else clip_min
+    inside = (weight >= low) & (weight <= clip_max)
+    if mode == "truncate":
+        return weight.clamp(low, clip_max), torch.ones_like(weight)
+    if mode == "mask":
+        return weight * inside, inside.to(weight.dtype)
+    raise ValueError(f"importance_sampling_mode must be 'truncate' or 'mask', got {mode!r}")
+
+
 def normalized_log_ratio(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,

@@ -357,6 +357,7 @@ class DanceGRPOConfig(TransitionSamplingArguments, SDEArguments, RolloutConfig):
                 self.timestep_selection == "iso_temporal" and self.sde_window_size is not None
             ),
             "context_parallel_size > 1": self.context_parallel_size > 1,
+            "max_staleness > 0: the rollout's weights are rounds older than the trained ones": self.max_staleness > 0,
         }
         for why, used in inexact.items():
             if used:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..advantages import extremes_per_group
-from ..losses import clipped_fraction, clipped_surrogate, dppo_surrogate, gaussian_step_kl, normalized_log_ratio
+from ..losses import (
+    clipped_fraction,
+    clipped_surrogate,
+    dppo_surrogate,
+    gaussian_step_kl,
+    importance_weight,
+    normalized_log_ratio,
+)
 from ..policies import DiffusionPolicy, FlowProcess
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
 from .dance_grpo_config import DanceGRPOConfig
@@ -28,6 +37,7 @@ class DanceGRPOTrainer(RolloutTrainer):
     """
 
     uses_likelihood_ratio = True
+    supports_async_rounds = True  # decoupled PPO corrects for the staleness (importance_sampling_correction)
 
     _tag_names = ["trl", "trl-dance", "dance-grpo", "diffusers"]
     _name = "DanceGRPO"
@@ -42,6 +52,7 @@ class DanceGRPOTrainer(RolloutTrainer):
     sde_window: SDEWindow | None = None
     _drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # rollout_backprop: the round's transitions, drawn first
     _retained: torch.Tensor | None = None  # rollout_backprop: the round's loss, until its backward
+    _proximal: list | None = None  # a stale round's π_prox per micro-batch (decoupled PPO; see _proximal_steps)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -114,9 +125,27 @@ class DanceGRPOTrainer(RolloutTrainer):
                 trained = extremes_per_group(advantages.cpu(), args.num_generations, args.best_of_n_k)
             samples, steps = self._draw_transitions(plan, batch, trained)
         microbatches = self._shuffle(samples, steps)
+        self._proximal = None
+        if self._round_staleness and args.importance_sampling_correction:
+            self._proximal = self._proximal_steps(microbatches)
         if "grad_log_probs" in rollout:
             self._retained = self._retained_loss(rollout["grad_log_probs"], advantages)
         return microbatches
+
+    @torch.no_grad()
+    def _proximal_steps(self, microbatches: list) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Decoupled PPO's proximal policy π_prox (the weights at the round's start) at each micro-batch's transitions:
+        (log-probability, mean) per micro-batch, from one no-grad forward each; ``None`` for the micro-batches of the
+        round's first optimizer update, whose own forward runs with these weights (no extra work)."""
+        proximal = [None] * len(microbatches)
+        with self.compute_loss_context_manager():
+            for position in range(self.args.gradient_accumulation_steps, len(microbatches)):
+                inputs = self._transition_inputs(microbatches[position])
+                latents, step_index = inputs["latents"], inputs["step_index"]
+                output = self.policy.predict(self._rollout_model(), latents, inputs["cond"], at=step_index)
+                step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
+                proximal[position] = (step.log_prob, step.mean)
+        return proximal
 
     def _draw_transitions(
         self, plan: RolloutPlan, batch: int, trained: torch.Tensor
@@ -153,12 +182,12 @@ class DanceGRPOTrainer(RolloutTrainer):
         # Equal micro-batches (the config checks that they divide the round): their mean of means is the mean.
         return per_transition.mean() * self.args.gradient_accumulation_steps
 
-    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int) -> RolloutPlan:
+    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int, round_index: int) -> RolloutPlan:
         if self.sde_window is None or self.args.timestep_selection != "iso_temporal":
             return plan
         # Flash-GRPO: one window position per group, drawn from (seed, round, group), the same on every process.
         groups = [(first_index + j) // self.args.num_generations for j in range(batch)]
-        starts = [self.sde_window.group_start(self._generation_round, self.args.seed, group) for group in groups]
+        starts = [self.sde_window.group_start(round_index, self.args.seed, group) for group in groups]
         return RolloutPlan.staggered(plan.num_steps, starts, self.sde_window.size)
 
     def _log_rollout_metrics(self, all_rewards, total, advantages, plan: RolloutPlan, calls_per_sample: float) -> None:
@@ -209,6 +238,15 @@ class DanceGRPOTrainer(RolloutTrainer):
         return plan
 
     def _microbatch(self, indices: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inputs = self._transition_inputs(indices)
+        if self._proximal is not None:  # a stale round: the clip against π_prox, μ's log-probability for the weight
+            proximal = self._proximal[self._step % self.args.round_micro_steps]
+            inputs["behaviour_log_prob"] = inputs["old_log_prob"]
+            inputs["old_log_prob"], inputs["old_mean"] = proximal if proximal is not None else (None, None)
+        return inputs
+
+    def _transition_inputs(self, indices: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A micro-batch's transitions (sample, step) as the loss reads them from the round's rollout."""
         rollout, device = self._rollout, self.accelerator.device
         sample, step = (index.to(device) for index in indices)
         stored = step - rollout["first_step"][sample]  # position among the sample's stored steps
@@ -257,6 +295,9 @@ class DanceGRPOTrainer(RolloutTrainer):
         latents, step_index = inputs["latents"], inputs["step_index"]
         output = self.policy.predict(model, latents, inputs["cond"], at=step_index)
         step = self.policy.step(output, latents, step_index, prev_sample=inputs["next_latents"])
+        behaviour = inputs.get("behaviour_log_prob")  # a stale round, corrected (see _proximal_steps)
+        if behaviour is not None and inputs["old_log_prob"] is None:  # the first update: π_prox is this policy
+            inputs = inputs | {"old_log_prob": step.log_prob.detach(), "old_mean": step.mean.detach()}
 
         if self.args.ratio_normalization:
             log_ratio = self._normalized_log_ratio(output, inputs, step)
@@ -268,6 +309,8 @@ class DanceGRPOTrainer(RolloutTrainer):
             if self.args.dppo_kl_space == "v":  # mean((v_θ − v_old)²): the means differ by a_t = g_t·std times it
                 kl_old = 2 * kl_old / self._gradient_scale.to(kl_old.device)[step_index] ** 2
         per_transition = self._policy_loss(log_ratio, inputs["advantages"], step_index, kl_old)
+        if behaviour is not None:
+            per_transition = per_transition * self._behaviour_weight(inputs["old_log_prob"], behaviour)
 
         if self.args.beta > 0:
             ref_mean = self._reference_mean(model, inputs)
@@ -307,6 +350,26 @@ class DanceGRPOTrainer(RolloutTrainer):
             self._record("approx_kl", 0.5 * log_ratio**2)
         return per_transition
 
+    def _behaviour_weight(self, proximal: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+        """Decoupled PPO's weight w (n,) of π_prox over the sampling policy μ, from their log-probabilities at the
+        transitions (detached); records its statistics, the fraction masked and the k3 estimate of KL(μ ‖ π_prox)."""
+        args = self.args
+        log_weight = (proximal - behaviour).detach()
+        weight, kept = importance_weight(
+            log_weight,
+            args.importance_sampling_mode,
+            args.importance_sampling_clip_max,
+            args.importance_sampling_clip_min,
+        )
+        gathered = self.accelerator.gather(torch.exp(log_weight).float())
+        self._metrics["async/is_weight/mean"].append(gathered.mean())
+        self._metrics["async/is_weight/min"].append(gathered.min())
+        self._metrics["async/is_weight/max"].append(gathered.max())
+        self._metrics["async/is_ess"].append(gathered.sum() ** 2 / (len(gathered) * (gathered**2).sum()))
+        self._record("async/is_masked_fraction", 1 - kept)
+        self._record("async/behaviour_kl", torch.expm1(log_weight) - log_weight)
+        return weight
+
     def _delta_sigma(self, step_index: torch.Tensor) -> torch.Tensor:
         process = self.policy.process  # (a flow process: the config checks refuse Δσ options on others)
         return process.sigma(step_index) - process.sigma(step_index + 1)
@@ -324,6 +387,13 @@ class DanceGRPOTrainer(RolloutTrainer):
         return self.policy.step(
             output, latents, step_index, prev_sample=inputs["next_latents"], compute_log_prob=False
         ).mean
+
+    def _round_state(self) -> dict[str, Any]:
+        return super()._round_state() | {"proximal": self._proximal}
+
+    def _restore_round_state(self, state: dict[str, Any]) -> None:
+        super()._restore_round_state(state)
+        self._proximal = state["proximal"]
 
     def _model_card_details(self) -> dict[str, str]:
         args = self.args

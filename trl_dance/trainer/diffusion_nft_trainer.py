@@ -49,6 +49,9 @@ class DiffusionNFTTrainer(RolloutTrainer):
         "Process},\n  author={Zheng, Kaiwen and others},\n  journal={arXiv preprint arXiv:2509.16117},\n  year={2025}\n}",
     }
     config_class = DiffusionNFTConfig
+    # The loss sees clean samples, their advantages and fresh forward-process noise, never the sampling policy's
+    # likelihood: a stale round needs no correction (its samples lag, as the old policy's decay makes them by design).
+    supports_async_rounds = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -41,6 +41,8 @@ class DiffusionOPDTrainer(DanceGRPOTrainer):
     }
 
     config_class = DiffusionOPDConfig
+    supports_async_rounds = False
+    _synchronous_reason = "DiffusionOPD runs synchronous rounds only (its teachers' targets are taken per round)"
 
     def __init__(self, *args, peft_config=None, **kwargs):
         if peft_config is None:

@@ -46,6 +46,7 @@ class DirectRewardTrainer(RolloutTrainer):
         "  year={2025}\n}",
     }
     config_class = DirectRewardConfig
+    _synchronous_reason = "DirectRewardTrainer back-propagates the reward through the round's sampling, which must be the trained weights"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -137,8 +138,10 @@ class DirectRewardTrainer(RolloutTrainer):
         steps = self.policy.num_steps
         return RolloutPlan(steps) if self.args.eta > 0 else RolloutPlan.deterministic(steps)
 
-    def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
-        noise = super()._initial_noise(generators, first_index)
+    def _initial_noise(
+        self, generators: list[torch.Generator], first_index: int, round_index: int | None = None
+    ) -> torch.Tensor:
+        noise = super()._initial_noise(generators, first_index, round_index)
         self._noise_parts.append(noise)  # ε, which Direct-Align re-noises with
         return noise
 

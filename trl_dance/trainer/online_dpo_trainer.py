@@ -36,6 +36,7 @@ class OnlineDiffusionDPOTrainer(RolloutTrainer):
         "Optimization},\n  author={Wallace, Bram and others},\n  booktitle={CVPR},\n  year={2024}\n}",
     }
     config_class = OnlineDiffusionDPOConfig
+    supports_async_rounds = True  # pairs of clean samples against the reference: no sampling likelihood to correct
 
     def _check_policy(self, policy: DiffusionPolicy, args: OnlineDiffusionDPOConfig) -> None:
         self.pairs = PairDenoising(policy, args)

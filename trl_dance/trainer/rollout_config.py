@@ -5,13 +5,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..advantages import DEFAULT_EPSILON
+from .async_rounds import AsyncRoundsArguments
 from .diffusion_config import DiffusionTrainingConfig
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum", "group_normalize_then_sum")
 
 
 @dataclass
-class RolloutConfig(DiffusionTrainingConfig):
+class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
     r"""
     What every online RL trainer of diffusion models shares: each round, the policy generates
     `generation_batch_size` samples (groups of `num_generations` per prompt), the rewards score them and become
@@ -101,6 +102,9 @@ class RolloutConfig(DiffusionTrainingConfig):
             0: warn only.
         reward_worker_thread (`bool`, defaults to `True`): Score each rollout chunk in a worker thread while the
             next chunk is denoised (with `rollout_batch_size` smaller than the local batch); results are identical.
+        max_staleness, importance_sampling_correction, importance_sampling_mode, importance_sampling_clip_max,
+            importance_sampling_clip_min: asynchronous rounds (rewards of a round scored while the next rounds roll out
+            and train), see [`~trl_dance.trainer.async_rounds.AsyncRoundsArguments`].
 
         > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
 
@@ -290,6 +294,7 @@ class RolloutConfig(DiffusionTrainingConfig):
                 f"generation_batch_size ({self.generation_batch_size}) must be divisible by the number of processes "
                 f"({num_processes}" + (" data-parallel groups)" if self.context_parallel_size > 1 else ")")
             )
+        self._check_async_rounds()
         self._check_method()
         items, description = self._round_items()
         if items % self.per_device_train_batch_size:

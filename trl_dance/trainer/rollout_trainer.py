@@ -6,10 +6,12 @@ how it splits it into micro-batches (:meth:`RolloutTrainer._plan_round`), and th
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
+from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy
@@ -46,6 +49,15 @@ _GROUP = "__group__"  # an evaluation row's group (its prompt's index), for grou
 def _columns(dataset: Dataset | IterableDataset) -> list[str]:
     """A dataset's columns; for a stream whose features are not declared, its first row's keys."""
     return dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
+
+
+def _timed(score: Callable[[], torch.Tensor], seconds: list[float]) -> torch.Tensor:
+    """``score()``, appending its wall time to ``seconds`` (run in the reward worker)."""
+    start = time.perf_counter()
+    try:
+        return score()
+    finally:
+        seconds.append(time.perf_counter() - start)
 
 
 def _fingerprint(value: Any) -> Any:
@@ -76,6 +88,8 @@ class RolloutTrainer(DiffusionTrainer):
     """
 
     config_class: type[RolloutConfig] = RolloutConfig
+    supports_async_rounds = False  # whether the method trains correctly on rounds sampled by older weights
+    _synchronous_reason = "this method runs synchronous rounds only"
 
     def __init__(
         self,
@@ -107,6 +121,14 @@ class RolloutTrainer(DiffusionTrainer):
                 f"({args.num_generations})"
             )
         self._check_dataset(train_dataset, args)
+        if args.max_staleness:
+            if not self.supports_async_rounds:
+                raise ValueError(f"max_staleness > 0: {self._synchronous_reason}; set max_staleness 0")
+            if isinstance(train_dataset, IterableDataset):
+                raise ValueError(
+                    "max_staleness > 0 launches rounds ahead of the data loader, drawing their prompts from the sampler's "
+                    "order: it needs a map-style train_dataset, not a stream"
+                )
         train_dataset = text_prompts(train_dataset)
         if eval_dataset is not None:
             if not isinstance(eval_dataset, (Dataset, IterableDataset)) or "prompt" not in _columns(eval_dataset):
@@ -156,7 +178,20 @@ class RolloutTrainer(DiffusionTrainer):
         if args.scale_rewards == "per_prompt":
             self.stat_tracker = PerPromptStatTracker(args.per_prompt_buffer_size, args.per_prompt_min_count)
         self._step = 0  # micro-steps taken, counts training_step calls as trl.GRPOTrainer does
-        self._generation_round = 0
+        self._generation_round = 0  # rounds consumed (launched rounds may run ahead: max_staleness)
+        self._in_flight: collections.deque[RoundRecord] = collections.deque()  # launched, not yet consumed
+        self._next_launch = 0
+        self._round_staleness = 0  # of the round being trained: rounds its sampling weights lag the trained ones
+        self._round_rows = None
+        if args.max_staleness:
+            self._round_rows = RoundRows(
+                self.train_dataset,
+                args.num_generations,
+                args.generation_batch_size // args.num_generations,
+                args.seed,
+                self.data_parallel.rank,
+                args.per_device_generation_batch_size,
+            )
         self._rollout: dict[str, Any] | None = None
         self._microbatches: list[Any] = []
         # Per process: which items are trained and the micro-batch order. Sampling noise is seeded per sample.
@@ -177,9 +212,9 @@ class RolloutTrainer(DiffusionTrainer):
         """The noise plan of round ``round_index`` (default: the next round)."""
         raise NotImplementedError
 
-    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int) -> RolloutPlan:
-        """The round's plan for this process's ``batch`` samples from global index ``first_index`` (a method
-        with a window per group gives each sample its group's)."""
+    def _sample_plan(self, plan: RolloutPlan, first_index: int, batch: int, round_index: int) -> RolloutPlan:
+        """Round ``round_index``'s plan for this process's ``batch`` samples from global index ``first_index`` (a
+        method with a window per group gives each sample its group's)."""
         return plan
 
     @staticmethod
@@ -311,14 +346,16 @@ class RolloutTrainer(DiffusionTrainer):
     # ----------------------------------------------------------------------------------------------------------
     # Rollout
 
-    def _initial_noise(self, generators: list[torch.Generator], first_index: int) -> torch.Tensor:
-        """Starting latents; with ``share_initial_noise="group"`` drawn once per group (seeded by the group id)."""
+    def _initial_noise(
+        self, generators: list[torch.Generator], first_index: int, round_index: int | None = None
+    ) -> torch.Tensor:
+        """Starting latents of round ``round_index`` (default: the next to consume); with
+        ``share_initial_noise="group"`` drawn once per group (seeded by the round and the group id)."""
         if self.args.share_initial_noise != "group":
             return self.policy.initial_noise(generators)
         seed, size = self.args.seed, self.args.num_generations
-        return self.policy.initial_noise(
-            group_generators(seed, self._generation_round, first_index, len(generators), size)
-        )
+        round_index = self._generation_round if round_index is None else round_index
+        return self.policy.initial_noise(group_generators(seed, round_index, first_index, len(generators), size))
 
     @torch.no_grad()
     def sample(
@@ -395,35 +432,63 @@ class RolloutTrainer(DiffusionTrainer):
         self.performance.add_samples(len(rows) / self.args.context_parallel_size)
 
     def _generate_and_score_round(self, rows: list[dict[str, Any]]) -> None:
-        args, device = self.args, self.accelerator.device
+        """Start round k (``rows``: the data loader's): launch what is due (round k; with ``max_staleness = s``, every
+        round up to k + s not yet launched, by the current weights), then consume round k."""
+        args = self.args
         reduce = functools.partial(self.accelerator.reduce, reduction="sum")
         if self._generation_round > 0 and self.training_signal.end_round(
             self._generation_round - 1, *self._idle_causes(), reduce
         ):
             self._metrics["idle_rounds"].append(torch.tensor(float(self.training_signal.idle_rounds)))
+        k = self._generation_round
+        if not args.max_staleness:
+            return self._consume_round(self._launch_round(k, rows), rows)
+        self._next_launch = max(self._next_launch, k)  # a fresh run, or a resume without rounds in flight
+        last = min(k + args.max_staleness, rounds_in_run(self.state.max_steps, args.optimizer_updates_per_round) - 1)
+        while self._next_launch <= max(last, k):
+            j = self._next_launch
+            self._in_flight.append(self._launch_round(j, rows if j == k else self._round_rows(j)))
+            self._next_launch += 1
+        self._consume_round(self._in_flight.popleft(), rows)
+
+    def _round_inputs(self, rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, list], list, torch.Tensor]:
+        """A round's prompts, its other columns, each row's identity (prompt and conditioning content) and each row's
+        index (B,) among the distinct identities, in order of first appearance."""
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        conditions = self.policy.condition_columns
+        keys = [(row["prompt"], *(_fingerprint(row[name]) for name in conditions)) for row in rows]
+        unique = list(dict.fromkeys(keys))
+        prompt_index = torch.tensor([unique.index(key) for key in keys], device=self.accelerator.device)
+        return prompts, columns, keys, prompt_index
+
+    def _round_plan(self, round_index: int, first_index: int, batch: int) -> RolloutPlan:
+        return self._sample_plan(self.rollout_plan(round_index), first_index, batch, round_index)
+
+    def _launch_round(self, round_index: int, rows: list[dict[str, Any]]) -> RoundRecord:
+        """Roll out round ``round_index`` of this process's ``rows`` with the current weights (main thread) and submit
+        each chunk's rewards (to the reward worker, or scored here without one)."""
+        args, device = self.args, self.accelerator.device
+        prompts, columns, keys, prompt_index = self._round_inputs(rows)
         batch = len(prompts)
 
         # Encode each distinct prompt (with its conditioning image, if any) once, not once per generation.
         conditions = self.policy.condition_columns
-        keys = [(row["prompt"], *(_fingerprint(row[name]) for name in conditions)) for row in rows]
-        unique = list(dict.fromkeys(keys))
-        prompt_index = torch.tensor([unique.index(key) for key in keys], device=device)
-        firsts = [rows[keys.index(key)] for key in unique]
+        firsts = [rows[keys.index(key)] for key in dict.fromkeys(keys)]
         cond_table = self.policy.encode_prompts(
             [row["prompt"] for row in firsts], **{name: [row[name] for row in firsts] for name in conditions}
         )
 
         first_index = self.data_parallel.rank * batch  # of this process's samples in the global batch
-        generators = sample_generators(args.seed, self._generation_round, first_index, batch)
-        plan = self._sample_plan(self.rollout_plan(), first_index, batch)
+        generators = sample_generators(args.seed, round_index, first_index, batch)
+        plan = self._round_plan(round_index, first_index, batch)
         groups = None
         if self._branching():  # host integers: the rollout picks a group's representative without a device read
             groups = [(first_index + j) // args.num_generations for j in range(batch)]
         grad_steps = self._grad_steps(plan, batch, first_index)
         chunk = args.rollout_batch_size or batch
-        parts, scores, differentiable = [], [], []
+        record = RoundRecord(round_index, self._generation_round, rows, plan, cond_table, {}, [], 0)
+        parts, differentiable = [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
         with self.policy.sampling():
             for chunk_start in range(0, batch, chunk):
@@ -435,15 +500,15 @@ class RolloutTrainer(DiffusionTrainer):
                         generators[part],
                         model=self._rollout_model(),
                         cond={key: value[idx] for key, value in cond_table.items()},
-                        initial_noise=self._initial_noise(generators[part], first_index + chunk_start),
+                        initial_noise=self._initial_noise(generators[part], first_index + chunk_start, round_index),
                         plan=plan.part(part),
                         groups=None if groups is None else groups[part],
                         grad_steps=None if grad_steps is None else grad_steps[part],
                     )
                 )
-                for rows, i, log_prob in parts[-1].pop("grad_log_probs", []):  # rows of the round's batch
-                    differentiable.append((rows + chunk_start, i, log_prob))
-                # Score this chunk (in the worker thread, while the next chunk is denoised).
+                for rows_, i, log_prob in parts[-1].pop("grad_log_probs", []):  # rows of the round's batch
+                    differentiable.append((rows_ + chunk_start, i, log_prob))
+                # Score this chunk (in the worker thread, while the next chunk or round is denoised).
                 score = functools.partial(
                     score_images,
                     self.reward_funcs,
@@ -461,17 +526,36 @@ class RolloutTrainer(DiffusionTrainer):
                 if not self.data_parallel.is_group_leader:  # its group's first rank scores the same samples
                     score = functools.partial(torch.zeros, len(prompts[part]), len(self.reward_funcs), device=device)
                 if self._reward_executor:
-                    scores.append(self._reward_executor.submit(score))
+                    record.scores.append(self._reward_executor.submit(_timed, score, record.reward_seconds))
                 else:
                     with self.performance.phase("reward"), named_out_of_memory("reward", args):
-                        scores.append(score())
-        calls = sum(part.pop("denoiser_calls") for part in parts)
-        rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+                        record.scores.append(score())
+        record.calls = sum(part.pop("denoiser_calls") for part in parts)
+        record.rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if grad_steps is not None:
-            rollout["grad_log_probs"] = differentiable
+            record.rollout["grad_log_probs"] = differentiable
+        return record
+
+    def _consume_round(self, record: RoundRecord, rows: list[dict[str, Any]]) -> None:
+        """Await round ``record``'s rewards, gather them, turn them into advantages and plan its micro-batches
+        (``rows``: the data loader's rows of the round, which the launched ones must equal)."""
+        args = self.args
+        prompts, _, keys, prompt_index = self._round_inputs(record.rows)
+        if record.rows is not rows and keys != self._round_inputs(rows)[2]:
+            raise RuntimeError(
+                f"round {record.round} was launched ahead with other prompts than the data loader gives it "
+                f"({prompts[:2]} vs {[row['prompt'] for row in rows[:2]]}): the sampler's order could not be "
+                "predicted; run with max_staleness=0"
+            )
+        batch, plan, rollout = len(prompts), record.plan, record.rollout
+        first_index = self.data_parallel.rank * batch
         # What the rollout left of the reward worker's time (a reward's error surfaces here).
+        waited = time.perf_counter()
         with self.performance.phase("reward"), named_out_of_memory("reward", args):
-            rewards = torch.cat([score.result() if isinstance(score, Future) else score for score in scores])
+            rewards = record.wait()
+        if args.max_staleness:
+            self._log_async_metrics(record, time.perf_counter() - waited)
+        self._round_staleness = record.staleness
         all_rewards = self.data_parallel.gather(rewards)  # (num_processes · B, F), in global sample order
         for name, value in self.reward_metrics.flush(self.accelerator).items():
             self._metrics[name].append(torch.tensor(value))
@@ -483,13 +567,13 @@ class RolloutTrainer(DiffusionTrainer):
         advantages = all_advantages[local]
         if (items := self._signal_items(advantages)) is not None:
             self.training_signal.add_items(items)
-        self._log_rollout_metrics(all_rewards, total, all_advantages, plan, calls / batch)
+        self._log_rollout_metrics(all_rewards, total, all_advantages, plan, record.calls / batch)
         self._log_rollout_media(rollout["images"], prompts, total[local], total)
 
         self._rollout = {
             "advantages": advantages,
             "prompt_index": prompt_index,
-            "cond": cond_table,
+            "cond": record.cond,
             "prompts": prompts,
             # Kept for inspection, off the accelerator: a round of 33-frame 480p videos is 1.3 GB in float32.
             "images": rollout["images"].cpu(),
@@ -497,6 +581,13 @@ class RolloutTrainer(DiffusionTrainer):
         }
         self._microbatches = self._plan_round(rollout, plan, advantages)
         self._generation_round += 1
+
+    def _log_async_metrics(self, record: RoundRecord, waited: float) -> None:
+        """Staleness and reward time of a consumed round (host numbers, this process's): ``async/reward_s`` the
+        round's scoring time, ``async/reward_exposed_s`` the part the trainer waited for."""
+        self._metrics["async/staleness"].append(torch.tensor(float(record.staleness)))
+        self._metrics["async/reward_s"].append(torch.tensor(sum(record.reward_seconds)))
+        self._metrics["async/reward_exposed_s"].append(torch.tensor(waited))
 
     def _audio(self, samples: dict) -> tuple[torch.Tensor, int] | None:
         """The soundtracks of generated ``samples`` and their sample rate, for rewards that score audio (LTX-2)."""
@@ -630,19 +721,50 @@ class RolloutTrainer(DiffusionTrainer):
     def _resume_state(self) -> dict[str, Any]:
         # The round counter (it seeds the sampling noise), the micro-step counter, the generator of timestep choice and
         # shuffling, and DDPO's per-prompt statistics. At a round boundary, resuming reproduces the uninterrupted run
-        # exactly; a checkpoint inside a round regenerates that round's rollout.
+        # exactly; a checkpoint inside a round regenerates that round's rollout. With max_staleness, the rounds in flight
+        # (their rewards awaited first) and, inside a round, the round being trained travel too: resuming is exact.
         state = {"generation_round": self._generation_round, "step": self._step}
         state["cpu_generator"] = self._cpu_generator.get_state()
         if self.stat_tracker is not None:
             state["stat_tracker"] = self.stat_tracker.state_dict()
+        if self.args.max_staleness:
+            state["max_staleness"] = self.args.max_staleness
+            state["in_flight"] = [record.state_dict() for record in self._in_flight]
+            if self._rollout is not None and self._step % self.args.round_micro_steps:
+                state["round_state"] = self._round_state()
         return state
 
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("max_staleness", 0)
+        if saved and saved != self.args.max_staleness:
+            raise ValueError(
+                f"the checkpoint was saved at max_staleness={saved} with rounds in flight sampled by older weights; "
+                f"resume it with max_staleness={saved}, not {self.args.max_staleness}"
+            )
         self._generation_round, self._step = state["generation_round"], state["step"]
         self._cpu_generator.set_state(state["cpu_generator"])
         if self.stat_tracker is not None:
             self.stat_tracker.load_state_dict(state["stat_tracker"])
         self._rollout = None
+        batch = self.args.per_device_generation_batch_size
+        first_index = self.data_parallel.rank * batch
+        self._in_flight = collections.deque(
+            RoundRecord.from_state(
+                record, self._round_rows(record["round"]), self._round_plan(record["round"], first_index, batch)
+            )
+            for record in state.get("in_flight", [])
+        )
+        self._next_launch = self._generation_round + len(self._in_flight)
+        if "round_state" in state:
+            self._restore_round_state(state["round_state"])
+
+    def _round_state(self) -> dict[str, Any]:
+        """What training the rest of the current round needs (checkpoints inside a round, with max_staleness)."""
+        return {"rollout": self._rollout, "microbatches": self._microbatches, "staleness": self._round_staleness}
+
+    def _restore_round_state(self, state: dict[str, Any]) -> None:
+        self._rollout, self._microbatches = state["rollout"], state["microbatches"]
+        self._round_staleness = state["staleness"]
 
 
 __all__ = ["RolloutTrainer"]

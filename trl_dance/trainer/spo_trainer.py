@@ -65,6 +65,7 @@ class SPOTrainer(RolloutTrainer):
         "booktitle={CVPR},\n  year={2025}\n}",
     }
     config_class = SPOConfig
+    _synchronous_reason = "SPOTrainer scores its step-wise pools inside the rollout, with the trained weights"
 
     def __init__(
         self,
