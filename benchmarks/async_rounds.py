@@ -93,6 +93,8 @@ def run(model: str, rounds: int, seed: int, reward_seconds: float, learning_rate
         "train_s": seconds,
         "round_s": seconds / rounds,
         "reward_exposed_s_per_round": sum(exposed) / len(exposed),
+        "first": sum(rewards[:3]) / 3,
+        "last": sum(rewards[-3:]) / 3,
         "gain": (sum(rewards[-3:]) - sum(rewards[:3])) / 3,
         "first_reward_std": logs[0]["reward_std"],
     }
