@@ -106,19 +106,40 @@ def test_resume_with_rounds_in_flight_is_exact(tiny_model_dir, tmp_path, where):
 
 
 def test_nft_trains_on_stale_rounds(tiny_model_dir, tmp_path):
-    """DiffusionNFT at s = 2 (its loss needs no correction): rounds bound to max(0, j − 2), finite losses."""
+    """DiffusionNFT at s = 2 (its loss needs no correction): rounds bound to max(0, j − 2), finite losses, and
+    evaluations between rounds."""
     values = tiny_online_values(tmp_path) | {"timestep_fraction": 0.5, "gradient_accumulation_steps": 3}
-    args = DiffusionNFTConfig(**(values | {"max_staleness": 2, "max_steps": 4}))
+    evaluation = {"eval_strategy": "steps", "eval_steps": 2}  # while rounds are in flight (their rewards finish first)
+    args = DiffusionNFTConfig(**(values | evaluation | {"max_staleness": 2, "max_steps": 4}))
     trainer = DiffusionNFTTrainer(
         tiny_model_dir("sd3"),
         "brightness",
         args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
         peft_config=_lora(),
     )
     trainer.train()
     staleness = [e["async/staleness"] for e in trainer.state.log_history if "async/staleness" in e]
     assert staleness == [0.0, 1.0, 2.0, 2.0]
+    assert len([e for e in trainer.state.log_history if "eval_reward" in e]) == 2
+
+
+def test_online_dpo_trains_on_stale_rounds(tiny_model_dir, tmp_path):
+    from test_online_dpo import online_dpo_config
+
+    from trl_dance import OnlineDiffusionDPOTrainer
+
+    trainer = OnlineDiffusionDPOTrainer(
+        tiny_model_dir("sd3"),
+        "brightness",
+        args=online_dpo_config(tmp_path, max_staleness=1, max_steps=3),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=_lora(),
+    )
+    trainer.train()
+    staleness = [e["async/staleness"] for e in trainer.state.log_history if "async/staleness" in e]
+    assert staleness == [0.0, 1.0, 1.0]
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
 
 

@@ -626,6 +626,9 @@ class RolloutTrainer(DiffusionTrainer):
         if dataset is None:
             raise ValueError("evaluate needs an eval_dataset (given here or to the trainer)")
         args = self.args
+        # Rounds launched ahead finish scoring first: the rewards have one caller at a time.
+        for record in self._in_flight:
+            record.wait()
         if self._eval_policy is None:
             self._eval_policy = evaluation_policy(self.policy, args)
         rows = [row | {_GROUP: i} for i, row in enumerate(dataset) for _ in range(args.eval_num_generations)]
