@@ -8,6 +8,7 @@
     trl-dance direct --config FILE.yaml [...]        SRPO's Direct-Align, DRaFT-K, AlignProp
     trl-dance eval --model_name_or_path BASE --prompts_file FILE --checkpoints DIR ... --reward_funcs NAME ...
     trl-dance serve-reward NAME --port 8000          a reward behind HTTP (reward_funcs: [http://host:8000])
+    trl-dance serve-rollouts --model BASE --port 8100  a rollout worker (rollout_server_urls: [http://host:8100])
     trl-dance tiny KIND DIR                          a tiny random-weight pipeline for trying things offline
     trl-dance env                                    versions and devices, for bug reports
     trl-dance --version
@@ -38,6 +39,10 @@ from .methods import METHODS  # noqa: E402
 OTHER_COMMANDS = {
     "eval": ("trl_dance.scripts.evaluate", "compare a base pipeline with LoRAs/checkpoints on any rewards"),
     "serve-reward": ("trl_dance.rewards.server", "serve a reward over HTTP for remote scoring (reward_funcs: [URL])"),
+    "serve-rollouts": (
+        "trl_dance.scripts.serve_rollouts",
+        "a rollout worker on another GPU or node (rollout_server_urls: [URL])",
+    ),
     "tiny": ("trl_dance.testing", "save a tiny random-weight pipeline (trl-dance tiny --help lists the kinds)"),
     "env": ("trl_dance.cli", "print the versions and devices a bug report needs (as `trl env`)"),
 }

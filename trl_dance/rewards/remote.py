@@ -136,8 +136,16 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def post_with_retries(client, url: str, payload: dict[str, Any] | bytes, max_retries: int, backoff: float, where: str):
-    """POST ``payload`` (JSON, or raw bytes) and return the 200 response, retrying after a timeout, a connection
+def post_with_retries(
+    client,
+    url: str,
+    payload: dict[str, Any] | bytes,
+    max_retries: int,
+    backoff: float,
+    where: str,
+    method: str = "POST",
+):
+    """POST (or ``method``) ``payload`` (JSON, or raw bytes) and return the 200 response, retrying after a timeout, a connection
     error, 429 or a 5xx status (waiting ``backoff · 2^k`` s before attempt k + 1); RemoteRewardError naming ``where``
     otherwise."""
     import httpx
@@ -148,7 +156,7 @@ def post_with_retries(client, url: str, payload: dict[str, Any] | bytes, max_ret
         if attempt:  # a busy server's Retry-After (503, 429) is honoured, within the retry budget
             time.sleep(max(backoff * 2 ** (attempt - 1), retry_after))
         try:
-            response = client.post(url, **body)
+            response = client.request(method, url, **body)
         except httpx.TimeoutException:
             last = f"no answer within {client.timeout.read:g} s"
             continue

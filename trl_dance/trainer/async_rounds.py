@@ -42,6 +42,20 @@ class AsyncRoundsArguments:
             dropped.
         importance_sampling_clip_max (`float`, defaults to `2.0`), importance_sampling_clip_min (`float` or `None`,
             defaults to `None`): the bounds of w (`None`: 0).
+        rollout_server_urls (`list[str]` or `None`, defaults to `None`): `trl-dance serve-rollouts` workers that sample
+            every chunk instead of the training processes (a LoRA; one process's chunks go round the workers). Each
+            version of the rollout weights is published before the chunks it samples; an answer counts only if it
+            names its round's version and the SHA-256 of the worker's live LoRA equals the published one, and
+            `rollout_audit_transitions` of each chunk's stored transitions are recomputed by the trainer under that
+            version (log-probability within `rollout_audit_tolerance`; `None`: 1e-4 in float32, 1e-2 with
+            autocast). With `max_staleness` ≥ 1 the trainer trains while the workers sample.
+        rollout_server_timeout (`float`, defaults to `240.0`): seconds to wait for every worker at the start.
+        rollout_request_timeout (`float`, defaults to `600.0`): seconds per request (a chunk's rollout included);
+            after its retries a worker's chunk goes to the next worker, and none left stops training naming them.
+        rollout_server_token (`str` or `None`, defaults to `None`): the workers' bearer token (default:
+            `$TRL_DANCE_ROLLOUT_TOKEN`).
+        rollout_audit_transitions (`int`, defaults to `1`), rollout_audit_tolerance (`float` or `None`, defaults to
+            `None`): see `rollout_server_urls`.
     """
 
     max_staleness: int = field(
@@ -58,6 +72,21 @@ class AsyncRoundsArguments:
         default=None, metadata={"help": "Lower bound of the IS weight (None: 0)."}
     )
 
+    rollout_server_urls: list[str] | None = field(
+        default=None, metadata={"help": "trl-dance serve-rollouts workers that sample the rounds (None: in process)."}
+    )
+    rollout_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for every worker."})
+    rollout_request_timeout: float = field(default=600.0, metadata={"help": "Seconds per worker request."})
+    rollout_server_token: str | None = field(
+        default=None, metadata={"help": "The workers' bearer token (default: $TRL_DANCE_ROLLOUT_TOKEN)."}
+    )
+    rollout_audit_transitions: int = field(
+        default=1, metadata={"help": "Stored transitions of each worker chunk recomputed by the trainer (0: none)."}
+    )
+    rollout_audit_tolerance: float | None = field(
+        default=None, metadata={"help": "Largest log-probability difference of an audit (None: 1e-4 fp32, 1e-2)."}
+    )
+
     def _check_async_rounds(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
@@ -70,6 +99,12 @@ class AsyncRoundsArguments:
             raise ValueError(
                 "importance sampling bounds need 0 <= importance_sampling_clip_min < importance_sampling_clip_max, "
                 f"got {self.importance_sampling_clip_min} and {self.importance_sampling_clip_max}"
+            )
+        if self.rollout_audit_transitions < 0:
+            raise ValueError(f"rollout_audit_transitions must be >= 0, got {self.rollout_audit_transitions}")
+        if self.rollout_server_urls and not self.reward_worker_thread:
+            raise ValueError(
+                "rollout_server_urls: the workers' chunks are scored as they arrive, by reward_worker_thread"
             )
         if self.max_staleness and not self.reward_worker_thread:
             raise ValueError(
@@ -95,13 +130,24 @@ class RoundRecord:
     scores: list[torch.Tensor | Future]
     calls: int
     reward_seconds: list[float] = field(default_factory=list)  # each chunk's scoring time, appended by the worker
+    chunks: list[Future] = field(default_factory=list)  # rollout workers' chunks: (rollout, answer, rewards) each
+    answers: list[dict[str, Any]] = field(default_factory=list)  # their verified answers (worker, version, hash)
+    audited: bool = False
 
     @property
     def staleness(self) -> int:
         return self.round - self.version
 
     def wait(self) -> torch.Tensor:
-        """(B, F) rewards, waiting for the chunks still being scored (a reward's error surfaces here)."""
+        """(B, F) rewards, waiting for the chunks still being sampled or scored (a reward's or a worker's error
+        surfaces here)."""
+        if self.chunks:  # the rollout arrives from the workers, chunk by chunk, in order
+            parts = [chunk.result() for chunk in self.chunks]
+            self.chunks = []
+            self.rollout = {key: torch.cat([part[0][key] for part in parts]) for key in parts[0][0]}
+            self.calls = sum(answer["denoiser_calls"] for _, answer, _ in parts)
+            self.answers = [answer | {"count": len(scores)} for _, answer, scores in parts]
+            self.scores = [scores for _, _, scores in parts]
         self.scores = [score.result() if isinstance(score, Future) else score for score in self.scores]
         return torch.cat(self.scores)
 
@@ -121,7 +167,7 @@ class RoundRecord:
     @classmethod
     def from_state(cls, state: dict[str, Any], rows: list[dict[str, Any]], plan: RolloutPlan) -> RoundRecord:
         """The record :meth:`state_dict` saved, with its ``rows`` and ``plan`` recomputed from its round index."""
-        return cls(
+        record = cls(
             state["round"],
             state["version"],
             rows,
@@ -131,6 +177,8 @@ class RoundRecord:
             [state["rewards"]],
             state["calls"],
         )
+        record.audited = True  # (before it was saved)
+        return record
 
 
 class RoundRows:

@@ -358,6 +358,7 @@ class DanceGRPOConfig(TransitionSamplingArguments, SDEArguments, RolloutConfig):
             ),
             "context_parallel_size > 1": self.context_parallel_size > 1,
             "max_staleness > 0: the rollout's weights are rounds older than the trained ones": self.max_staleness > 0,
+            "rollout_server_urls: the rollouts run on workers": bool(self.rollout_server_urls),
         }
         for why, used in inexact.items():
             if used:

@@ -105,6 +105,9 @@ class DiffusionNFTTrainer(RolloutTrainer):
     def _rollout_model(self) -> torch.nn.Module:
         return self.old_policy.model
 
+    def _rollout_weights(self) -> dict[str, torch.Tensor]:
+        return self.old_policy.params
+
     def _generate_and_score(self, rows: list[dict[str, Any]]) -> None:
         if self._generation_round > 0:  # after the previous round's updates
             self._sync_old_policies(round_start=True)

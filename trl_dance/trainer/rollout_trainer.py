@@ -7,8 +7,10 @@ how it splits it into micro-batches (:meth:`RolloutTrainer._plan_round`), and th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,14 @@ from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normal
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
+from ..rollout_service import (
+    ROLLOUT_TOKEN_ENV,
+    base_fingerprint,
+    lora_description,
+    plan_to_dict,
+    software,
+    trainable_tensors,
+)
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
@@ -34,8 +44,10 @@ from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_
 from .evaluation import evaluation_policy
 from .media import log_rollout_media
 from .memory_advice import named_out_of_memory
+from .old_policy import _Proxy
 from .reward_metrics import RewardMetricLog
 from .rollout_config import RolloutConfig
+from .rollout_workers import RolloutWorkerError, RolloutWorkers, audit_positions
 from .training_signal import TrainingSignal
 
 
@@ -121,6 +133,18 @@ class RolloutTrainer(DiffusionTrainer):
                 f"({args.num_generations})"
             )
         self._check_dataset(train_dataset, args)
+        if args.rollout_server_urls:
+            refusals = {
+                self._synchronous_reason: not self.supports_async_rounds,
+                "rollout workers receive a LoRA (peft_config); full fine-tuning is not supported yet": peft_config
+                is None,
+                "rollout workers serve single-process rollouts; context_parallel_size > 1 is not supported yet": (
+                    args.context_parallel_size > 1
+                ),
+            }
+            for why, refused in refusals.items():
+                if refused:
+                    raise ValueError(f"rollout_server_urls: {why}")
         if args.max_staleness:
             if not self.supports_async_rounds:
                 raise ValueError(f"max_staleness > 0: {self._synchronous_reason}; set max_staleness 0")
@@ -182,6 +206,13 @@ class RolloutTrainer(DiffusionTrainer):
         self._in_flight: collections.deque[RoundRecord] = collections.deque()  # launched, not yet consumed
         self._next_launch = 0
         self._round_staleness = 0  # of the round being trained: rounds its sampling weights lag the trained ones
+        self._workers: RolloutWorkers | None = None
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}  # published rollout weights, for the audits
+        if args.rollout_server_urls:
+            token = args.rollout_server_token or os.environ.get(ROLLOUT_TOKEN_ENV) or None
+            self._workers = RolloutWorkers(
+                args.rollout_server_urls, token, args.rollout_request_timeout, args.rollout_server_timeout
+            )
         self._round_rows = None
         if args.max_staleness:
             self._round_rows = RoundRows(
@@ -468,7 +499,7 @@ class RolloutTrainer(DiffusionTrainer):
     def _launch_round(self, round_index: int, rows: list[dict[str, Any]]) -> RoundRecord:
         """Roll out round ``round_index`` of this process's ``rows`` with the current weights (main thread) and submit
         each chunk's rewards (to the reward worker, or scored here without one)."""
-        args, device = self.args, self.accelerator.device
+        args = self.args
         prompts, columns, keys, prompt_index = self._round_inputs(rows)
         batch = len(prompts)
 
@@ -488,19 +519,41 @@ class RolloutTrainer(DiffusionTrainer):
         grad_steps = self._grad_steps(plan, batch, first_index)
         chunk = args.rollout_batch_size or batch
         record = RoundRecord(round_index, self._generation_round, rows, plan, cond_table, {}, [], 0)
+        if self._workers is not None:
+            self._publish_version(record.version)
         parts, differentiable = [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
         with self.policy.sampling():
             for chunk_start in range(0, batch, chunk):
                 part = slice(chunk_start, chunk_start + chunk)
                 idx = prompt_index[part]
+                cond = {key: value[idx] for key, value in cond_table.items()}
+                initial_noise = self._initial_noise(generators[part], first_index + chunk_start, round_index)
+                scorer = functools.partial(
+                    self._score_chunk, prompts[part], {key: values[part] for key, values in columns.items()},
+                    first_index + chunk_start,
+                )  # fmt: skip
+                if self._workers is not None:  # sampled and scored off the main thread; verified when consumed
+                    request = {
+                        "version": record.version, "round": round_index, "first_index": first_index + chunk_start,
+                        "chunk_start": chunk_start, "plan": plan_to_dict(plan.part(part)),
+                        "groups": None if groups is None else groups[part], "keep_means": self._keep_means(),
+                        "decode_audio": self._decode_audio,
+                    }  # fmt: skip
+                    tensors = {f"cond.{key}": value for key, value in cond.items()} | {
+                        "initial_noise": initial_noise,
+                        "generator_states": torch.stack([g.get_state() for g in generators[part]]),
+                    }
+                    then = functools.partial(self._worker_chunk, scorer, record, tensors["generator_states"])
+                    record.chunks.append(self._workers.submit(tensors, request, then))
+                    continue
                 parts.append(
                     self.sample(
                         prompts[part],
                         generators[part],
                         model=self._rollout_model(),
-                        cond={key: value[idx] for key, value in cond_table.items()},
-                        initial_noise=self._initial_noise(generators[part], first_index + chunk_start, round_index),
+                        cond=cond,
+                        initial_noise=initial_noise,
                         plan=plan.part(part),
                         groups=None if groups is None else groups[part],
                         grad_steps=None if grad_steps is None else grad_steps[part],
@@ -509,32 +562,118 @@ class RolloutTrainer(DiffusionTrainer):
                 for rows_, i, log_prob in parts[-1].pop("grad_log_probs", []):  # rows of the round's batch
                     differentiable.append((rows_ + chunk_start, i, log_prob))
                 # Score this chunk (in the worker thread, while the next chunk or round is denoised).
-                score = functools.partial(
-                    score_images,
-                    self.reward_funcs,
-                    prompts[part],
-                    parts[-1]["images"],
-                    {key: values[part] for key, values in columns.items()},
-                    args.video_reward_frames,
-                    [
-                        (first_index + i) // args.num_generations
-                        for i in range(chunk_start, min(chunk_start + chunk, batch))
-                    ],
-                    self._reward_extra(),
-                    self._audio(parts[-1]),
-                )
-                if not self.data_parallel.is_group_leader:  # its group's first rank scores the same samples
-                    score = functools.partial(torch.zeros, len(prompts[part]), len(self.reward_funcs), device=device)
+                score = functools.partial(scorer, parts[-1])
                 if self._reward_executor:
                     record.scores.append(self._reward_executor.submit(_timed, score, record.reward_seconds))
                 else:
                     with self.performance.phase("reward"), named_out_of_memory("reward", args):
                         record.scores.append(score())
-        record.calls = sum(part.pop("denoiser_calls") for part in parts)
-        record.rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        if parts:
+            record.calls = sum(part.pop("denoiser_calls") for part in parts)
+            record.rollout = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
         if grad_steps is not None:
             record.rollout["grad_log_probs"] = differentiable
         return record
+
+    def _score_chunk(
+        self, prompts: list[str], columns: dict[str, list], first_index: int, samples: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """(n, F) rewards of a chunk's ``samples`` (its first sample at global index ``first_index``); zeros on the
+        ranks of a context-parallel group but its first, which scores the same samples."""
+        if not self.data_parallel.is_group_leader:
+            return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
+        groups = [(first_index + i) // self.args.num_generations for i in range(len(prompts))]
+        return score_images(
+            self.reward_funcs,
+            prompts,
+            samples["images"],
+            columns,
+            self.args.video_reward_frames,
+            groups,
+            self._reward_extra(),
+            self._audio(samples),
+        )
+
+    def _worker_chunk(
+        self, scorer, record: RoundRecord, generator_states: torch.Tensor, rollout: dict, answer: dict
+    ) -> tuple[dict, dict, torch.Tensor]:
+        """A worker's verified chunk (client thread): its tensors on the device, scored by the reward worker; the
+        answer keeps the chunk's generator states for the audit."""
+        rollout = {key: value.to(self.accelerator.device) for key, value in rollout.items()}
+        scores = self._reward_executor.submit(_timed, functools.partial(scorer, rollout), record.reward_seconds)
+        return rollout, answer | {"generator_states": generator_states}, scores.result()
+
+    def _rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors rollouts sample with (the LoRA), by the denoiser's parameter names."""
+        return trainable_tensors(self.policy.denoiser)
+
+    def _publish_version(self, version: int) -> None:
+        """Send the rollout weights as ``version`` to the workers (once), after the handshake on the first call, and
+        keep a copy for the audits of the rounds it samples."""
+        if version in self._workers.published:
+            return
+        if not self._workers.published:
+            self._workers.handshake(self._worker_handshake())
+        tensors = {name: value.detach().clone() for name, value in self._rollout_weights().items()}
+        self._workers.publish(version, tensors)
+        self._versions[version] = tensors
+        for old in [v for v in self._versions if v < version - self.args.max_staleness - 1]:
+            del self._versions[old]
+
+    def _worker_handshake(self) -> dict[str, Any]:
+        denoiser = self.policy.denoiser
+        return {
+            "settings": dataclasses.asdict(self.policy.settings),
+            "lora": lora_description(denoiser.peft_config["default"]),
+            "mixed_precision": self.args.mixed_precision,
+            "policy": type(self.policy).__name__,
+            "fingerprint": base_fingerprint(denoiser),
+            "software": software(),
+            "parameters": {name: list(p.shape) for name, p in trainable_tensors(denoiser).items()},
+        }
+
+    @torch.no_grad()
+    def _audit(self, record: RoundRecord, prompt_index: torch.Tensor) -> None:
+        """Recompute ``rollout_audit_transitions`` stored transitions of each worker chunk of ``record`` under its
+        version's weights: with the step's noise drawn again from the chunk's generator states, the stored next
+        state must be the recomputed step's mean plus its std times that noise; an element off by more than
+        ``rollout_audit_tolerance`` stds stops training."""
+        args, rollout = self.args, record.rollout
+        if record.audited or not record.answers:
+            return
+        record.audited = True
+        log_probs = rollout.get("log_probs")
+        if not args.rollout_audit_transitions or log_probs is None or log_probs.shape[1] == 0:
+            return  # (deterministic rollouts store no transition: the hash check stands alone)
+        tolerance = args.rollout_audit_tolerance
+        if tolerance is None:
+            tolerance = 1e-3 if args.mixed_precision == "no" else 0.1
+        model = _Proxy(self.policy.denoiser, self._versions[record.version])
+        latents, batch, device = rollout["latents"], log_probs.shape[0], self.accelerator.device
+        starts, first_index = record.plan.starts(batch), self.data_parallel.rank * batch
+        for answer in record.answers:
+            start, count = answer["chunk_start"], answer["count"]
+            seed = mix_seed(args.seed, record.round, first_index + start, 0xA0D17)
+            for sample, stored in audit_positions(seed, args.rollout_audit_transitions, count, log_probs.shape[1]):
+                row, i = start + sample, int(starts[start + sample]) + stored
+                generator = torch.Generator()
+                generator.set_state(answer["generator_states"][sample].clone())
+                noise = torch.randn((record.plan.num_steps, *latents.shape[2:]), generator=generator)[i]
+                x, step = latents[row : row + 1, stored], torch.tensor([i], device=device)
+                cond = {key: value[prompt_index[row : row + 1]] for key, value in record.cond.items()}
+                with self.compute_loss_context_manager():
+                    output = self.policy.predict(model, x, cond, at=step)
+                    again = self.policy.step(output, x, step, prev_sample=latents[row : row + 1, stored + 1])
+                implied = (latents[row, stored + 1].float() - again.mean[0].float()) / again.std
+                off = (implied - noise.to(device)).abs().max().item()
+                if not off <= tolerance:
+                    raise RolloutWorkerError(
+                        f"audit of rollout worker {answer['worker']}, round {record.round}, version {record.version} "
+                        f"(live LoRA SHA-256 {answer['sha256']}): sample {first_index + row}, step {i}: its next state "
+                        f"is {off:.3g} stds from the step recomputed under the version with its own noise "
+                        f"(rollout_audit_tolerance {tolerance:g}); the worker does not sample with the weights it "
+                        "hashed (an adapter bound to nothing, another base, schedule or guidance)"
+                    )
 
     def _consume_round(self, record: RoundRecord, rows: list[dict[str, Any]]) -> None:
         """Await round ``record``'s rewards, gather them, turn them into advantages and plan its micro-batches
@@ -547,12 +686,14 @@ class RolloutTrainer(DiffusionTrainer):
                 f"({prompts[:2]} vs {[row['prompt'] for row in rows[:2]]}): the sampler's order could not be "
                 "predicted; run with max_staleness=0"
             )
-        batch, plan, rollout = len(prompts), record.plan, record.rollout
+        batch, plan = len(prompts), record.plan
         first_index = self.data_parallel.rank * batch
         # What the rollout left of the reward worker's time (a reward's error surfaces here).
         waited = time.perf_counter()
         with self.performance.phase("reward"), named_out_of_memory("reward", args):
             rewards = record.wait()
+        rollout = record.rollout
+        self._audit(record, prompt_index)
         if args.max_staleness:
             self._log_async_metrics(record, time.perf_counter() - waited)
         self._round_staleness = record.staleness
@@ -732,6 +873,9 @@ class RolloutTrainer(DiffusionTrainer):
             state["stat_tracker"] = self.stat_tracker.state_dict()
         if self.args.max_staleness:
             state["max_staleness"] = self.args.max_staleness
+            for record in self._in_flight:  # verified while its version's weights are here
+                record.wait()
+                self._audit(record, self._round_inputs(record.rows)[3])
             state["in_flight"] = [record.state_dict() for record in self._in_flight]
             if self._rollout is not None and self._step % self.args.round_micro_steps:
                 state["round_state"] = self._round_state()

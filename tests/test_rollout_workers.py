@@ -1,0 +1,163 @@
+"""Rollout workers (`trl-dance serve-rollouts`, `rollout_server_urls`): a worker's rollouts are the in-process ones,
+and a worker that samples with other weights than the version it is given is caught before anything trains on it."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import LORA_TARGETS, PROMPTS, tiny_grpo_config
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_dance import DanceGRPOTrainer
+from trl_dance.rollout_service import RolloutWorker
+from trl_dance.scripts.serve_rollouts import build_app
+from trl_dance.testing import load_tiny_pipeline
+from trl_dance.trainer.rollout_workers import RolloutWorkerError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train(model_dir, output_dir, urls=None, **overrides) -> DanceGRPOTrainer:
+    values = {"optim": "sgd", "learning_rate": 30.0, "max_steps": 3, "seed": 3, "rollout_server_urls": urls}
+    args = tiny_grpo_config(output_dir, **(values | overrides))
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    trainer = DanceGRPOTrainer(
+        model_dir, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora
+    )
+    trainer.train()
+    return trainer
+
+
+def _lora(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def _cli_worker(model_dir: str):
+    """``trl-dance serve-rollouts --model DIR`` as a process on loopback (one thread, as the tests' trainers)."""
+    port = _free_port()
+    command = [sys.executable, "-m", "trl_dance.cli", "serve-rollouts", "--model", model_dir, "--port", str(port)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    try:
+        while True:
+            try:
+                httpx.get(f"{url}/health", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the worker did not start: {process.communicate()[1][-2000:]}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _thread_worker(model_dir: str):
+    """A worker served from a thread of this process: (worker, url), for the tests that tamper with it."""
+    import uvicorn
+
+    worker = RolloutWorker(load_tiny_pipeline(model_dir), "cpu")
+    port = _free_port()
+    config = uvicorn.Config(build_app(worker), host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield worker, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_worker_run_equals_the_in_process_run(tiny_model_dir, tmp_path, staleness):
+    """3 rounds of GRPO with a LoRA sampled by a `trl-dance serve-rollouts` process end with the in-process run's
+    LoRA and rewards, bit for bit (at max_staleness 1 too: the versions bound to the rounds are the same)."""
+    model_dir = tiny_model_dir("flux")
+    local = _train(model_dir, tmp_path / "local", max_staleness=staleness)
+    with _cli_worker(model_dir) as url:
+        remote = _train(model_dir, tmp_path / "remote", [url], max_staleness=staleness)
+        assert httpx.get(f"{url}/health").json()["served"] == 3  # one chunk a round
+    a, b = _lora(local), _lora(remote)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
+    rewards = [[e["reward"] for e in t.state.log_history if "reward" in e] for t in (local, remote)]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 3
+
+
+def test_a_stale_adapter_is_refused_naming_version_and_hash(tiny_model_dir, tmp_path):
+    """A worker that samples a round with an older version than the one it was sent (and hashes what it used)."""
+    model_dir = tiny_model_dir("flux")
+    with _thread_worker(model_dir) as (worker, url):
+        honest_bind, honest_rollout, serving = worker._bind, worker.rollout, [False]
+
+        def rollout(tensors, request):
+            serving[0] = True
+            try:
+                return honest_rollout(tensors, request)
+            finally:
+                serving[0] = False
+
+        worker._bind = lambda version: honest_bind(min(worker.versions) if serving[0] else version)
+        worker.rollout = rollout
+        with pytest.raises(RolloutWorkerError, match=r"sampled with version 1 .*bound to version 1, published as"):
+            _train(model_dir, tmp_path, [url], max_steps=2)
+
+
+def test_an_unbound_adapter_is_caught_by_the_audit(tiny_model_dir, tmp_path):
+    """A worker whose LoRA holds the published tensors (so their hash matches) but does not act on its outputs (its
+    layers scaled by 0, as an adapter bound to nothing)."""
+    from peft.tuners.lora import LoraLayer
+
+    model_dir = tiny_model_dir("flux")
+    with _thread_worker(model_dir) as (worker, url):
+        honest_bind = worker._bind
+
+        def unbound(version):
+            digest = honest_bind(version)
+            for module in worker.policy.denoiser.modules():
+                if isinstance(module, LoraLayer):
+                    module.scaling["default"] = 0.0
+            return digest
+
+        worker._bind = unbound
+        # (Round 0 passes: the LoRA starts with B = 0, acting on nothing either way.)
+        with pytest.raises(
+            RolloutWorkerError, match=r"audit of rollout worker .* round 1, version 1 \(live LoRA SHA"
+        ) as error:
+            _train(model_dir, tmp_path, [url], max_steps=2)
+        assert float(str(error.value).split("next state is ")[1].split(" stds")[0]) > 10 * 1e-3  # (0.043 measured)
+
+
+def test_a_worker_with_other_base_weights_is_refused_at_the_handshake(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("flux")
+    with _thread_worker(model_dir) as (worker, url):
+        with torch.no_grad():
+            next(worker.pipeline.transformer.parameters()).add_(1e-3)
+        with pytest.raises(RolloutWorkerError, match="refused the handshake: .*fingerprint"):
+            _train(model_dir, tmp_path, [url], max_steps=1)
+
+
+def test_no_worker_left_is_a_named_error(tiny_model_dir, tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(RolloutWorkerError, match=f"rollout worker {url} did not answer /health"):
+        _train(tiny_model_dir("flux"), tmp_path, [url], max_steps=1, rollout_server_timeout=1.0)

@@ -1,0 +1,125 @@
+"""``trl-dance serve-rollouts``: a rollout worker on another GPU or node (the protocol: :mod:`trl_dance.rollout_service`).
+
+    trl-dance serve-rollouts --model black-forest-labs/FLUX.1-dev --dtype bfloat16 --port 8100 --device cuda:0
+
+then ``rollout_server_urls: [http://HOST:8100]`` in a GRPO, DiffusionNFT or online-DPO config with a LoRA. The worker
+loads the base pipeline; the trainer's handshake sends the sampler settings, the LoRA's shape and the autocast dtype
+(refused, naming the field, where the worker's base weights or software differ), then each version of the rollout
+weights before the chunks sampled with it. Endpoints: ``GET /health``, ``POST /handshake`` (JSON), ``PUT
+/weights/{version}`` and ``POST /rollouts`` (safetensors bodies). ``--token`` (or ``TRL_DANCE_ROLLOUT_TOKEN``)
+requires ``Authorization: Bearer TOKEN`` on every call but ``/health``. One trainer per worker; plain HTTP (put TLS in
+front with a reverse proxy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+
+import torch
+
+from ..rollout_service import ROLLOUT_TOKEN_ENV, RolloutWorker, WorkerRefusal, pack, unpack
+
+
+def build_app(worker: RolloutWorker, token: str | None = None, max_body_bytes: int = 16 * 2**30):
+    """A Starlette app serving ``worker``; with ``token``, every endpoint but ``/health`` answers 401 without
+    ``Authorization: Bearer <token>``. Work runs in the thread pool, one chunk at a time (the worker's lock)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    expected = f"Bearer {token}".encode() if token else None
+
+    def refuse(status: int, message: str):
+        return JSONResponse({"error": message}, status_code=status)
+
+    def guarded(handler):
+        async def endpoint(request):
+            if expected is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), expected
+            ):
+                return refuse(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+                return refuse(413, f"a body of {declared} bytes (limit {max_body_bytes})")
+            try:
+                return await handler(request, await request.body())
+            except WorkerRefusal as refusal:
+                return refuse(refusal.status, str(refusal))
+            except ValueError as err:  # a malformed body
+                return refuse(400, f"bad request: {err}")
+
+        return endpoint
+
+    async def health(request):
+        return JSONResponse(worker.health())
+
+    async def handshake(request, body: bytes):
+        return JSONResponse(await run_in_threadpool(worker.handshake, json.loads(body)))
+
+    async def weights(request, body: bytes):
+        version = int(request.path_params["version"])
+        tensors, _ = unpack(body)
+        return JSONResponse(
+            {"version": version, "sha256": await run_in_threadpool(worker.load_version, version, tensors)}
+        )
+
+    async def rollouts(request, body: bytes):
+        tensors, info = unpack(body)
+        result, answer = await run_in_threadpool(worker.rollout, tensors, info)
+        return Response(pack(result, answer), media_type="application/octet-stream")
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/handshake", guarded(handshake), methods=["POST"]),
+            Route("/weights/{version:int}", guarded(weights), methods=["PUT"]),
+            Route("/rollouts", guarded(rollouts), methods=["POST"]),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="trl-dance serve-rollouts",
+        description="A rollout worker: the base pipeline sampling the trainer's chunks with the LoRA versions it "
+        "publishes (rollout_server_urls in the training config). Needs the 'serve' extra.",
+    )
+    parser.add_argument("--model", required=True, help="the base pipeline: a local folder or Hub id, as the trainer's")
+    parser.add_argument("--pipeline_class", default=None, help="as the training config's pipeline_class")
+    parser.add_argument("--dtype", default=None, help="as the training config's model_init_kwargs dtype (bfloat16)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max_versions", type=int, default=4, help="weight versions held (max_staleness + 2)")
+    parser.add_argument(
+        "--token", default=None, help=f"require 'Authorization: Bearer TOKEN' (default: ${ROLLOUT_TOKEN_ENV})"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError as error:
+        raise ValueError(
+            f"serve-rollouts needs the 'serve' extra ({error.name} is missing): pip install 'trl-dance[serve]'"
+        ) from error
+    from types import SimpleNamespace
+
+    from ..trainer.diffusion_trainer import load_pipeline
+
+    loading = SimpleNamespace(model_init_kwargs={"dtype": args.dtype} if args.dtype else None)
+    pipeline = load_pipeline(args.model, loading, args.pipeline_class).to(args.device)
+    worker = RolloutWorker(pipeline, args.device, args.max_versions)
+    token = args.token or os.environ.get(ROLLOUT_TOKEN_ENV) or None
+    print(
+        f"serving rollouts of {type(pipeline).__name__} at http://{args.host}:{args.port} on {args.device}"
+        f"{'; token required' if token else ''}",
+        flush=True,
+    )
+    uvicorn.run(build_app(worker, token), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
