@@ -1,6 +1,7 @@
 """Run by tests/test_multiprocess.py under `accelerate launch`: GRPO rounds on a tiny pipeline, then write the
 gathered rewards and advantages of each round and the logged metrics (main process) to argv[3] as JSON and save the
-LoRA to argv[2]. Beside brightness, a group-wise reward that abstains on prompts without "a " and logs a metric."""
+LoRA to argv[2]. Beside brightness, a group-wise reward that abstains on prompts without "a " and logs a metric.
+With argv[4] ("local", or a `trl-dance serve-rollouts` URL): 2 rounds (8 updates), sampled in process or by the worker."""
 
 import json
 import sys
@@ -12,6 +13,9 @@ from peft import LoraConfig
 from trl_dance import DanceGRPOConfig, DanceGRPOTrainer
 
 model_dir, output_dir, result_path = sys.argv[1:4]
+workers = {} if len(sys.argv) < 5 else {"max_steps": 8}
+if len(sys.argv) > 4 and sys.argv[4] != "local":
+    workers["rollout_server_urls"] = [sys.argv[4]]
 torch.set_num_threads(1)
 args = DanceGRPOConfig(
     output_dir=output_dir,
@@ -30,10 +34,10 @@ args = DanceGRPOConfig(
     gradient_accumulation_steps=1,
     timestep_fraction=1.0,
     eta=1.0,
-    max_steps=2,
     learning_rate=1e-3,
     logging_steps=1,
     seed=7,
+    **({"max_steps": 2} | workers),
 )
 dataset = Dataset.from_dict({"prompt": ["a cat", "a dog", "a red house", "blue sky"]})
 

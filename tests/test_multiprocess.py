@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "multiprocess_grpo.py")
 
 
-def _launch(num_processes, model_dir, tmp_path, script=SCRIPT, *extra):
-    output_dir, result = tmp_path / f"out{num_processes}", tmp_path / f"result{num_processes}.json"
+def _launch(num_processes, model_dir, tmp_path, script=SCRIPT, *extra, name=""):
+    output_dir, result = tmp_path / f"out{num_processes}{name}", tmp_path / f"result{num_processes}{name}.json"
     # `accelerate launch --cpu --num_processes 2` silently runs one process; --multi_gpu with ACCELERATE_USE_CPU
     # starts two that talk over gloo.
     launcher = ["--multi_gpu", "--num_processes", "2"] if num_processes == 2 else ["--num_processes", "1"]
@@ -56,6 +57,22 @@ def test_two_processes_compute_the_same_advantages_as_one(tiny_model_dir, tmp_pa
     # alike, and its statistics are over the rows it scored.
     logged = [entry for entry in one["logged"] if entry]
     assert logged and logged == [pytest.approx(entry, abs=1e-5, nan_ok=True) for entry in two["logged"] if entry]
+
+
+def test_two_processes_with_a_rollout_worker_train_as_in_process(tiny_model_dir, tmp_path):
+    """Two training processes whose chunks one `trl-dance serve-rollouts` worker samples: after 2 rounds the LoRA and
+    every round's rewards and advantages are the in-process run's, bit for bit."""
+    from safetensors.torch import load_file
+    from test_rollout_workers import _cli_worker
+
+    model_dir = tiny_model_dir("flux")
+    local = _launch(2, model_dir, tmp_path, SCRIPT, "local", name="local")
+    with _cli_worker(model_dir) as url:
+        remote = _launch(2, model_dir, tmp_path, SCRIPT, url, name="worker")
+    assert len(local["rounds"]) == len(remote["rounds"]) == 2
+    assert local["rounds"] == remote["rounds"]
+    a, b = (load_file(tmp_path / f"out2{name}" / "pytorch_lora_weights.safetensors") for name in ("local", "worker"))
+    assert set(a) == set(b) and all(torch.equal(a[key], b[key]) for key in a)
 
 
 @pytest.mark.parametrize(("trainer", "kind"), [("grpo", "flux"), ("nft", "flux"), ("dpo", "sd")])
