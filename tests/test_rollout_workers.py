@@ -31,14 +31,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _train(model_dir, output_dir, urls=None, **overrides) -> DanceGRPOTrainer:
+def _train(model_dir, output_dir, urls=None, resume=None, **overrides) -> DanceGRPOTrainer:
     values = {"optim": "sgd", "learning_rate": 30.0, "max_steps": 3, "seed": 3, "rollout_server_urls": urls}
     args = tiny_grpo_config(output_dir, **(values | overrides))
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
     trainer = DanceGRPOTrainer(
         model_dir, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -161,3 +161,37 @@ def test_no_worker_left_is_a_named_error(tiny_model_dir, tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(RolloutWorkerError, match=f"rollout worker {url} did not answer /health"):
         _train(tiny_model_dir("flux"), tmp_path, [url], max_steps=1, rollout_server_timeout=1.0)
+
+
+def test_resume_with_a_worker_and_rounds_in_flight_is_exact(tiny_model_dir, tmp_path):
+    """max_staleness 1 with a worker, 3 rounds of 5 updates, resumed at the first round boundary (the next round in
+    flight, audited before it was saved): the LoRA of the uninterrupted run, bit for bit."""
+    model_dir = tiny_model_dir("flux")
+    common = {"max_staleness": 1, "gradient_accumulation_steps": 1, "max_steps": 15, "save_strategy": "steps"}
+    with _thread_worker(model_dir) as (_, url):
+        whole = _train(model_dir, tmp_path, [url], save_steps=5, **common)
+        resumed = _train(model_dir, tmp_path, [url], save_steps=5, resume=tmp_path / "checkpoint-5", **common)
+    a, b = _lora(whole), _lora(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_rollout_workers_refuse_what_they_cannot_serve(tiny_model_dir, tmp_path):
+    from trl_dance import DirectRewardConfig, DirectRewardTrainer
+
+    url = "http://127.0.0.1:9"
+    with pytest.raises(ValueError, match="rollout_backprop is exact only .*rollout_server_urls"):
+        tiny_grpo_config(tmp_path, rollout_server_urls=[url], rollout_backprop=True)
+    with pytest.raises(ValueError, match="the workers' chunks are scored as they arrive"):
+        tiny_grpo_config(tmp_path, rollout_server_urls=[url], reward_worker_thread=False)
+    model_dir, dataset = tiny_model_dir("flux"), Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError, match="rollout_server_urls: rollout workers receive a LoRA"):
+        DanceGRPOTrainer(model_dir, "brightness", args=tiny_grpo_config(tmp_path, rollout_server_urls=[url]),
+                         train_dataset=dataset)  # fmt: skip
+    values = {
+        k: v for k, v in tiny_grpo_config(tmp_path).to_dict().items() if k in DirectRewardConfig.__dataclass_fields__
+    }
+    values = {k: v for k, v in values.items() if k in ("output_dir", "use_cpu", "report_to", "num_generations",
+              "generation_batch_size", "num_inference_steps", "height", "width", "max_sequence_length")}  # fmt: skip
+    with pytest.raises(ValueError, match="rollout_server_urls: DirectRewardTrainer back-propagates"):
+        DirectRewardTrainer(model_dir, "brightness", args=DirectRewardConfig(**values, rollout_server_urls=[url]),
+                            train_dataset=dataset, peft_config=LoraConfig(r=4, target_modules=["to_q"]))  # fmt: skip
