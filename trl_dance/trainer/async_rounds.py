@@ -47,8 +47,9 @@ class AsyncRoundsArguments:
             version of the rollout weights is published before the chunks it samples; an answer counts only if it
             names its round's version and the SHA-256 of the worker's live LoRA equals the published one, and
             `rollout_audit_transitions` of each chunk's stored transitions are recomputed by the trainer under that
-            version (log-probability within `rollout_audit_tolerance`; `None`: 1e-4 in float32, 1e-2 with
-            autocast). With `max_staleness` ≥ 1 the trainer trains while the workers sample.
+            version with the step's noise drawn again (the stored next state within `rollout_audit_tolerance` of the
+            step's stds; `None`: 1e-3 in float32, 0.1 under autocast). With `max_staleness` ≥ 1 the trainer trains
+            while the workers sample. Design and guarantees: docs/scaling.md.
         rollout_server_timeout (`float`, defaults to `240.0`): seconds to wait for every worker at the start.
         rollout_request_timeout (`float`, defaults to `600.0`): seconds per request (a chunk's rollout included);
             after its retries a worker's chunk goes to the next worker, and none left stops training naming them.
@@ -84,7 +85,7 @@ class AsyncRoundsArguments:
         default=1, metadata={"help": "Stored transitions of each worker chunk recomputed by the trainer (0: none)."}
     )
     rollout_audit_tolerance: float | None = field(
-        default=None, metadata={"help": "Largest log-probability difference of an audit (None: 1e-4 fp32, 1e-2)."}
+        default=None, metadata={"help": "Largest audit deviation, in step stds (None: 1e-3 fp32, 0.1 autocast)."}
     )
 
     def _check_async_rounds(self) -> None:
