@@ -251,7 +251,8 @@ def short_help(command: str) -> str:
 def _usage() -> str:
     commands = {name: method.help for name, method in METHODS.items()}
     commands |= {name: help_text for name, (_, help_text) in OTHER_COMMANDS.items()}
-    lines = [f"  {name:<14}{help_text}" for name, help_text in commands.items()]
+    width = max(map(len, commands)) + 2
+    lines = [f"  {name:<{width}}{help_text}" for name, help_text in commands.items()]
     return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
 
 
