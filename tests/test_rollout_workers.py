@@ -89,15 +89,22 @@ def _thread_worker(model_dir: str):
         thread.join(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def cli_worker(tiny_model_dir):
+    """One `trl-dance serve-rollouts` process for the module's runs (each trainer's handshake starts it afresh)."""
+    with _cli_worker(tiny_model_dir("flux")) as url:
+        yield url
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_a_worker_run_equals_the_in_process_run(tiny_model_dir, tmp_path, staleness):
+def test_a_worker_run_equals_the_in_process_run(tiny_model_dir, tmp_path, cli_worker, staleness):
     """3 rounds of GRPO with a LoRA sampled by a `trl-dance serve-rollouts` process end with the in-process run's
     LoRA and rewards, bit for bit (at max_staleness 1 too: the versions bound to the rounds are the same)."""
     model_dir = tiny_model_dir("flux")
     local = _train(model_dir, tmp_path / "local", max_staleness=staleness)
-    with _cli_worker(model_dir) as url:
-        remote = _train(model_dir, tmp_path / "remote", [url], max_staleness=staleness)
-        assert httpx.get(f"{url}/health").json()["served"] == 3  # one chunk a round
+    served = httpx.get(f"{cli_worker}/health").json()["served"]
+    remote = _train(model_dir, tmp_path / "remote", [cli_worker], max_staleness=staleness)
+    assert httpx.get(f"{cli_worker}/health").json()["served"] == served + 3  # one chunk a round
     a, b = _lora(local), _lora(remote)
     assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
     rewards = [[e["reward"] for e in t.state.log_history if "reward" in e] for t in (local, remote)]
