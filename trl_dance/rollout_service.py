@@ -15,7 +15,6 @@ Bodies are safetensors (tensors, and a JSON string under the metadata key ``"jso
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import threading
@@ -29,18 +28,11 @@ from safetensors.torch import save as save_tensors
 
 from .lora import add_lora
 from .policies import SamplerSettings, make_policy
+from .rewards.remote import RefusedInput
 from .sampling import RolloutPlan, generate
 
 LORA_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora")
 ROLLOUT_TOKEN_ENV = "TRL_DANCE_ROLLOUT_TOKEN"
-
-
-class WorkerRefusal(ValueError):
-    """A request the worker refuses, with the HTTP status to answer (409: a handshake or version mismatch)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def pack(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> bytes:
@@ -99,18 +91,6 @@ def base_fingerprint(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def plan_to_dict(plan: RolloutPlan) -> dict[str, Any]:
-    return dataclasses.asdict(plan)
-
-
-def plan_from_dict(values: dict[str, Any]) -> RolloutPlan:
-    values = dict(values)
-    for key in ("post_window_sigmas", "sample_starts"):
-        if values.get(key) is not None:
-            values[key] = tuple(values[key])
-    return RolloutPlan(**values)
-
-
 def lora_description(config: LoraConfig) -> dict[str, Any]:
     """The fields of a LoRA that decide its parameters' names, shapes and forward (JSON)."""
     values = {name: getattr(config, name) for name in LORA_FIELDS}
@@ -125,6 +105,18 @@ def software() -> dict[str, str]:
     from .version import __version__
 
     return {"torch": torch.__version__, "diffusers": diffusers.__version__, "trl_dance": __version__}
+
+
+def sampling_identity(policy) -> dict[str, Any]:
+    """What trainer and worker must share to sample alike, beyond the settings they exchange: the policy class, the
+    frozen denoiser's fingerprint, the software versions and the LoRA parameters' names and shapes (compared at the
+    handshake)."""
+    return {
+        "policy": type(policy).__name__,
+        "fingerprint": base_fingerprint(policy.denoiser),
+        "software": software(),
+        "parameters": {name: list(p.shape) for name, p in trainable_tensors(policy.denoiser).items()},
+    }
 
 
 class RolloutWorker:
@@ -163,21 +155,16 @@ class RolloutWorker:
                 add_lora(policy.denoiser, LoraConfig(**info["lora"]))
                 self._lora = info["lora"]
             elif self._lora != info["lora"]:
-                raise WorkerRefusal(
+                raise RefusedInput(
                     409, f"the worker holds the LoRA {self._lora} of an earlier trainer; restart it for {info['lora']}"
                 )
-            mine = {
-                "policy": type(policy).__name__,
-                "fingerprint": base_fingerprint(policy.denoiser),
-                "software": software(),
-                "parameters": {name: list(p.shape) for name, p in trainable_tensors(policy.denoiser).items()},
-            }
+            mine = sampling_identity(policy)
             theirs = {key: info.get(key) for key in mine}
             differences = [
                 f"{key}: worker {mine[key]!r}, trainer {theirs[key]!r}" for key in mine if mine[key] != theirs[key]
             ]
             if differences:
-                raise WorkerRefusal(409, "the worker cannot sample as the trainer does: " + "; ".join(differences))
+                raise RefusedInput(409, "the worker cannot sample as the trainer does: " + "; ".join(differences))
             self.policy, self.mixed_precision, self.versions = policy, info.get("mixed_precision", "no"), {}
             return {"fingerprint": mine["fingerprint"]}
 
@@ -189,10 +176,10 @@ class RolloutWorker:
             live = self._live()
             if set(tensors) != set(live):
                 missing, unknown = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
-                raise WorkerRefusal(409, f"version {version}: missing tensors {missing[:5]}, unknown {unknown[:5]}")
+                raise RefusedInput(409, f"version {version}: missing tensors {missing[:5]}, unknown {unknown[:5]}")
             for name, value in tensors.items():
                 if value.shape != live[name].shape or value.dtype != live[name].dtype:
-                    raise WorkerRefusal(
+                    raise RefusedInput(
                         409,
                         f"version {version}: {name} is {value.dtype} {tuple(value.shape)}, the LoRA's "
                         f"{live[name].dtype} {tuple(live[name].shape)}",
@@ -210,7 +197,7 @@ class RolloutWorker:
         version = request["version"]
         with self._lock:
             if version not in self.versions:
-                raise WorkerRefusal(409, f"version {version} is not held (held: {sorted(self.versions)}): publish it")
+                raise RefusedInput(409, f"version {version} is not held (held: {sorted(self.versions)}): publish it")
             start = time.perf_counter()
             sha256 = self._bind(version)
             generators = []
@@ -229,7 +216,7 @@ class RolloutWorker:
                     self.policy.denoiser,
                     generators,
                     cond,
-                    plan_from_dict(request["plan"]),
+                    RolloutPlan.from_dict(request["plan"]),
                     tensors["initial_noise"].to(self.device),
                     request.get("groups"),
                     keep_means=request.get("keep_means", False),
@@ -247,7 +234,7 @@ class RolloutWorker:
 
     def _live(self) -> dict[str, torch.Tensor]:
         if self.policy is None:
-            raise WorkerRefusal(409, "no handshake yet: the trainer's first request is POST /handshake")
+            raise RefusedInput(409, "no handshake yet: the trainer's first request is POST /handshake")
         return trainable_tensors(self.policy.denoiser)
 
     @torch.no_grad()
@@ -261,12 +248,10 @@ class RolloutWorker:
 __all__ = [
     "ROLLOUT_TOKEN_ENV",
     "RolloutWorker",
-    "WorkerRefusal",
     "base_fingerprint",
     "lora_description",
     "pack",
-    "plan_from_dict",
-    "plan_to_dict",
+    "sampling_identity",
     "software",
     "tensor_digest",
     "trainable_tensors",

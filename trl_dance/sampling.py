@@ -145,6 +145,16 @@ class RolloutPlan:
         (Flash-GRPO's iso-temporal windows: one position per group); stores ``window + 1`` states per sample."""
         return cls(num_steps, min(starts), max(starts) + window, sample_starts=tuple(starts), sample_window=window)
 
+    def to_dict(self) -> dict:
+        """The plan as JSON values (what a rollout worker receives)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RolloutPlan:
+        """The plan :meth:`to_dict` wrote (JSON lists back to tuples)."""
+        tuples = {key: tuple(values[key]) for key in ("post_window_sigmas", "sample_starts") if values.get(key)}
+        return cls(**(values | tuples))
+
     def part(self, rows: slice) -> RolloutPlan:
         """The plan of the samples ``rows`` of the batch it was made for (per-sample windows are sliced)."""
         if self.sample_starts is None:

@@ -34,7 +34,12 @@ IMAGE_FORMATS = ("png", "jpeg", "npy")
 
 
 class RemoteRewardError(RuntimeError):
-    """A reward server failed: unreachable, timing out, an error status, or an answer of the wrong shape."""
+    """A reward server failed: unreachable, timing out, an error status (``status``: the HTTP status it answered
+    with, when it is the cause), or an answer of the wrong shape."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RemoteRewardRefused(RemoteRewardError):
@@ -56,7 +61,8 @@ def encode_image(image: torch.Tensor, image_format: str, quality: int = 95) -> s
 
 
 class RefusedInput(ValueError):
-    """An encoded input refused: ``status`` 400 (malformed) or 413 (over a limit), the message naming the item."""
+    """A request a server refuses, with the HTTP status to answer: 400 (malformed), 413 (over a limit), 409 (a rollout
+    worker's handshake or version mismatch); the message names the item."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -168,7 +174,9 @@ def post_with_retries(
             retry_after = _seconds(response.headers.get("retry-after"))
             continue
         if response.status_code != 200:
-            raise RemoteRewardError(f"{where}: status {response.status_code}: {response.text[:300]}")
+            raise RemoteRewardError(
+                f"{where}: status {response.status_code}: {response.text[:300]}", response.status_code
+            )
         return response
     raise RemoteRewardError(f"{where}: failed after {max_retries + 1} attempts; last: {last}")
 

@@ -106,6 +106,32 @@ def _column_value(value: Any, limits: ServerLimits, where: str) -> Any:
     return value
 
 
+UNAUTHORIZED = "missing or wrong token: send 'Authorization: Bearer <token>'"
+
+
+def authorized(request, token: str | None) -> bool:
+    """Whether a Starlette ``request`` carries ``Authorization: Bearer <token>`` (compared in constant time); any
+    request when ``token`` is None."""
+    if not token:
+        return True
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {token}".encode())
+
+
+async def read_body(request, max_bytes: int, limit: str) -> bytes:
+    """A Starlette ``request``'s body, refused (``RefusedInput`` 413 naming ``limit``) by its declared length or, while
+    it streams, as soon as it is over ``max_bytes``: never more than the limit is held."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RefusedInput(413, f"a body of {declared} bytes ({limit})")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RefusedInput(413, f"a body over {max_bytes} bytes ({limit})")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = None, token: str | None = None):
     """A Starlette app serving ``reward`` (a reward function) at ``/score`` and ``/health`` within ``limits``; with
     ``token``, ``/score`` answers 401 unless the request carries ``Authorization: Bearer <token>``."""
@@ -115,7 +141,7 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     from starlette.routing import Route
 
     name, limits = reward_name(reward), limits or ServerLimits()
-    expected = f"Bearer {token}".encode() if token else None
+    body_limit = f"limit --max_body_mb {limits.max_body_bytes / 2**20:g}"
     in_flight = 0  # one event loop: no lock needed between the check and the increment
 
     def refuse(status: int, message: str, headers: dict[str, str] | None = None):
@@ -124,26 +150,10 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     def health(request):
         return JSONResponse({"status": "ok", "reward": name, "in_flight": in_flight, "max_queue": limits.max_queue})
 
-    async def read_body(request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            raise RefusedInput(
-                413, f"a body of {declared} bytes (limit --max_body_mb {limits.max_body_bytes / 2**20:g})"
-            )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:  # stop reading: never hold more than the limit
-                raise RefusedInput(413, f"a body over {limits.max_body_bytes} bytes (limit --max_body_mb)")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def score(request):
         nonlocal in_flight
-        if expected is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected
-        ):
-            return refuse(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if not authorized(request, token):
+            return refuse(401, UNAUTHORIZED)
         if in_flight >= limits.max_queue:
             return refuse(
                 503, f"busy: {in_flight} requests in flight (--max_queue {limits.max_queue})", {"Retry-After": "1"}
@@ -151,7 +161,7 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
         in_flight += 1
         try:
             try:
-                body = await read_body(request)
+                body = await read_body(request, limits.max_body_bytes, body_limit)
                 prompts, images, columns = await run_in_threadpool(parse_request, body, limits)
             except RefusedInput as refused:
                 return refuse(refused.status, str(refused))

@@ -14,13 +14,14 @@ front with a reverse proxy).
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import os
 
 import torch
 
-from ..rollout_service import ROLLOUT_TOKEN_ENV, RolloutWorker, WorkerRefusal, pack, unpack
+from ..rewards.remote import RefusedInput
+from ..rewards.server import UNAUTHORIZED, authorized, read_body
+from ..rollout_service import ROLLOUT_TOKEN_ENV, RolloutWorker, pack, unpack
 
 
 def build_app(worker: RolloutWorker, token: str | None = None, max_body_bytes: int = 16 * 2**30):
@@ -31,23 +32,16 @@ def build_app(worker: RolloutWorker, token: str | None = None, max_body_bytes: i
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    expected = f"Bearer {token}".encode() if token else None
-
     def refuse(status: int, message: str):
         return JSONResponse({"error": message}, status_code=status)
 
     def guarded(handler):
         async def endpoint(request):
-            if expected is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), expected
-            ):
-                return refuse(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-                return refuse(413, f"a body of {declared} bytes (limit {max_body_bytes})")
+            if not authorized(request, token):
+                return refuse(401, UNAUTHORIZED)
             try:
-                return await handler(request, await request.body())
-            except WorkerRefusal as refusal:
+                return await handler(request, await read_body(request, max_body_bytes, f"limit {max_body_bytes}"))
+            except RefusedInput as refusal:  # (before ValueError, which it is)
                 return refuse(refusal.status, str(refusal))
             except ValueError as err:  # a malformed body
                 return refuse(400, f"bad request: {err}")

@@ -29,14 +29,7 @@ from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normal
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
-from ..rollout_service import (
-    ROLLOUT_TOKEN_ENV,
-    base_fingerprint,
-    lora_description,
-    plan_to_dict,
-    software,
-    trainable_tensors,
-)
+from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, sampling_identity, trainable_tensors
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
@@ -487,11 +480,14 @@ class RolloutTrainer(DiffusionTrainer):
         index (B,) among the distinct identities, in order of first appearance."""
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        conditions = self.policy.condition_columns
-        keys = [(row["prompt"], *(_fingerprint(row[name]) for name in conditions)) for row in rows]
+        keys = self._row_keys(rows)
         unique = list(dict.fromkeys(keys))
         prompt_index = torch.tensor([unique.index(key) for key in keys], device=self.accelerator.device)
         return prompts, columns, keys, prompt_index
+
+    def _row_keys(self, rows: list[dict[str, Any]]) -> list[tuple]:
+        """Each row's identity: its prompt and the content of its conditioning columns."""
+        return [(row["prompt"], *(_fingerprint(row[name]) for name in self.policy.condition_columns)) for row in rows]
 
     def _round_plan(self, round_index: int, first_index: int, batch: int) -> RolloutPlan:
         return self._sample_plan(self.rollout_plan(round_index), first_index, batch, round_index)
@@ -536,7 +532,7 @@ class RolloutTrainer(DiffusionTrainer):
                 if self._workers is not None:  # sampled and scored off the main thread; verified when consumed
                     request = {
                         "version": record.version, "round": round_index, "first_index": first_index + chunk_start,
-                        "chunk_start": chunk_start, "plan": plan_to_dict(plan.part(part)),
+                        "chunk_start": chunk_start, "plan": plan.part(part).to_dict(),
                         "groups": None if groups is None else groups[part], "keep_means": self._keep_means(),
                         "decode_audio": self._decode_audio,
                     }  # fmt: skip
@@ -621,15 +617,11 @@ class RolloutTrainer(DiffusionTrainer):
             del self._versions[old]
 
     def _worker_handshake(self) -> dict[str, Any]:
-        denoiser = self.policy.denoiser
         return {
             "settings": dataclasses.asdict(self.policy.settings),
-            "lora": lora_description(denoiser.peft_config["default"]),
+            "lora": lora_description(self.policy.denoiser.peft_config["default"]),
             "mixed_precision": self.args.mixed_precision,
-            "policy": type(self.policy).__name__,
-            "fingerprint": base_fingerprint(denoiser),
-            "software": software(),
-            "parameters": {name: list(p.shape) for name, p in trainable_tensors(denoiser).items()},
+            **sampling_identity(self.policy),
         }
 
     @torch.no_grad()
@@ -680,7 +672,7 @@ class RolloutTrainer(DiffusionTrainer):
         (``rows``: the data loader's rows of the round, which the launched ones must equal)."""
         args = self.args
         prompts, _, keys, prompt_index = self._round_inputs(record.rows)
-        if record.rows is not rows and keys != self._round_inputs(rows)[2]:
+        if record.rows is not rows and keys != self._row_keys(rows):
             raise RuntimeError(
                 f"round {record.round} was launched ahead with other prompts than the data loader gives it "
                 f"({prompts[:2]} vs {[row['prompt'] for row in rows[:2]]}): the sampler's order could not be "

@@ -128,7 +128,9 @@ class RolloutWorkers:
         try:
             return post_with_retries(self.client, url + path, body, self.max_retries, 0.5, where, method)
         except RemoteRewardError as err:
-            if " status 4" in str(err):  # a refusal, not an outage: the next worker would refuse it too
+            if (
+                err.status is not None and 400 <= err.status < 500
+            ):  # a refusal, not an outage: the next worker would refuse it too
                 raise RolloutWorkerError(str(err)) from None
             raise
 
