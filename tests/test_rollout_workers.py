@@ -70,11 +70,11 @@ def _cli_worker(model_dir: str):
 
 
 @contextlib.contextmanager
-def _thread_worker(model_dir: str):
+def _thread_worker(model_dir: str, **loading):
     """A worker served from a thread of this process: (worker, url), for the tests that tamper with it."""
     import uvicorn
 
-    worker = RolloutWorker(load_tiny_pipeline(model_dir), "cpu")
+    worker = RolloutWorker(load_tiny_pipeline(model_dir, **loading), "cpu")
     port = _free_port()
     config = uvicorn.Config(build_app(worker), host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
     server = uvicorn.Server(config)
@@ -202,3 +202,13 @@ def test_rollout_workers_refuse_what_they_cannot_serve(tiny_model_dir, tmp_path)
     with pytest.raises(ValueError, match="rollout_server_urls: DirectRewardTrainer back-propagates"):
         DirectRewardTrainer(model_dir, "brightness", args=DirectRewardConfig(**values, rollout_server_urls=[url]),
                             train_dataset=dataset, peft_config=LoraConfig(r=4, target_modules=["to_q"]))  # fmt: skip
+
+
+def test_a_worker_on_a_bf16_base_takes_the_float32_lora(tiny_model_dir, tmp_path):
+    """The configuration users run: the base loaded in bf16 on both sides, the LoRA trained in float32. The worker keeps
+    its LoRA in float32 too, so the published versions bind (a bf16 LoRA would refuse them) and the round is audited."""
+    model_dir = tiny_model_dir("flux")
+    with _thread_worker(model_dir, dtype=torch.bfloat16) as (worker, url):
+        trainer = _train(model_dir, tmp_path, [url], max_steps=2, model_init_kwargs={"dtype": "bfloat16"})
+        assert worker.served == 2 and next(worker.policy.denoiser.parameters()).dtype == torch.bfloat16
+    assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import torch
+from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -153,6 +154,9 @@ class RolloutWorker:
             policy = make_policy(self.pipeline, SamplerSettings(**info["settings"]))
             if self._lora is None:
                 add_lora(policy.denoiser, LoraConfig(**info["lora"]))
+                # float32 as the trainer keeps it (DiffusionTrainer): on a bf16 base peft makes the LoRA bf16, and the
+                # published float32 versions would be refused.
+                cast_training_params(policy.denoiser, torch.float32)
                 self._lora = info["lora"]
             elif self._lora != info["lora"]:
                 raise RefusedInput(
