@@ -125,6 +125,7 @@ class RolloutPlan:
     post_window_solver: PostWindowSolver = "ode"
     sample_starts: tuple[int, ...] | None = None
     sample_window: int = 0
+    recorded_steps: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.sde_end is None:
@@ -138,6 +139,11 @@ class RolloutPlan:
             self.sample_window < 1 or self.last_step_sde or self.post_window_sigmas is not None
         ):
             raise ValueError("per-sample SDE windows need sample_window >= 1, no last_step_sde and the policy's grid")
+        if self.recorded_steps is not None:
+            if self.sample_starts is not None or self.post_window_sigmas is not None:
+                raise ValueError("recorded steps need the policy's grid and a window shared by the batch")
+            if not all(0 <= i < self.num_steps for i in self.recorded_steps):
+                raise ValueError(f"recorded steps {self.recorded_steps} must be among the {self.num_steps} steps")
 
     @classmethod
     def staggered(cls, num_steps: int, starts: Sequence[int], window: int) -> RolloutPlan:
@@ -152,7 +158,8 @@ class RolloutPlan:
     @classmethod
     def from_dict(cls, values: dict) -> RolloutPlan:
         """The plan :meth:`to_dict` wrote (JSON lists back to tuples)."""
-        tuples = {key: tuple(values[key]) for key in ("post_window_sigmas", "sample_starts") if values.get(key)}
+        keys = ("post_window_sigmas", "sample_starts", "recorded_steps")
+        tuples = {key: tuple(values[key]) for key in keys if values.get(key)}
         return cls(**(values | tuples))
 
     def part(self, rows: slice) -> RolloutPlan:
@@ -225,7 +232,9 @@ def rollout(
         ``latents`` (B, S + 1, ...) the states ``sde_start … sde_end`` (S stored steps); ``log_probs`` (B, S);
         ``means`` (B, S, ...) with ``keep_means``; ``final_latents`` (B, ...) the last state; ``denoiser_calls`` the
         number of (sample, step) denoiser evaluations made; with ``grad_steps``, ``grad_log_probs``: a list of
-        (rows (n,) host long, step i, log-probabilities (n,) with their graph), one per step with such rows.
+        (rows (n,) host long, step i, log-probabilities (n,) with their graph), one per step with such rows; with
+        ``plan.recorded_steps`` (R of them), ``visited`` (B, R, ...) the input state of each and ``visited_clean``
+        (B, R, ...) float32 the clean sample x̂0 its prediction implies, in ``recorded_steps``' order.
     """
     if plan.sample_starts is not None:
         if grad_steps is not None:
@@ -243,6 +252,9 @@ def rollout(
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
     stored, log_probs, means, previous, differentiable = [], [], [], None, []
+    recorded = {i: None for i in plan.recorded_steps or ()}
+    if any(i < start for i in recorded):
+        raise ValueError(f"recorded steps {plan.recorded_steps} precede the shared prefix of the branching rollout")
     end = plan.num_steps if plan.post_window_sigmas is None else plan.sde_end
     for i in range(start, end):
         if i == plan.sde_start:
@@ -254,6 +266,8 @@ def rollout(
         else:
             output, graph = _predict_with_grad(policy, model, latents, i, cond, rows)
         calls += batch
+        if i in recorded:
+            recorded[i] = (latents, policy.process.predicted_clean(output, latents, step_index).float())
         window = plan.sde_start <= i < plan.sde_end
         noisy = window or (i == plan.num_steps - 1 and plan.last_step_sde)
         result = policy.step(
@@ -284,6 +298,9 @@ def rollout(
     out = {"final_latents": latents, "denoiser_calls": calls}
     if grad_steps is not None:
         out["grad_log_probs"] = differentiable
+    if recorded:
+        out["visited"] = torch.stack([recorded[i][0] for i in plan.recorded_steps], 1)
+        out["visited_clean"] = torch.stack([recorded[i][1] for i in plan.recorded_steps], 1)
     if not log_probs:  # a deterministic plan stores nothing
         empty = latents.new_zeros(batch, 0, *latents.shape[1:])
         return (

@@ -6,14 +6,16 @@ from dataclasses import dataclass, field
 from ..losses import AWM_WEIGHTINGS
 from .rollout_config import RolloutConfig, _choice
 
-LOSS_TYPES = ("nft", "awm", "dgpo")
+LOSS_TYPES = ("nft", "awm", "dgpo", "art")
 DECAYS = ("linear", "delayed", "none")
 SELECTIONS = ("random", "stratified", "first")
-# Each loss type's own paper: timestep_fraction, timestep_selection, old_policy_decay, ema_kl_beta, dgpo_clip.
+# Each loss type's own paper: timestep_fraction, timestep_selection, old_policy_decay, ema_kl_beta, dgpo_clip,
+# rollout_solver.
 LOSS_DEFAULTS = {
-    "nft": (0.99, "random", "linear", 0.0, 0.0),
-    "awm": (0.45, "stratified", "none", 1.0, 0.0),
-    "dgpo": (0.6, "first", "none", 0.0, 1e-2),
+    "nft": (0.99, "random", "linear", 0.0, 0.0, "dpm_solver++"),
+    "awm": (0.45, "stratified", "none", 1.0, 0.0, "dpm_solver++"),
+    "dgpo": (0.6, "first", "none", 0.0, 1e-2, "dpm_solver++"),
+    "art": (0.99, "random", "none", 0.0, 0.0, "ode"),  # the rollout's own states and predictions are the targets
 }
 
 
@@ -26,8 +28,8 @@ class DiffusionNFTConfig(RolloutConfig):
     second-order (DPM-Solver++) steps on the pipeline's σ grid without CFG, 24 generations per prompt, advantages
     from each prompt's mean and the batch's standard deviation + 1e-4 (its `global_std`), NFT β 1, KL β 1e-4, 9 of the
     10 noise levels per sample, lr 3e-4 for LoRA, the linear old-policy decay, one optimizer update per round.
-    `loss_type="awm"` and `"dgpo"` take their own papers' defaults where this config leaves a field unset (`None`);
-    see each field. Generation, reward, advantage and model fields:
+    `loss_type="awm"`, `"dgpo"` and `"art"` take their own papers' defaults where this config leaves a field unset
+    (`None`); see each field. Generation, reward, advantage and model fields:
     [`~trl_dance.trainer.rollout_config.RolloutConfig`].
 
     Units. Rollouts store one clean latent per sample. Each sample gives ``K = max(1, ⌊N · timestep_fraction⌋)``
@@ -42,9 +44,10 @@ class DiffusionNFTConfig(RolloutConfig):
         share_initial_noise (`str`, defaults to `"none"`): Every sample starts from its own noise: the rollouts are
             deterministic, so a shared start would make a group's samples identical.
 
-        rollout_solver (`str`, defaults to `"dpm_solver++"`): The deterministic sampler of the rollouts: `"ode"`, the
+        rollout_solver (`str` or `None`, defaults to `None`): The deterministic sampler of the rollouts: `"ode"`, the
             policy's own deterministic step (Euler for flow models); `"dpm_solver++"`, DPM-Solver++(2M) on the same grid
-            (the paper's `dpm2`).
+            (the paper's `dpm2`). `None`: `"dpm_solver++"`, or `"ode"` for ART (which regresses on the states the
+            policy's own steps visit).
         sigma_schedule (`str`, defaults to `"pipeline"`): the pipeline's own σ grid, as the paper samples (at N = 10 the
             `"dance"` grid would end at σ 0.25, the pipeline's at ~0.003).
         scale_rewards (`str`, defaults to `"batch"`): each prompt's mean and the batch's standard deviation (+ 1e-4),
@@ -58,7 +61,18 @@ class DiffusionNFTConfig(RolloutConfig):
             `"awm"`: advantage weighted matching (arXiv 2509.25050), the weighted flow-matching loss as a surrogate
             log-likelihood, PPO-clipped against the old policy; `"dgpo"`: direct group preference optimisation (arXiv
             2510.08425), flow-matching losses weighted by A and a group weight from the policy-vs-reference loss
-            differences at noise shared within each group (micro-batches hold whole groups).
+            differences at noise shared within each group (micro-batches hold whole groups); `"art"`: DiffusionART
+            (arXiv 2610.12572), the velocity regressed, at states the ODE rollouts visited, toward targets frozen at
+            rollout: the rollout's own clean prediction moved by `art_step_size`·λ(σ)·G(c), G(c) the prompt's
+            reward–endpoint covariance normalised after aggregation (:func:`~trl_dance.losses.art_guidance`); each
+            round is consumed in `art_update_windows` optimizer updates on disjoint parts of every group, so the later
+            ones restore toward the rollout policy. A groupwise pairwise reward (win rates; with 2 generations labels 1,
+            0, ½) gives its pairwise mode; `timestep_selection="first"` with a small `timestep_fraction` is ART-Flash
+            (high-noise positions only). How G(c) enters the target is this project's reading (the paper's formula is
+            not public; `docs/methods/nft.md`).
+        art_step_size (`float`, defaults to `1.0`): η, how far the target's clean sample moves along the unit-RMS
+            guidance at pure noise (latent units; λ(σ) = σ²/((1 − σ)² + σ²) scales it down with the noise).
+        art_update_windows (`int`, defaults to `2`): optimizer updates (disjoint parts of every group) per round.
         awm_weighting (`str`, defaults to `"ghuber"`): AWM's surrogate −log π = w(ℓ, σ): `"ghuber"`
             σ·((ℓ + ε)^p − ε^p)/p with ε = 1e-10 and p = `awm_ghuber_power` (AWM's default), `"sigma"` σ·ℓ,
             `"uniform"` ℓ.
@@ -97,7 +111,7 @@ class DiffusionNFTConfig(RolloutConfig):
     """
 
     # Overridden defaults (DiffusionNFT's SD3.5-M recipe).
-    updates_per_round = 1  # the paper's gradient_step_per_epoch (2 for OCR)
+    updates_per_round = 1  # the paper's gradient_step_per_epoch (2 for OCR); ART: one per window
     learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (DiffusionNFT LoRA: 3e-4)."})
     per_device_train_batch_size: int = field(
         default=9, metadata={"help": "Training items (re-noised samples) per micro-batch per process."}
@@ -119,13 +133,16 @@ class DiffusionNFTConfig(RolloutConfig):
     scale_rewards: str = field(
         default="batch", metadata={"help": "Advantage statistics (batch: the paper's global std)."}
     )
-    rollout_solver: str = field(
-        default="dpm_solver++", metadata={"help": "ode | dpm_solver++ rollouts.", "choices": ["ode", "dpm_solver++"]}
+    rollout_solver: str | None = field(
+        default=None,
+        metadata={"help": "ode | dpm_solver++ rollouts (None: by loss type).", "choices": ["ode", "dpm_solver++"]},
     )
     train_guidance_scale: float | None = field(
         default=None, metadata={"help": "Guidance of the training forwards (None: guidance_scale)."}
     )
-    loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo.", "choices": list(LOSS_TYPES)})
+    loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo | art.", "choices": list(LOSS_TYPES)})
+    art_step_size: float = field(default=1.0, metadata={"help": "ART's η: the target's move along the guidance."})
+    art_update_windows: int = field(default=2, metadata={"help": "ART: optimizer updates (disjoint windows) per round."})
     nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
     awm_weighting: str = field(
         default="ghuber",
@@ -153,12 +170,12 @@ class DiffusionNFTConfig(RolloutConfig):
     )
 
     def _check_method(self) -> None:
-        _choice("rollout_solver", self.rollout_solver, ("ode", "dpm_solver++"))
         _choice("loss_type", self.loss_type, LOSS_TYPES)
         names = ("timestep_fraction", "timestep_selection", "old_policy_decay", "ema_kl_beta", "dgpo_clip")
-        for name, default in zip(names, LOSS_DEFAULTS[self.loss_type]):
+        for name, default in zip((*names, "rollout_solver"), LOSS_DEFAULTS[self.loss_type]):
             if getattr(self, name) is None:
                 setattr(self, name, default)
+        _choice("rollout_solver", self.rollout_solver, ("ode", "dpm_solver++"))
         _choice("old_policy_decay", self.old_policy_decay, DECAYS)
         _choice("timestep_selection", self.timestep_selection, SELECTIONS)
         _choice("old_policy_update", self.old_policy_update, ("step", "round"))
@@ -181,8 +198,47 @@ class DiffusionNFTConfig(RolloutConfig):
             self._check_whole_groups(
                 "loss_type='dgpo' weighs", per_device_train_batch_size=self.per_device_train_batch_size
             )
+        if self.loss_type == "art":
+            self._check_art()
+            self.updates_per_round = self.art_update_windows
         if not self.adv_clip_max > 0:
             raise ValueError(f"adv_clip_max must be > 0: it maps advantages to probabilities, got {self.adv_clip_max}")
+
+    def _check_art(self) -> None:
+        windows = self.art_update_windows
+        if not self.art_step_size > 0 or not math.isfinite(self.art_step_size):
+            raise ValueError(f"art_step_size must be > 0, got {self.art_step_size}")
+        if windows < 1 or self.num_generations % windows:
+            raise ValueError(
+                f"art_update_windows ({windows}) must be >= 1 and divide num_generations ({self.num_generations}): "
+                "every window trains an equal part of every group"
+            )
+        self._check_whole_groups("loss_type='art' aggregates each prompt's guidance over")
+        if self.rollout_solver != "ode":
+            raise ValueError(
+                f"loss_type='art' regresses on the states the policy's own deterministic steps visit, with the "
+                f"rollout's predictions as targets: rollout_solver must be 'ode', got {self.rollout_solver!r}"
+            )
+        if self.train_guidance_scale not in (None, self.guidance_scale):
+            raise ValueError(
+                f"loss_type='art' freezes its targets from the rollout's predictions (guidance {self.guidance_scale}): "
+                f"train_guidance_scale {self.train_guidance_scale} would regress another guidance onto them"
+            )
+        items = self.per_device_generation_batch_size // windows * self.timesteps_per_sample
+        if items % self.per_device_train_batch_size:
+            raise ValueError(
+                f"each ART window trains {items} items per process, which per_device_train_batch_size "
+                f"({self.per_device_train_batch_size}) must divide"
+            )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type == "art" and self.optimizer_updates_per_round % self.art_update_windows:
+            raise ValueError(
+                f"loss_type='art' needs whole windows per optimizer update: {self.optimizer_updates_per_round} "
+                f"updates per round (gradient_accumulation_steps {self.gradient_accumulation_steps}) is not a "
+                f"multiple of art_update_windows ({self.art_update_windows})"
+            )
 
     def _round_items(self) -> tuple[int, str]:
         samples, k = self.per_device_generation_batch_size, self.timesteps_per_sample

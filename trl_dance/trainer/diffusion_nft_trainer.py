@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 from ..losses import (
+    art_guidance,
+    art_loss,
+    art_tilt_scale,
     awm_log_ratio,
     clipped_fraction,
     clipped_surrogate,
@@ -33,8 +36,9 @@ class DiffusionNFTTrainer(RolloutTrainer):
     sample is re-noised with fresh noise to K noise levels of the rollout grid, x_σ = (1 − σ)·x0 + σ·ε, and the loss
     (:func:`~trl_dance.losses.nft_loss`) moves the implicit positive policy toward x0 in proportion to r and the
     implicit negative one in proportion to 1 − r. After the round's updates the old policy moves toward the trained
-    one (``old_policy_decay``). ``loss_type="awm"`` and ``"dgpo"`` replace that loss on the same items (see
-    :class:`~trl_dance.DiffusionNFTConfig`).
+    one (``old_policy_decay``). ``loss_type="awm"`` and ``"dgpo"`` replace that loss on the same items;
+    ``loss_type="art"`` (DiffusionART) instead regresses on the states the ODE rollout visited, toward targets frozen
+    from the rollout's own predictions (see :class:`~trl_dance.DiffusionNFTConfig`).
 
     Flow-matching pipelines (FLUX, SD3, Wan text-to-video and Wan 2.1 image-to-video). The arguments are those of
     :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`.
@@ -96,6 +100,8 @@ class DiffusionNFTTrainer(RolloutTrainer):
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         steps = self.policy.num_steps
+        if self.args.loss_type == "art":  # the states ART may train at, and the rollout's predictions there
+            return RolloutPlan.deterministic(steps, recorded_steps=tuple(self._art_levels().tolist()))
         if self.args.rollout_solver == "ode":
             return RolloutPlan.deterministic(steps)
         return RolloutPlan.deterministic(
@@ -128,11 +134,17 @@ class DiffusionNFTTrainer(RolloutTrainer):
             self.fast_ema.update(min(0.3, 0.001 * step))  # AWM's EMA; DGPO's fast "old" model
         self._synced_step = step
 
+    def _art_levels(self) -> torch.Tensor:
+        """The grid indices ART's rollouts record: the first K trained levels (ART-Flash), or all of them."""
+        return self._levels[: self.args.timesteps_per_sample] if self.args.timestep_selection == "first" else self._levels
+
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
         """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration. For
         DGPO a whole group shares each level and noise, and micro-batches hold whole groups (consecutive rows)."""
         args = self.args
         self._rollout["x0"] = rollout["final_latents"]
+        if args.loss_type == "art":
+            return self._plan_art_round(rollout, advantages)
         levels = self._levels  # the grid σ the items are noised to
         # The unit drawn: a sample, or for DGPO a group (which every process holds whole).
         group = args.num_generations if args.loss_type == "dgpo" else 1
@@ -152,6 +164,25 @@ class DiffusionNFTTrainer(RolloutTrainer):
             items.extend(zip(samples.split(size), chosen.split(size), (c.tolist() for c in noise.split(size))))
         return items
 
+    def _plan_art_round(self, rollout: dict[str, torch.Tensor], advantages: torch.Tensor) -> list:
+        """ART's items (samples, recorded positions): K recorded states per sample; window w of ``art_update_windows``
+        holds the w-th part of every group's members, shuffled within the window, so that its micro-batches make its
+        own optimizer updates (the config makes the updates split the round at window boundaries)."""
+        args, size, k = self.args, self.args.per_device_train_batch_size, self.args.timesteps_per_sample
+        group, windows = args.num_generations, args.art_update_windows
+        guidance = art_guidance(rollout["final_latents"], advantages, group)  # (groups, ...)
+        self._rollout |= {"visited": rollout["visited"], "visited_clean": rollout["visited_clean"], "guidance": guidance}
+        window = torch.arange(len(advantages)) % group * windows // group
+        items = []
+        for _ in range(args.num_iterations):
+            for w in range(windows):
+                rows = (window == w).nonzero().flatten()
+                positions = self._draw_levels(len(rows), k).flatten()  # indices into the recorded levels
+                order = torch.randperm(len(positions), generator=self._cpu_generator)
+                samples = rows.repeat_interleave(k)[order]
+                items.extend(zip(samples.split(size), positions[order].split(size)))
+        return items
+
     def _draw_levels(self, units: int, k: int) -> torch.Tensor:
         """(units, k) indices into ``self._levels``: K distinct at random, one per stratum, or the first K."""
         count, generator = len(self._levels), self._cpu_generator
@@ -164,7 +195,9 @@ class DiffusionNFTTrainer(RolloutTrainer):
             return offsets + (torch.rand(units, k, generator=generator) * sizes).long()
         return torch.rand(units, count, generator=generator).argsort(dim=1)[:, :k]
 
-    def _microbatch(self, item: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, Any]:
+    def _microbatch(self, item: tuple) -> dict[str, Any]:
+        if self.args.loss_type == "art":
+            return self._art_microbatch(*item)
         rollout, device = self._rollout, self.accelerator.device
         samples, levels, seeds = item
         x0 = rollout["x0"][samples.to(device)]
@@ -183,13 +216,30 @@ class DiffusionNFTTrainer(RolloutTrainer):
             "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
         }
 
+    def _art_microbatch(self, samples: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        """Visited states and their frozen targets x̂0_old + η·λ(σ)·G(c)."""
+        rollout, device, args = self._rollout, self.accelerator.device, self.args
+        rows, positions = samples.to(device), positions.to(device)
+        sigma = self.process.sigmas[self._art_levels().to(device)[positions]].to(device)
+        guidance = rollout["guidance"][rows // args.num_generations]
+        shift = args.art_step_size * art_tilt_scale(sigma).view(-1, *[1] * (guidance.ndim - 1)) * guidance
+        cond_rows = rollout["prompt_index"][rows]
+        return {
+            "noisy": rollout["visited"][rows, positions],
+            "target": rollout["visited_clean"][rows, positions] + shift,
+            "rollout_clean": rollout["visited_clean"][rows, positions],
+            "sigma": sigma,
+            "advantages": rollout["advantages"][rows],
+            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+        }
+
     # ----------------------------------------------------------------------------------------------------------
     # Loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args, policy = self.args, self._train_policy
         self._sync_old_policies()
-        noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs["x0"]
+        noisy, sigma, cond = inputs["noisy"], inputs["sigma"], inputs["cond"]
         advantages = inputs["advantages"]
         velocity = policy.predict(model, noisy, cond, at=sigma)
         dims = tuple(range(1, velocity.ndim))
@@ -198,7 +248,13 @@ class DiffusionNFTTrainer(RolloutTrainer):
             reference = self.reference_prediction(model, noisy, cond, sigma, policy)
         with torch.no_grad():
             ema = None if self.fast_ema is None else policy.predict(self.fast_ema.model, noisy, cond, at=sigma)
-        if args.loss_type == "dgpo":
+        if args.loss_type == "art":
+            per_item = art_loss(velocity, noisy, sigma, inputs["target"])
+            with torch.no_grad():  # how far θ's clean prediction moved from the rollout's (the frozen policy's)
+                clean = noisy.float() - sigma.view(-1, *[1] * (noisy.ndim - 1)) * velocity.detach().float()
+                self._record("old_policy/deviation", ((clean - inputs["rollout_clean"]) ** 2).mean(dim=dims))
+        elif args.loss_type == "dgpo":
+            x0 = inputs["x0"]
             error = flow_matching_error(velocity, inputs["noise"], x0)
             reference_error = flow_matching_error(reference, inputs["noise"], x0)
             old_error = None if ema is None else flow_matching_error(ema, inputs["noise"], x0)
@@ -207,6 +263,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 error, reference_error, advantages, inputs["groups"], groups, args.dgpo_beta, old_error, args.dgpo_clip
             )
         else:
+            x0 = inputs["x0"]
             with torch.no_grad():
                 old_velocity = policy.predict(self.old_policy.model, noisy, cond, at=sigma)
                 self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
