@@ -252,7 +252,7 @@ def rollout(
         latents, start = prefix[inverse.to(latents.device)], plan.sde_start
 
     stored, log_probs, means, previous, differentiable = [], [], [], None, []
-    recorded = {i: None for i in plan.recorded_steps or ()}
+    recorded = dict.fromkeys(plan.recorded_steps or ())
     if any(i < start for i in recorded):
         raise ValueError(f"recorded steps {plan.recorded_steps} precede the shared prefix of the branching rollout")
     end = plan.num_steps if plan.post_window_sigmas is None else plan.sde_end

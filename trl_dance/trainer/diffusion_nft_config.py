@@ -142,7 +142,9 @@ class DiffusionNFTConfig(RolloutConfig):
     )
     loss_type: str = field(default="nft", metadata={"help": "nft | awm | dgpo | art.", "choices": list(LOSS_TYPES)})
     art_step_size: float = field(default=1.0, metadata={"help": "ART's η: the target's move along the guidance."})
-    art_update_windows: int = field(default=2, metadata={"help": "ART: optimizer updates (disjoint windows) per round."})
+    art_update_windows: int = field(
+        default=2, metadata={"help": "ART: optimizer updates (disjoint windows) per round."}
+    )
     nft_beta: float = field(default=1.0, metadata={"help": "NFT's β (implicit policy distance)."})
     awm_weighting: str = field(
         default="ghuber",

@@ -136,7 +136,9 @@ class DiffusionNFTTrainer(RolloutTrainer):
 
     def _art_levels(self) -> torch.Tensor:
         """The grid indices ART's rollouts record: the first K trained levels (ART-Flash), or all of them."""
-        return self._levels[: self.args.timesteps_per_sample] if self.args.timestep_selection == "first" else self._levels
+        return (
+            self._levels[: self.args.timesteps_per_sample] if self.args.timestep_selection == "first" else self._levels
+        )
 
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
         """Items (sample, grid index, noise seed): K distinct levels per sample and fresh noise in every iteration. For
@@ -171,7 +173,11 @@ class DiffusionNFTTrainer(RolloutTrainer):
         args, size, k = self.args, self.args.per_device_train_batch_size, self.args.timesteps_per_sample
         group, windows = args.num_generations, args.art_update_windows
         guidance = art_guidance(rollout["final_latents"], advantages, group)  # (groups, ...)
-        self._rollout |= {"visited": rollout["visited"], "visited_clean": rollout["visited_clean"], "guidance": guidance}
+        self._rollout |= {
+            "visited": rollout["visited"],
+            "visited_clean": rollout["visited_clean"],
+            "guidance": guidance,
+        }
         window = torch.arange(len(advantages)) % group * windows // group
         items = []
         for _ in range(args.num_iterations):
