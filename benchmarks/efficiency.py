@@ -83,6 +83,8 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
         "flash_grpo": {"sde_type": "flash", "eta": 1.0, "sde_window_size": 1, "sde_window_range": [0, half]}
         | {"timestep_selection": "iso_temporal", "temporal_rectification": True},
     }
+    art_flash = {"loss_type": "art", "timestep_selection": "first", "timestep_fraction": 2 / steps}
+    art_flash |= {"updates_per_round": 2}
     return {name: (DanceGRPOTrainer, settings) for name, settings in grpo.items()} | {
         "diffusion_nft": (DiffusionNFTTrainer, {}),
         # Ablation: 3 noise levels per sample instead of ⌊0.99·N⌋, to show what dominates NFT's work.
@@ -93,6 +95,12 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
             DiffusionNFTTrainer,
             {"timestep_fraction": 3 / steps, "updates_per_round": 3},
         ),
+        # DiffusionART (the config's defaults: ODE rollouts, ⌊0.99·N⌋ recorded states per sample, two update windows
+        # per round); ART-Flash: only the 2 highest-noise states of each rollout.
+        "diffusion_art": (DiffusionNFTTrainer, {"loss_type": "art", "updates_per_round": 2}),
+        "art_flash": (DiffusionNFTTrainer, art_flash),
+        # Ablation: a target 4× further along the guidance (η is this project's reading; the paper's is not public).
+        "art_flash_step_4": (DiffusionNFTTrainer, art_flash | {"art_step_size": 4.0}),
         # Reward gradients (brightness is differentiable): SRPO's Direct-Align (denoise + inversion items per
         # sample) and DRaFT-1; the semantic-relative preference off (brightness ignores the prompt), grad clip 1.
         "direct_align": (DirectRewardTrainer, {"srp": False, "max_grad_norm": 1.0, "weight_decay": 0.0}),
@@ -129,7 +137,7 @@ class Evaluator(TrainerCallback):
     def score(self) -> float:
         begin = time.perf_counter()
         trainer, self.meter.enabled = self.trainer, False
-        self.tflops += trainer.flops.take() / 1e12  # the closed-form count of the training since the last evaluation
+        self.tflops += trainer.flops.take() / 1e12  # (on_step_end took the updates so far)
         generators = [torch.Generator().manual_seed(1000 + i) for i in range(len(self.prompts))]
         images = trainer.sample(
             self.prompts, generators, model=trainer.model, plan=RolloutPlan.deterministic(trainer.policy.num_steps)
@@ -143,6 +151,9 @@ class Evaluator(TrainerCallback):
         return reward
 
     def on_step_end(self, args, state, control, **kwargs):
+        # Every update's FLOPs, before the trainer's log takes them (an evaluation step alone would miss the others,
+        # and for methods with several updates per round, the rollouts).
+        self.tflops += self.trainer.flops.take() / 1e12
         if state.global_step % self.every == 0:
             self.score()
 

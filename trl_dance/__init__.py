@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # for editors and type checkers; tests/test_cli.py checks it 
     from .trainer.diffusion_sft_trainer import DiffusionSFTTrainer
     from .trainer.direct_reward_config import DirectRewardConfig
     from .trainer.direct_reward_trainer import DirectRewardTrainer
+    from .trainer.dmd_config import DMDConfig
+    from .trainer.dmd_trainer import DMDTrainer
     from .trainer.online_dpo_config import OnlineDiffusionDPOConfig
     from .trainer.online_dpo_trainer import OnlineDiffusionDPOTrainer
     from .trainer.spo_config import SPOConfig

@@ -1,7 +1,7 @@
 """The ``trl-dance`` command.
 
     trl-dance grpo --config FILE.yaml [--accelerate_config ddp|zero2|zero3|fsdp2|multinode|PATH] [accelerate launch options]
-    trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO
+    trl-dance nft  --config FILE.yaml [...]          DiffusionNFT / AWM / DGPO / ART
     trl-dance dpo  --config FILE.yaml [...]          Diffusion-DPO
     trl-dance online-dpo --config FILE.yaml [...]    online Diffusion-DPO from AI feedback
     trl-dance spo  --config FILE.yaml [...]          SPO (step-aware preference optimization)

@@ -249,6 +249,26 @@ def art_loss(velocity: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor, t
     return (error**2).mean(dim=tuple(range(1, error.ndim)))
 
 
+def dmd_loss(generated: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
+    """DMD2's generator loss per sample, (B,) (ALGORITHMS-NEXT §2.17.1): ``½·mean((x_g − sg(x_g − g))²)`` with
+    g = (x̂0_fake − x̂0_real) / mean|x_g − x̂0_real| (per-sample normaliser, floored; non-finite entries zeroed).
+
+    Its gradient in x_g is g/D (D elements): a descent step moves the generated sample toward the teacher's ("real")
+    clean prediction and away from the fake score's, both taken at the same re-noised x_σ = (1 − σ)·sg(x_g) + σ·ε; it
+    is zero where the two predictions agree (a fake score equal to the teacher).
+
+    Args:
+        generated: (B, ...) x_g, the student's clean sample (with gradient).
+        real: (B, ...) the teacher's clean prediction at x_σ (no gradient needed; detached here).
+        fake: (B, ...) the fake score's clean prediction at x_σ.
+    """
+    dims = tuple(range(1, generated.ndim))
+    generated, real, fake = generated.float(), real.detach().float(), fake.detach().float()
+    scale = (generated.detach() - real).abs().mean(dim=dims, keepdim=True).clamp_min(floor)
+    gradient = torch.nan_to_num((fake - real) / scale)
+    return 0.5 * ((generated - (generated.detach() - gradient)) ** 2).mean(dim=dims)
+
+
 __all__ = [
     "spo_loss",
     "AWM_WEIGHTINGS",
@@ -260,6 +280,7 @@ __all__ = [
     "clipped_fraction",
     "clipped_surrogate",
     "dgpo_loss",
+    "dmd_loss",
     "flow_matching_error",
     "gaussian_step_kl",
     "nft_loss",

@@ -64,7 +64,7 @@ METHODS: dict[str, Method] = {
             _T + "diffusion_nft_config:DiffusionNFTConfig",
             _T + "diffusion_nft_trainer:DiffusionNFTTrainer",
             "prompts",
-            "DiffusionNFT / AWM / DGPO (flow-matching models)",
+            "DiffusionNFT / AWM / DGPO / DiffusionART (flow-matching models)",
         ),
         Method(
             "dpo",
@@ -109,6 +109,14 @@ METHODS: dict[str, Method] = {
             "prompts",
             "SRPO's Direct-Align / DRaFT-K / AlignProp (differentiable rewards)",
             aliases=("srpo", "draft", "alignprop"),
+        ),
+        Method(
+            "dmd",
+            _T + "dmd_config:DMDConfig",
+            _T + "dmd_trainer:DMDTrainer",
+            "prompts",
+            "DMD2 few-step distillation (flow-matching models), RTDMD's reward tilt",
+            aliases=("dmd2", "rtdmd"),
         ),
     )
 }

@@ -46,19 +46,21 @@ class OldPolicy:
 
 
 class _Proxy(torch.nn.Module):
-    """Calls ``module`` with ``params`` substituted, and reports its ``dtype`` (the policies read it)."""
+    """Calls ``module`` with ``params`` substituted, and reports its ``dtype`` (the policies read it); without
+    gradients unless ``grad`` (then the call is differentiable in ``params``)."""
 
-    def __init__(self, module: torch.nn.Module, params: dict[str, torch.Tensor]):
+    def __init__(self, module: torch.nn.Module, params: dict[str, torch.Tensor], grad: bool = False):
         super().__init__()
         object.__setattr__(self, "_target", module)
         object.__setattr__(self, "_params", params)
+        object.__setattr__(self, "_grad", grad)
 
     @property
     def dtype(self) -> torch.dtype:
         return self._target.dtype
 
     def forward(self, *args, **kwargs):
-        with torch.no_grad():
+        with torch.set_grad_enabled(self._grad and torch.is_grad_enabled()):
             return functional_call(self._target, self._params, args, kwargs, strict=False)
 
 

@@ -1,0 +1,81 @@
+"""Configuration of :class:`~trl_dance.DMDTrainer`."""
+
+import math
+from dataclasses import dataclass, field
+
+from .rollout_config import RolloutConfig
+
+
+@dataclass
+class DMDConfig(RolloutConfig):
+    r"""
+    Configuration for [`DMDTrainer`]: DMD2 distribution-matching distillation of a few-step student on flow-matching
+    models (arXiv 2405.14867; its flow ports in verl-omni and Flow-Factory, ALGORITHMS-NEXT §2.17.1), with RTDMD's
+    reward tilt (arXiv 2605.26108) as an option.
+
+    The student (the trained LoRA, or the denoiser) samples each round's prompts deterministically on the few-step σ
+    grid (`num_inference_steps`, the `"dance"` grid with `shift` 3: σ = 1, 0.9, 0.75, 0.5 at 4 steps, verl-omni's),
+    recording every state it visits; it is trained on its own intermediate states (backward simulation). The teacher
+    ("real score") is the base model (LoRA disabled; a frozen copy for full fine-tuning) with `teacher_guidance_scale`;
+    the fake score is a second copy of the trained tensors with its own AdamW. Each round: `fake_score_updates`
+    fake-score updates (flow matching on the round's detached student samples), then one student update (DMD's
+    generator loss). Defaults: verl-omni's Qwen-Image recipe (student lr 1e-4, fake lr 2e-5, 2 fake updates per
+    student update, teacher CFG 4, σ ~ U[0.02, 0.98]). Generation, reward and model fields:
+    [`~trl_dance.trainer.rollout_config.RolloutConfig`]; the rewards only monitor unless `reward_tilt` > 0.
+
+    Units. One training item per sample per round: the sample's state at one of its steps drawn uniformly. A round has
+    `generation_batch_size / processes / per_device_train_batch_size` micro-batches, all accumulated into the student's
+    one update.
+
+    Parameters:
+        teacher_guidance_scale (`float`, defaults to `4.0`): the teacher's CFG scale (FLUX: its guidance-embedding
+            value), applied in the teacher's forwards only; the student and the fake score use `guidance_scale` (1:
+            none, DMD's students are CFG-free).
+        fake_score_updates (`int`, defaults to `2`): fake-score updates per student update (the two time-scale rule;
+            DMD2: 10 for SD1.5, 5 for SDXL; verl-omni: 2). Each draws a fresh step, noise level and noise per sample.
+        fake_score_learning_rate (`float`, defaults to `2e-5`): the fake score's AdamW learning rate (its betas,
+            epsilon, weight decay and gradient clip are the student's).
+        dmd_sigma_min, dmd_sigma_max (`float`, defaults to `0.02`, `0.98`): the noise levels σ ~ U[min, max] at which
+            the teacher and the fake score judge the student's samples (both losses).
+        reward_tilt (`float`, defaults to `0.0`): RTDMD's reward term: the student's loss subtracts `reward_tilt` ×
+            the weighted sum of the rewards of its decoded clean sample, differentiated through the VAE decoder (the
+            rewards must have a differentiable `score`, as `DirectRewardTrainer`'s). 0: plain DMD.
+    """
+
+    min_generations = 1  # the rewards only monitor: no group statistics enter the loss
+    updates_per_round = 1
+
+    # Overridden defaults (verl-omni's Qwen-Image DMD recipe).
+    learning_rate: float = field(default=1e-4, metadata={"help": "The student's AdamW learning rate."})
+    num_generations: int = field(default=1, metadata={"help": "Samples per prompt per round."})
+    num_inference_steps: int = field(default=4, metadata={"help": "The student's steps."})
+    guidance_scale: float = field(default=1.0, metadata={"help": "The student's guidance (1: CFG-free)."})
+    scale_rewards: str = field(default="none", metadata={"help": "Advantages (monitoring only)."})
+
+    teacher_guidance_scale: float = field(default=4.0, metadata={"help": "The teacher's CFG scale."})
+    fake_score_updates: int = field(default=2, metadata={"help": "Fake-score updates per student update."})
+    fake_score_learning_rate: float = field(default=2e-5, metadata={"help": "The fake score's learning rate."})
+    dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
+    dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
+    reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
+
+    def _check_method(self) -> None:
+        if self.beta > 0:
+            raise ValueError("DMD's student loss is the distribution matching to the teacher: beta > 0 does not apply")
+        if self.fake_score_updates < 1:
+            raise ValueError(f"fake_score_updates must be >= 1, got {self.fake_score_updates}")
+        if not 0 < self.dmd_sigma_min < self.dmd_sigma_max <= 1:
+            raise ValueError(
+                f"need 0 < dmd_sigma_min < dmd_sigma_max <= 1, got {self.dmd_sigma_min}, {self.dmd_sigma_max}"
+            )
+        for name in ("fake_score_learning_rate", "teacher_guidance_scale"):
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.reward_tilt < math.inf:
+            raise ValueError(f"reward_tilt must be >= 0, got {self.reward_tilt}")
+        if self.context_parallel_size > 1:
+            raise ValueError("DMDTrainer does not support context_parallel_size > 1 yet")
+
+    def _round_items(self) -> tuple[int, str]:
+        samples = self.per_device_generation_batch_size
+        return samples, f"{samples} samples (one state each)"

@@ -1,0 +1,216 @@
+"""DMD2 distribution-matching distillation of a few-step student, with RTDMD's reward tilt as an option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..losses import dmd_loss, flow_matching_error
+from ..policies import DiffusionPolicy, require_flow
+from ..rewards import reward_name
+from ..sampling import RolloutPlan
+from .direct_reward_trainer import checked_score
+from .dmd_config import DMDConfig
+from .evaluation import policy_with
+from .fake_score import FakeScore
+from .rollout_trainer import RolloutTrainer
+
+
+class DMDTrainer(RolloutTrainer):
+    """DMD2 (Yin et al., arXiv:2405.14867) on flow-matching models, on TRL's Trainer machinery.
+
+    Each round the student (the trained LoRA, or the denoiser) samples the round's prompts with its own deterministic
+    few-step sampler and every state x_k it visits is recorded with its clean prediction. The fake score (a
+    :class:`~trl_dance.trainer.fake_score.FakeScore`, its own AdamW) then makes ``fake_score_updates`` flow-matching
+    updates on those clean predictions, re-noised to σ ~ U[``dmd_sigma_min``, ``dmd_sigma_max``]; then each sample's
+    state at one of its steps k, drawn uniformly (backward simulation: the student is trained on its own intermediate
+    states, not on noised data), gives x_g = x_k − σ_k·v_θ(x_k) with gradient, and the generator loss
+    (:func:`~trl_dance.losses.dmd_loss`) moves x_g toward the teacher's clean prediction at x_σ = (1 − σ)·sg(x_g) + σ·ε
+    and away from the fake score's. The teacher is the base (LoRA disabled; a frozen copy for full fine-tuning) with
+    ``teacher_guidance_scale``. With ``reward_tilt`` > 0 (RTDMD), the loss also subtracts that weight times the rewards
+    of the decoded x_g, back-propagated through the decoder.
+
+    Flow-matching pipelines. The arguments are those of :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`;
+    ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable).
+    """
+
+    _tag_names = ["trl", "trl-dance", "dmd", "distillation", "diffusers"]
+    _name = "DMD"
+    _paper = {
+        "title": "Improved Distribution Matching Distillation for Fast Image Synthesis",
+        "id": "2405.14867",
+        "citation": "@inproceedings{yin2024dmd2,\n  title={Improved Distribution Matching Distillation for Fast Image "
+        'Synthesis},\n  author={Yin, Tianwei and Gharbi, Micha{\\"e}l and Park, Taesung and Zhang, Richard and '
+        "Shechtman, Eli and Durand, Fredo and Freeman, William T.},\n  booktitle={NeurIPS},\n  year={2024}\n}",
+    }
+    config_class = DMDConfig
+    uses_likelihood_ratio = False
+    supports_async_rounds = False
+    _synchronous_reason = "DMDTrainer trains the student and its fake score on the student's current samples"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        args = self.args
+        if self.parameter_sharding is not None:
+            raise ValueError(
+                f"DMDTrainer keeps its fake score as a second copy of the trained parameters, which "
+                f"{self.parameter_sharding} shards: use DeepSpeed ZeRO-2 (--accelerate_config zero2) or DDP"
+            )
+        if args.reward_tilt > 0:
+            plain = [reward_name(f) for f in self.reward_funcs if not callable(getattr(f, "score", None))]
+            if plain:
+                raise ValueError(
+                    f"reward_tilt back-propagates the rewards through the decoded sample; {plain} only return floats. "
+                    "Use rewards with a differentiable score(prompts, images) -> Tensor (the model rewards, brightness)"
+                )
+        self.fake_score = FakeScore(
+            self.policy.denoiser,
+            args.fake_score_learning_rate,
+            args.weight_decay,
+            (args.adam_beta1, args.adam_beta2),
+            args.adam_epsilon,
+            args.max_grad_norm,
+        )
+        self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
+
+    def _check_policy(self, policy: DiffusionPolicy, args: DMDConfig) -> None:
+        name = type(policy.pipeline).__name__
+        self.process = require_flow(policy.process, f"DMD (velocity predictions; {name})", "")
+
+    @staticmethod
+    def _needs_reference(args: DMDConfig) -> bool:
+        return True  # the teacher
+
+    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.zeros_like(total)  # the rewards monitor (or tilt through their gradient): no group statistics
+
+    def _signal_items(self, advantages: torch.Tensor) -> None:
+        return None  # every sample trains the student, whatever its reward
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Rounds
+
+    def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
+        steps = self.policy.num_steps
+        return RolloutPlan.deterministic(steps, recorded_steps=tuple(range(steps)))
+
+    def _draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Per sample: a step index (of the recorded ones), a noise level in [σ_min, σ_max] and a noise seed (host)."""
+        args, generator = self.args, self._cpu_generator
+        steps = torch.randint(self.policy.num_steps, (count,), generator=generator)
+        sigmas = args.dmd_sigma_min + (args.dmd_sigma_max - args.dmd_sigma_min) * torch.rand(
+            count, generator=generator
+        )
+        return steps, sigmas, torch.randint(2**62, (count,), generator=generator).tolist()
+
+    def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
+        """The fake score's updates on the round's samples, then the student's items (samples, steps, σ, seeds)."""
+        self._rollout |= {"visited": rollout["visited"], "visited_clean": rollout["visited_clean"]}
+        for _ in range(self.args.fake_score_updates):
+            self._update_fake_score()
+        count, size = len(advantages), self.args.per_device_train_batch_size
+        order = torch.randperm(count, generator=self._cpu_generator)
+        steps, sigmas, seeds = self._draw(count)
+        seeds = torch.tensor(seeds)[order]
+        return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
+                        (s.tolist() for s in seeds.split(size))))  # fmt: skip
+
+    def _noise(self, seeds: list[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+        ).to(like.device)
+
+    def _cond(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        rollout = self._rollout
+        return {key: value[rollout["prompt_index"][rows]] for key, value in rollout["cond"].items()}
+
+    def _update_fake_score(self) -> None:
+        """One fake-score update: flow matching, at fresh σ and noise, toward each sample's clean prediction at a step
+        drawn uniformly (the student's samples, detached), over the round's samples in micro-batches."""
+        rollout, device, args = self._rollout, self.accelerator.device, self.args
+        clean_table = rollout["visited_clean"]
+        count, size = clean_table.shape[0], args.per_device_train_batch_size
+        steps, sigmas, seeds = self._draw(count)
+        model, losses = self.fake_score.trained_model, []
+        for start in range(0, count, size):
+            rows = torch.arange(start, min(start + size, count), device=device)
+            x0 = clean_table[rows, steps[start : start + size].to(device)]
+            sigma, noise = sigmas[start : start + size].to(device), self._noise(seeds[start : start + size], x0)
+            with self.compute_loss_context_manager():
+                velocity = self.policy.predict(
+                    model, self.process.add_noise(x0, noise, sigma), self._cond(rows), at=sigma
+                )
+            loss = flow_matching_error(velocity, noise, x0)
+            (loss.sum() / count).backward()
+            losses.append(loss.detach())
+        norm = self.fake_score.step(lambda t: self.accelerator.reduce(t, reduction="mean"))
+        self._metrics["dmd/fake_score_loss"].append(torch.cat(losses).mean())
+        self._metrics["dmd/fake_score_grad_norm"].append(norm.detach())
+
+    def _microbatch(self, item: tuple) -> dict[str, Any]:
+        samples, steps, sigmas, seeds = item
+        rollout, device = self._rollout, self.accelerator.device
+        rows, steps = samples.to(device), steps.to(device)
+        state = rollout["visited"][rows, steps]
+        return {
+            "state": state,
+            "step": steps,
+            "sigma": sigmas.to(device),
+            "noise": self._noise(seeds, state),
+            "cond": self._cond(rows),
+            "prompts": [rollout["prompts"][i] for i in samples.tolist()],
+        }
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        policy, process = self.policy, self.process
+        state, step, sigma, cond = inputs["state"], inputs["step"], inputs["sigma"], inputs["cond"]
+        velocity = policy.predict(model, state, cond, at=step)
+        generated = process.predicted_clean(velocity, state, step)  # x_g, with the student's gradient
+        noisy = process.add_noise(generated.detach(), inputs["noise"], sigma)
+        with torch.no_grad():
+            real = self.reference_prediction(model, noisy, cond, sigma, self._teacher_policy)
+            fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
+        shape = (-1,) + (1,) * (noisy.ndim - 1)
+        real_clean = noisy.float() - sigma.view(shape) * real.float()
+        fake_clean = noisy.float() - sigma.view(shape) * fake.float()
+        per_item = dmd_loss(generated, real_clean, fake_clean)
+        dims = tuple(range(1, noisy.ndim))
+        self._record("dmd/generator_loss", per_item)
+        self._record("dmd/real_fake_distance", (fake_clean - real_clean).abs().mean(dim=dims))
+        if self.args.reward_tilt > 0:
+            images = policy.decode(policy.final_latents(generated, cond))
+            reward = sum(
+                float(weight) * checked_score(func, inputs["prompts"], images)
+                for func, weight in zip(self.reward_funcs, self.reward_weights)
+            )
+            self._record("dmd/tilt_reward", reward.detach())
+            per_item = per_item - self.args.reward_tilt * reward
+        loss = per_item.mean()
+        return (loss, velocity) if return_outputs else loss
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Model card and checkpoints: the fake score and its optimizer travel with them
+
+    def _model_card_details(self) -> dict[str, str]:
+        args = self.args
+        return super()._model_card_details() | {
+            "sampling": f"{args.num_inference_steps} deterministic steps, guidance {args.guidance_scale}, "
+            f"{self._sample_size()}",
+            "DMD": f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
+            f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
+            + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else ""),
+        }
+
+    def _resume_state(self) -> dict[str, Any]:
+        return super()._resume_state() | {"fake_score": self.fake_score.state_dict()}
+
+    def _restore_resume_state(self, state: dict[str, Any]) -> None:
+        super()._restore_resume_state(state)
+        self.fake_score.load_state_dict(state["fake_score"])
+
+
+__all__ = ["DMDTrainer"]
