@@ -54,7 +54,8 @@ def methods(steps: int, rounds: int) -> dict[str, tuple[type[RolloutTrainer], di
         paper: 1 step every 25 of 300 iterations). DiffusionNFT: its config's defaults (DPM-Solver++ rollouts on the
         pipeline's grid, ⌊0.99·N⌋ noise levels per sample, KL β 1e-4, the linear old-policy decay moved after every
         update), with ``updates_per_round`` optimizer updates per round where given (one otherwise, for every method;
-        Flow-DPPO's rows take 4).
+        Flow-DPPO's rows take 4). DiffusionART: two updates per round (its two windows), all states or ART-Flash's 2
+        highest-noise ones.
         Direct reward methods: deterministic rollouts, their
     config's SRPO defaults except as noted."""
     half = max(3, (steps - 1) // 2)

@@ -1,5 +1,6 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo") or
-DiffusionNFT ("nft") for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+"""Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo"),
+DiffusionNFT ("nft") or DMD ("dmd", whose fake score and its optimizer are compared too, and across the two
+processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
 checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
 JSON."""
 
@@ -18,6 +19,8 @@ from trl_dance import (
     DiffusionDPOTrainer,
     DiffusionNFTConfig,
     DiffusionNFTTrainer,
+    DMDConfig,
+    DMDTrainer,
 )
 from trl_dance.testing import tiny_preference_dataset
 
@@ -75,6 +78,22 @@ def run(folder, max_steps, resume=None):
         trainer = DiffusionNFTTrainer(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=lora)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
+    if kind == "dmd":
+        # Each process: 4 samples of 2 steps, one micro-batch per round; 2 fake-score updates per round.
+        args = DMDConfig(
+            **common,
+            num_generations=2,
+            generation_batch_size=8,
+            num_inference_steps=2,
+            height=32,
+            width=32,
+            per_device_train_batch_size=4,
+            guidance_scale=3.5,
+            teacher_guidance_scale=4.5,
+        )
+        trainer = DMDTrainer(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=lora)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
     args = DanceGRPOConfig(
         **common,
         num_generations=2,
@@ -97,6 +116,12 @@ run("interrupted", 3)
 resumed = run("interrupted", 6, resume=os.path.join(output_dir, "interrupted", "checkpoint-3"))
 both = zip(full.model.named_parameters(), resumed.model.parameters())
 different = [name for (name, a), b in both if a.requires_grad and not torch.equal(a, b)]
+if kind == "dmd":
+    fake = resumed.fake_score.params
+    different += [f"fake_score.{name}" for name, a in full.fake_score.params.items() if not torch.equal(a, fake[name])]
+    flat = torch.cat([value.flatten() for value in fake.values()])
+    ranks = resumed.accelerator.gather(flat[None])  # (2, n): the fake score must be the same on both processes
+    different += ["fake_score across processes"] if not torch.equal(ranks[0], ranks[1]) else []
 if resumed.accelerator.is_main_process:
     with open(result_path, "w") as handle:
         json.dump(
