@@ -11,6 +11,7 @@ from conftest import (
     assert_saved_lora_reproduces_training,
     max_ratio_deviation,
     tiny_grpo_config,
+    tiny_online_values,
 )
 from datasets import Dataset
 from peft import LoraConfig
@@ -163,3 +164,34 @@ def test_hunyuan_video15_encodes_a_batch_of_videos_as_each_alone():
     alone = [policy.encode_images(videos[i : i + 1], torch.Generator().manual_seed(i)) for i in range(2)]
     assert torch.equal(both, torch.cat(alone)) and both.shape[0] == 2
     assert policy.decode(both).shape == (2, TINY_VIDEO_FRAMES, 3, 32, 32)
+
+
+def test_meanflow_checkpoint_trains_with_grpo_and_art(tmp_path):
+    """A HunyuanVideo 1.5 MeanFlow (step-distilled) image-to-video checkpoint, saved and loaded like a Hub id, is no
+    longer refused: GRPO samples its flow-map jumps with the on-policy ratio 1, and ART (a forward-process loss, which
+    reads the instantaneous velocity u(x_t, t, t)) trains a round on it; DMD, whose student needs x̂0 from one jump to
+    0, refuses it."""
+    from trl_dance import DiffusionNFTConfig, DiffusionNFTTrainer, DMDConfig, DMDTrainer
+    from trl_dance.testing.hunyuan_video import tiny_hunyuan_video15_i2v_pipeline
+
+    folder = str(tmp_path / "meanflow")
+    tiny_hunyuan_video15_i2v_pipeline(0, meanflow=True).save_pretrained(folder)
+    dataset = _i2v_dataset()
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    video = {"num_frames": TINY_VIDEO_FRAMES, "max_sequence_length": 64}
+    grpo = DanceGRPOTrainer(
+        folder, "brightness", args=tiny_grpo_config(tmp_path / "grpo", guidance_scale=6.0, **video),
+        train_dataset=dataset, peft_config=lora,
+    )  # fmt: skip
+    assert grpo.policy.flow_map
+    grpo._generate_and_score([dict(dataset[i]) for i in (0, 1) for _ in range(4)])
+    assert max_ratio_deviation(grpo) < 1e-5
+    values = tiny_online_values(tmp_path / "art") | video | {"guidance_scale": 1.0, "loss_type": "art"}
+    values |= {"timestep_fraction": 0.5, "per_device_train_batch_size": 6, "max_steps": 2}
+    art = DiffusionNFTTrainer(folder, "brightness", args=DiffusionNFTConfig(**values), train_dataset=dataset,
+                              peft_config=lora)  # fmt: skip
+    art.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in art.state.log_history if "loss" in h)
+    with pytest.raises(ValueError, match="flow map"):
+        DMDTrainer(folder, "brightness", args=DMDConfig(**tiny_online_values(tmp_path / "dmd") | video),
+                   train_dataset=dataset, peft_config=lora)  # fmt: skip

@@ -309,6 +309,48 @@ def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
     torch.testing.assert_close(alone, batched[:1], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("guidance", [6.0, 1.0])
+def test_hunyuan_video15_meanflow_reproduces_the_pipeline(guidance):
+    """A MeanFlow (step-distilled) HunyuanVideo 1.5 transformer embeds each step's end time r: the next step's time,
+    0 at the last, as the image-to-video pipeline passes it; the policy's deterministic sampler gives its videos. A
+    time (not a step) is the instantaneous velocity, r = t; and without r the outputs differ (r matters)."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from trl_dance.testing.hunyuan_video import tiny_hunyuan_video15_i2v_pipeline
+
+    pipeline = tiny_hunyuan_video15_i2v_pipeline(0, meanflow=True)
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    prompts, images = PROMPTS, tiny_condition_images(len(PROMPTS))
+    settings = _deterministic(guidance, None, max_sequence_length=64, num_frames=TINY_VIDEO_FRAMES)
+    policy = make_policy(pipeline, settings)
+    assert policy.flow_map
+    initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(prompts))])
+    with torch.no_grad():
+        ours = _sample_deterministically(policy, initial, prompts, {"image": images})
+        expected = torch.cat(
+            [
+                pipeline(
+                    prompt=[prompt],
+                    image=images[b],
+                    num_frames=TINY_VIDEO_FRAMES,
+                    num_inference_steps=STEPS,
+                    latents=initial[b : b + 1].clone(),
+                    output_type="pt",
+                ).frames
+                for b, prompt in enumerate(prompts)
+            ]
+        )
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+        cond = policy.encode_prompts(prompts[:1], image=images[:1])
+        latents, step = initial[:1], 2
+        at_time = policy.predict(pipeline.transformer, latents, cond, at=float(policy.process.sigma_values[step]))
+        timestep = policy.process.model_timestep(torch.tensor([step]))
+        instantaneous = policy._guided(pipeline.transformer, latents, timestep, {**cond, "timestep_r": timestep})
+        torch.testing.assert_close(at_time, instantaneous, rtol=0, atol=0)
+        jump = policy.predict(pipeline.transformer, latents, cond, at=step)
+        assert (jump - at_time).abs().max() > 1e-4
+
+
 def test_hunyuan_video15_refuses_guiders_it_does_not_reproduce():
     from diffusers.guiders import AdaptiveProjectedGuidance, ClassifierFreeGuidance
 

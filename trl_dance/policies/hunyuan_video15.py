@@ -31,7 +31,8 @@ class _OneVideoAtATime(VideoLatents):
 
 
 class HunyuanVideo15Policy(DiffusionPolicy):
-    """Policy over a :class:`~diffusers.HunyuanVideo15Pipeline` (HunyuanVideo 1.5 T2V, 480p / 720p). Latents are
+    """Policy over a :class:`~diffusers.HunyuanVideo15Pipeline` (HunyuanVideo 1.5 T2V, 480p / 720p; MeanFlow
+    step-distilled checkpoints, ``use_meanflow``, embed the next step's time as their end time r). Latents are
     (B, C, F', H/16, W/16) with F' = (F − 1)/4 + 1; the transformer reads them with zero condition latents and a zero
     mask channel concatenated (the image-to-video inputs, empty for text-to-video), as the pipeline does.
 
@@ -73,11 +74,8 @@ class HunyuanVideo15Policy(DiffusionPolicy):
                 "HunyuanVideo15Policy reproduces a ClassifierFreeGuidance guider without guidance_rescale over all "
                 f"steps; this pipeline's guider is {guider!r}"
             )
-        if pipeline.transformer.config.get("use_meanflow", False):
-            raise ValueError(
-                "HunyuanVideo 1.5 MeanFlow (step-distilled) checkpoints condition each step on the next timestep too; "
-                "this policy samples the base checkpoints only"
-            )
+        # MeanFlow (step-distilled) checkpoints are flow maps u(x_t, r, t): each call also embeds an end time r.
+        self.flow_map = bool(pipeline.transformer.config.get("use_meanflow", False))
         shipped = config.guidance_scale if config.enabled else 1.0
         if max(shipped, 1.0) != max(settings.guidance_scale, 1.0):
             logger.warning(
@@ -86,6 +84,21 @@ class HunyuanVideo15Policy(DiffusionPolicy):
             )
 
     pipeline_tag = "text-to-video"
+
+    def predict(self, model, latents, cond, *, at, guidance_scale=None) -> torch.Tensor:
+        if self.flow_map:
+            cond = {**cond, "timestep_r": self._jump_end(at, latents)}
+        return super().predict(model, latents, cond, at=at, guidance_scale=guidance_scale)
+
+    def _jump_end(self, at, latents: torch.Tensor) -> torch.Tensor:
+        """A MeanFlow checkpoint's end time r (model units, (B,)): at a step, the next step's (0 after the last), so
+        that the Euler step x_{t'} = x_t + (t' − t)·u(x_t, t', t) is the flow map's jump, as the image-to-video
+        pipeline samples; at a time (forward-process losses, which read x̂0 = x_t − t·v), t itself: u(x_t, t, t) is
+        the instantaneous velocity (MeanFlowNFT's pure-diffusion pairs)."""
+        if not isinstance(at, torch.Tensor):
+            dtype = torch.long if isinstance(at, int) else torch.float32
+            at = torch.full((latents.shape[0],), at, device=latents.device, dtype=dtype)
+        return self.process.timestep_at(at) if at.is_floating_point() else self.process.model_timestep(at + 1)
 
     def _scheduler_kwargs(self) -> dict:
         return unshifted_sigmas(self.settings.num_inference_steps)
@@ -142,9 +155,11 @@ class HunyuanVideo15Policy(DiffusionPolicy):
         # quoted text), which the transformer would only move aside and mask. Reading the length is a host sync, as
         # are this transformer's own reads of its masks in every forward.
         glyphs = int(cond["prompt_embeds_mask_2"].sum(dim=1).max())
+        end = cond.get("timestep_r")
         return model(
             hidden_states=torch.cat([latents, condition], dim=1).to(dtype),
             timestep=timestep.to(dtype),
+            timestep_r=None if end is None else end.to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_embeds_mask"],
             encoder_hidden_states_2=cond["prompt_embeds_2"][:, :glyphs].to(dtype),

@@ -107,12 +107,13 @@ def tiny_skyreels_i2v_pipeline(seed: int = 0) -> HunyuanSkyreelsImageToVideoPipe
     return _build(lambda: HunyuanSkyreelsImageToVideoPipeline(**_hunyuan_components(image_to_video=True)), seed)
 
 
-def _hunyuan_video15_components(image_to_video: bool = False) -> dict:
+def _hunyuan_video15_components(image_to_video: bool = False, meanflow: bool = False) -> dict:
     """HunyuanVideo 1.5's components: the Qwen2.5-VL text model read three layers from the top, a ByT5 encoder for
     quoted (glyph) text, the HunyuanVideo 1.5 VAE (4× spatial compression here: 8×8 latents at 32×32; the real one's
     16× would leave 2×2), a transformer taking the noisy latents with condition latents and a mask channel, a
     ``ClassifierFreeGuidance`` guider (6, as the checkpoints ship), the 480p checkpoints' FlowMatchEuler shift 5; with
-    ``image_to_video``, SigLIP (its PIL image processor; 16 tokens of 32² images here, 729 of 384² in the real one)."""
+    ``image_to_video``, SigLIP (its PIL image processor; 16 tokens of 32² images here, 729 of 384² in the real one);
+    with ``meanflow``, the step-distilled checkpoints' second (end-time) timestep embedder."""
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
@@ -159,6 +160,7 @@ def _hunyuan_video15_components(image_to_video: bool = False) -> dict:
             rope_axes_dim=(4, 6, 6),
             target_size=TINY_RESOLUTION,
             task_type="i2v" if image_to_video else "t2v",
+            use_meanflow=meanflow,
         ),
         "vae": AutoencoderKLHunyuanVideo15(
             block_out_channels=(8, 16, 16),
@@ -194,7 +196,8 @@ def tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
     return _build(lambda: HunyuanVideo15Pipeline(**_hunyuan_video15_components()), seed)
 
 
-def tiny_hunyuan_video15_i2v_pipeline(seed: int = 0) -> HunyuanVideo15ImageToVideoPipeline:
+def tiny_hunyuan_video15_i2v_pipeline(seed: int = 0, meanflow: bool = False) -> HunyuanVideo15ImageToVideoPipeline:
     """A HunyuanVideo15ImageToVideoPipeline (HunyuanVideo 1.5 image-to-video: the first frame's latents and a mask as
-    condition channels, SigLIP embeddings of the image in the sequence)."""
-    return _build(lambda: HunyuanVideo15ImageToVideoPipeline(**_hunyuan_video15_components(True)), seed)
+    condition channels, SigLIP embeddings of the image in the sequence); ``meanflow``: a MeanFlow (step-distilled)
+    transformer."""
+    return _build(lambda: HunyuanVideo15ImageToVideoPipeline(**_hunyuan_video15_components(True, meanflow)), seed)

@@ -77,6 +77,11 @@ class DMDTrainer(RolloutTrainer):
     def _check_policy(self, policy: DiffusionPolicy, args: DMDConfig) -> None:
         name = type(policy.pipeline).__name__
         self.process = require_flow(policy.process, f"DMD (velocity predictions; {name})", "")
+        if getattr(policy, "flow_map", False):
+            raise ValueError(
+                f"{name} is a flow map (a MeanFlow checkpoint: each step is a jump to the next step's time); DMD's "
+                "student loss reads its clean sample from one step's instantaneous velocity: distil a base checkpoint"
+            )
 
     @staticmethod
     def _needs_reference(args: DMDConfig) -> bool:
