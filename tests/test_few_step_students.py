@@ -45,7 +45,8 @@ MARGINS = {"grpo": 0.019, "direct_align": 0.013, "nft": 0.016, "art_flash": 0.01
 
 @pytest.mark.slow
 def test_direct_align_on_a_four_step_distilled_klein(klein_distilled, tmp_path):
-    """FLUX.2 [klein] distilled at its 4 steps, no CFG: Direct-Align's levels drawn from the student's own range."""
+    """FLUX.2 [klein] distilled at its 4 steps, no CFG: rollouts on the pipeline's 4-step grid; Direct-Align's noise
+    levels are its own window, whatever the rollout grid."""
     values = _values(tmp_path, 4, num_generations=1, generation_batch_size=8, per_device_train_batch_size=4)
     values |= {"gradient_accumulation_steps": 2, "max_steps": 30, "learning_rate": 3e-2, "max_grad_norm": 1.0}
     trainer = DirectRewardTrainer(klein_distilled, "brightness", args=DirectRewardConfig(**values, weight_decay=0.0),
