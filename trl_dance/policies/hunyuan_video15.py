@@ -86,8 +86,12 @@ class HunyuanVideo15Policy(DiffusionPolicy):
     pipeline_tag = "text-to-video"
 
     def predict(self, model, latents, cond, *, at, guidance_scale=None) -> torch.Tensor:
+        """:meth:`DiffusionPolicy.predict`; a MeanFlow checkpoint also takes its end time r, by default
+        :meth:`_jump_end`'s, or (B,) σ given as ``cond["flow_map_end"]`` (MeanFlowNFT's (t, r) pairs)."""
         if self.flow_map:
-            cond = {**cond, "timestep_r": self._jump_end(at, latents)}
+            end = cond.get("flow_map_end")
+            r = self._jump_end(at, latents) if end is None else self.process.timestep_at(end.to(latents.device))
+            cond = {key: value for key, value in cond.items() if key != "flow_map_end"} | {"timestep_r": r}
         return super().predict(model, latents, cond, at=at, guidance_scale=guidance_scale)
 
     def _jump_end(self, at, latents: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,13 @@ class DiffusionNFTConfig(RolloutConfig):
             within a round the later updates of `"round"` pull θ back to that optimum instead of learning further
             (`tests/test_diffusion_nft.py` measures it); `"step"` re-anchors every update. AWM always uses `"round"`
             (its ratio is against θ at the round's start).
+        flow_map_diffusion_ratio (`float`, defaults to `0.5`), flow_map_consistency_ratio (`float`, defaults to
+            `0.25`), flow_map_cd_epsilon (`float`, defaults to `0.005`): MeanFlowNFT (arXiv 2607.15273) on flow-map
+            checkpoints (HunyuanVideo 1.5 MeanFlow), `loss_type="nft"`: each item at its noise level t also gets an
+            end time r, r = t for the first fraction of items (the instantaneous velocity), r = 0 for the next, r ~
+            U(0, t) for the rest, and NFT runs on the induced instantaneous velocity V = u(x_t, r, t) + (t − r)·dF/dt,
+            dF/dt the old policy's central difference along the path, (u(x_t + ε·(ε_noise − x0), r, t + ε) − u(x_t −
+            ε·(ε_noise − x0), r, t − ε))/(2ε), shared by θ, old and reference (so V_θ − V_old = u_θ − u_old).
         beta (`float`, defaults to `1e-4`): KL coefficient: β·mean((v_θ − v_ref)²) with v_ref the LoRA-disabled base
             (a frozen copy for full fine-tuning).
     """
@@ -167,6 +174,9 @@ class DiffusionNFTConfig(RolloutConfig):
     old_policy_decay: str | None = field(
         default=None, metadata={"help": "linear | delayed | none (None: by loss type).", "choices": list(DECAYS)}
     )
+    flow_map_diffusion_ratio: float = field(default=0.5, metadata={"help": "MeanFlowNFT: items with r = t."})
+    flow_map_consistency_ratio: float = field(default=0.25, metadata={"help": "MeanFlowNFT: items with r = 0."})
+    flow_map_cd_epsilon: float = field(default=0.005, metadata={"help": "MeanFlowNFT: central-difference step (σ)."})
     old_policy_update: str = field(
         default="step", metadata={"help": "step | round: when NFT's old policy moves.", "choices": ["step", "round"]}
     )
@@ -200,6 +210,13 @@ class DiffusionNFTConfig(RolloutConfig):
             self._check_whole_groups(
                 "loss_type='dgpo' weighs", per_device_train_batch_size=self.per_device_train_batch_size
             )
+        ratios = (self.flow_map_diffusion_ratio, self.flow_map_consistency_ratio)
+        if min(ratios) < 0 or sum(ratios) > 1:
+            raise ValueError(
+                f"flow_map_diffusion_ratio and flow_map_consistency_ratio must be >= 0 with a sum <= 1, got {ratios}"
+            )
+        if not 0 < self.flow_map_cd_epsilon < 0.5:
+            raise ValueError(f"flow_map_cd_epsilon must be in (0, 0.5), got {self.flow_map_cd_epsilon}")
         if self.loss_type == "art":
             self._check_art()
             self.updates_per_round = self.art_update_windows

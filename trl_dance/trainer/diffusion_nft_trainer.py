@@ -19,7 +19,7 @@ from ..losses import (
     optimality_probability,
 )
 from ..policies import DiffusionPolicy, require_flow
-from ..sampling import RolloutPlan
+from ..sampling import RolloutPlan, mix_seed
 from .diffusion_nft_config import DiffusionNFTConfig
 from .evaluation import policy_with
 from .old_policy import OldPolicy, nft_decay
@@ -70,6 +70,8 @@ class DiffusionNFTTrainer(RolloutTrainer):
         self.fast_ema = OldPolicy(self.policy.denoiser) if args.ema_kl_beta > 0 or args.dgpo_clip > 0 else None
         self._synced_step = 0  # the optimizer step the old policy / fast EMA were last moved at
         self._train_policy = policy_with(self.policy, guidance_scale=args.train_guidance_scale or args.guidance_scale)
+        # MeanFlowNFT's (t, r) pairs on flow-map checkpoints (other losses read the instantaneous velocity, r = t).
+        self._flow_map = bool(getattr(self.policy, "flow_map", False)) and args.loss_type == "nft"
 
     def _check_policy(self, policy: DiffusionPolicy, args: DiffusionNFTConfig) -> None:
         name = type(policy.pipeline).__name__
@@ -212,7 +214,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
         ).to(device)
         sigma = self.process.sigmas[levels].to(device)
         cond_rows = rollout["prompt_index"][samples.to(device)]
-        return {
+        inputs = {
             "noisy": self.process.add_noise(x0, noise, sigma),
             "noise": noise,
             "groups": torch.arange(len(seeds), device=device) // self.args.num_generations,  # DGPO: whole groups
@@ -221,6 +223,44 @@ class DiffusionNFTTrainer(RolloutTrainer):
             "advantages": rollout["advantages"][samples.to(device)],
             "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
         }
+        if self._flow_map:
+            ends = self._flow_map_ends(self.process.sigmas[levels], seeds)
+            inputs["cond"]["flow_map_end"] = ends.to(device)
+            inputs["jump_rows"] = (ends < self.process.sigmas[levels]).nonzero().flatten()  # host: r < t
+        return inputs
+
+    def _flow_map_ends(self, sigma: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+        """MeanFlowNFT's end times r (B,) σ, host, for items at noise levels ``sigma`` (host): r = t with probability
+        ``flow_map_diffusion_ratio``, 0 with ``flow_map_consistency_ratio``, else U(0, t); drawn from each item's seed
+        (reproducible on resume)."""
+        args, ends = self.args, []
+        for t, seed in zip(sigma.tolist(), seeds):
+            u, v = torch.rand(2, generator=torch.Generator().manual_seed(mix_seed(seed, 0xF10))).tolist()
+            if u < args.flow_map_diffusion_ratio:
+                ends.append(t)
+            else:
+                ends.append(0.0 if u < args.flow_map_diffusion_ratio + args.flow_map_consistency_ratio else t * v)
+        return torch.tensor(ends, dtype=torch.float32)
+
+    @torch.no_grad()
+    def _flow_map_correction(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """(t − r)·dF/dt (B, ...) float32: MeanFlowNFT's term taking a flow map u(x_t, r, t) to the instantaneous
+        velocity it induces, dF/dt the old policy's central difference along the conditional path x_t' = x_t + (t' −
+        t)·(ε − x0) over [max(t − ε_cd, r), min(t + ε_cd, 1)]; 0 on items with r = t (no forward for them)."""
+        noisy, sigma, cond = inputs["noisy"], inputs["sigma"], inputs["cond"]
+        correction = torch.zeros_like(noisy, dtype=torch.float32)
+        rows = inputs["jump_rows"].to(noisy.device)
+        if not len(rows):
+            return correction
+        x, t, end = noisy[rows].float(), sigma[rows], cond["flow_map_end"][rows]
+        direction = (inputs["noise"][rows] - inputs["x0"][rows]).float()
+        eps, part = self.args.flow_map_cd_epsilon, {key: value[rows] for key, value in cond.items()}
+        high, low = (t + eps).clamp(max=1.0), torch.maximum(t - eps, end)
+        model, policy, shape = self.old_policy.model, self._train_policy, (-1,) + (1,) * (x.ndim - 1)
+        plus = policy.predict(model, x + (high - t).view(shape) * direction, part, at=high)
+        minus = policy.predict(model, x + (low - t).view(shape) * direction, part, at=low)
+        correction[rows] = (t - end).view(shape) * (plus - minus) / (high - low).view(shape)
+        return correction
 
     def _art_microbatch(self, samples: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         """Visited states and their frozen targets x̂0_old + η·λ(σ)·G(c)."""
@@ -275,7 +315,11 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))
             if args.loss_type == "nft":
                 r = optimality_probability(advantages, args.adv_clip_max)
-                per_item = nft_loss(velocity, old_velocity, noisy, x0, sigma, r, args.nft_beta, args.adv_clip_max)
+                induced, old_induced = velocity, old_velocity
+                if self._flow_map:  # NFT on the induced instantaneous velocities (V_θ − V_old = u_θ − u_old)
+                    correction = self._flow_map_correction(inputs)
+                    induced, old_induced = velocity + correction, old_velocity + correction
+                per_item = nft_loss(induced, old_induced, noisy, x0, sigma, r, args.nft_beta, args.adv_clip_max)
                 self._record("optimality_probability/mean", r)
             else:
                 error = flow_matching_error(velocity, inputs["noise"], x0)
