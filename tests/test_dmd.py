@@ -170,3 +170,47 @@ def test_dmd_brings_a_perturbed_two_step_student_to_the_teachers_distribution(ti
 def test_reward_tilt_raises_the_reward(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, reward_tilt=1.0, learning_rate=3e-3, max_steps=30, seed=LEARNING_SEED)
     train_and_assert_reward_rose(trainer, "brightness", 0.012)
+
+
+def test_a_distilled_student_trains_on_with_its_lora_merged(tiny_model_dir, tmp_path):
+    """RTDMD's second stage starts from the distilled student: `merge_lora` fuses a saved student LoRA into the base,
+    after which the policy (a fresh LoRA, zero-initialised) samples exactly as the pipeline with the student's LoRA
+    loaded; the LoRA-disabled reference is the merged student."""
+    from conftest import tiny_grpo_config
+
+    from trl_dance import DanceGRPOTrainer
+    from trl_dance.trainer.diffusion_trainer import load_tiny_pipeline
+
+    student = _trainer(tiny_model_dir, tmp_path / "dmd", lora_init=False, max_steps=1)
+    student.train()
+    student.save_model(str(tmp_path / "student"))
+    grpo = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness",
+        args=tiny_grpo_config(tmp_path / "grpo", merge_lora=[str(tmp_path / "student")], guidance_scale=3.5),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+        peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
+    )  # fmt: skip
+    pipeline = load_tiny_pipeline(tiny_model_dir("flux"))
+    pipeline.load_lora_weights(str(tmp_path / "student"), weight_name="pytorch_lora_weights.safetensors")
+    prompts, generators = PROMPTS[:2], lambda: [torch.Generator().manual_seed(i) for i in range(2)]  # noqa: E731
+    plan = RolloutPlan.deterministic(grpo.policy.num_steps)
+    ours = grpo.sample(prompts, generators(), model=grpo.model, plan=plan)["final_latents"]
+    base = DanceGRPOTrainer(
+        pipeline, "brightness", args=tiny_grpo_config(tmp_path / "ref", guidance_scale=3.5),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+    )  # fmt: skip
+    expected = base.sample(prompts, generators(), model=base.model, plan=plan)["final_latents"]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # the fresh LoRA off: the merged student itself; and the student's LoRA changes samples
+        reference = grpo.reference_prediction(grpo.model, ours, grpo.policy.encode_prompts(prompts), 3)
+        unmerged = grpo.policy.predict(grpo.model, ours, grpo.policy.encode_prompts(prompts), at=3)
+    torch.testing.assert_close(reference, unmerged, rtol=0, atol=0)
+    untouched = DanceGRPOTrainer(
+        tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path / "plain", guidance_scale=3.5),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+    )  # fmt: skip
+    plain = untouched.sample(prompts, generators(), model=untouched.model, plan=plan)["final_latents"]
+    assert (plain - expected).abs().max() > 1e-3
+    with pytest.raises(FileNotFoundError, match="merge_lora: no pytorch_lora_weights"):
+        DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path / "x", merge_lora=[str(tmp_path)]),
+                         train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}))  # fmt: skip

@@ -38,6 +38,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo_flux", "grpo_flux_mix_tiny", "flux"),
         ("nft", "nft_flux_tiny", "flux"),
         ("nft", "art_z_image_turbo_tiny", "z-image"),
+        ("dmd", "dmd_flux_tiny", "flux"),
         ("direct", "srpo_flux_tiny", "flux"),
         ("nft", "nft_wan_tiny", "wan"),
         ("grpo_sd", "grpo_sd_tiny", "sd"),

@@ -34,6 +34,10 @@ class DiffusionTrainingConfig(
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
     )
+    merge_lora: list[str] | None = field(
+        default=None,
+        metadata={"help": "LoRA folders (diffusers format) fused into the base weights before training."},
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -49,6 +49,10 @@ class DiffusionDPOConfig(DPOLossArguments, DatasetTrainingConfig):
         guidance_scale (`float`, defaults to `3.5`): FLUX's guidance-embedding value during training; unused by
             families with CFG.
         max_sequence_length (`int`, defaults to `512`): T5 tokens (SD3, FLUX).
+        merge_lora (`list[str]` or `None`, defaults to `None`): LoRA folders in the diffusers format (what every
+            trainer here saves) fused into the base weights, in order, before training: training starts from the
+            merged model, which is also the reference (LoRA disabled). RL on a student distilled here (RTDMD's
+            `merge_before_training`), or on any fine-tune.
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
             `DiffusionPipeline.from_pretrained` when `model` is a string.
         frozen_dtype, offload_text_encoders: memory settings of the VAE and text encoders, see

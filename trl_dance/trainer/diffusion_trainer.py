@@ -76,13 +76,14 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | None = None) -> DiffusionPipeline:
     """A pipeline instance from a Hub id or local folder (``from_pretrained`` of ``pipeline_class``, a diffusers
-    pipeline class name, default the folder's own, with ``args.model_init_kwargs``), or as given.
+    pipeline class name, default the folder's own, with ``args.model_init_kwargs``), or as given; then every LoRA of
+    ``args.merge_lora`` fused into its weights.
 
     Under DeepSpeed ZeRO-3 the text encoders load whole on every process (transformers would otherwise partition
     them with ``zero.Init``): they stay frozen outside the engine, which alone gathers its shards in forward.
     """
     if isinstance(model, DiffusionPipeline):
-        return model
+        return _with_merged_loras(model, args)
     if not isinstance(model, str):
         raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
     kwargs = dict(args.model_init_kwargs or {})
@@ -110,7 +111,25 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
             f"it could not be loaded: {err}"
         ) from err
     pipeline.set_progress_bar_config(disable=True)
+    return _with_merged_loras(pipeline, args)
+
+
+def _with_merged_loras(pipeline: DiffusionPipeline, args) -> DiffusionPipeline:
+    for index, folder in enumerate(getattr(args, "merge_lora", None) or []):
+        merge_lora(pipeline, folder, f"merged_{index}")
     return pipeline
+
+
+def merge_lora(pipeline: DiffusionPipeline, folder: str, name: str) -> None:
+    """Fuse the diffusers-format LoRA in ``folder`` into ``pipeline``'s weights (diffusers' ``load_lora_weights``,
+    ``fuse_lora``, ``unload_lora_weights``): the pipeline then samples as with the LoRA loaded, with no adapter left."""
+    if not callable(getattr(pipeline, "load_lora_weights", None)):
+        raise ValueError(f"merge_lora: {type(pipeline).__name__} does not load LoRA weights")
+    if not os.path.isfile(os.path.join(folder, LORA_WEIGHTS_NAME)):
+        raise FileNotFoundError(f"merge_lora: no {LORA_WEIGHTS_NAME} in {folder!r}")
+    pipeline.load_lora_weights(folder, weight_name=LORA_WEIGHTS_NAME, adapter_name=name)
+    pipeline.fuse_lora(adapter_names=[name])
+    pipeline.unload_lora_weights()
 
 
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default

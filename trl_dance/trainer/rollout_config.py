@@ -115,6 +115,10 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
 
         > Model
 
+        merge_lora (`list[str]` or `None`, defaults to `None`): LoRA folders in the diffusers format (what every
+            trainer here saves) fused into the base weights, in order, before training: training starts from the
+            merged model, which is also the reference (LoRA disabled). RL on a student distilled here (RTDMD's
+            `merge_before_training`), or on any fine-tune.
         model_init_kwargs (`dict` or `None`, defaults to `None`): Keyword arguments of
             `DiffusionPipeline.from_pretrained` when `model` is a string, e.g. `{"dtype": "bfloat16"}`.
         pipeline_class (`str` or `None`, defaults to `None`): A diffusers pipeline class to load `model` with instead
