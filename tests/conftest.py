@@ -201,3 +201,17 @@ def train_and_assert_reward_rose(trainer, metric: str, margin: float) -> None:
     print(f"per round {rewards}")
     noise = trainer.state.log_history[0]["reward_std"]
     assert_learned(metric, sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3, noise, margin)
+
+
+def train_and_resume(make_trainer, output_dir, **overrides):
+    """Train 3 steps checkpointing every step, then train again from ``checkpoint-1``; assert both runs end with
+    bit-identical model weights and return (full, resumed) for the caller's own state comparisons.
+    ``make_trainer(output_dir, **overrides)`` builds a trainer."""
+    overrides = {"max_steps": 3, "save_strategy": "steps", "save_steps": 1} | overrides
+    full = make_trainer(output_dir, **overrides)
+    full.train()
+    resumed = make_trainer(output_dir, **overrides)
+    resumed.train(resume_from_checkpoint=str(output_dir / "checkpoint-1"))
+    for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(value, other), name
+    return full, resumed

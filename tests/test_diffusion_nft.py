@@ -1,5 +1,7 @@
 """DiffusionNFT: the loss's closed forms, zero gradient at zero advantage, the old policy, resume, bad input, learning."""
 
+import functools
+
 import pytest
 import torch
 from conftest import (
@@ -9,6 +11,7 @@ from conftest import (
     family_overrides,
     tiny_online_values,
     train_and_assert_reward_rose,
+    train_and_resume,
 )
 from datasets import Dataset
 from peft import LoraConfig
@@ -242,14 +245,9 @@ def test_memory_of_a_round_against_grpo(tiny_model_dir, tmp_path):
 
 
 def test_resume_restores_the_old_policy_exactly(tiny_model_dir, tmp_path):
-    overrides = {"max_steps": 3, "save_strategy": "steps", "save_steps": 1, "learning_rate": 1e-3}
-    overrides["old_policy_decay"] = "delayed"  # with "linear" the first decays are 0.001, 0.002: barely visible
-    full = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
-    full.train()
-    resumed = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
-    for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(value, other), name
+    # (with the "linear" decay the first decays are 0.001, 0.002: barely visible)
+    make = functools.partial(_trainer, tiny_model_dir)
+    full, resumed = train_and_resume(make, tmp_path / "run", learning_rate=1e-3, old_policy_decay="delayed")
     for name, value in full.old_policy.params.items():
         assert torch.equal(value, resumed.old_policy.params[name]), name
 

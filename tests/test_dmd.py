@@ -2,10 +2,18 @@
 fake score's own optimizer, exact resume, bad input, distillation toward the teacher and RTDMD's reward tilt."""
 
 import copy
+import functools
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, tiny_online_values, train_and_assert_reward_rose
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    tiny_online_values,
+    train_and_assert_reward_rose,
+    train_and_resume,
+)
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -98,13 +106,7 @@ def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_
 
 
 def test_resume_restores_the_fake_score_and_its_optimizer_exactly(tiny_model_dir, tmp_path):
-    overrides = {"max_steps": 3, "save_strategy": "steps", "save_steps": 1}
-    full = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
-    full.train()
-    resumed = _trainer(tiny_model_dir, tmp_path / "run", **overrides)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
-    for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(value, other), name
+    full, resumed = train_and_resume(functools.partial(_trainer, tiny_model_dir), tmp_path / "run")
     for name, value in full.fake_score.params.items():
         assert torch.equal(value, resumed.fake_score.params[name]), name
     a, b = full.fake_score.optimizer.state_dict()["state"], resumed.fake_score.optimizer.state_dict()["state"]
