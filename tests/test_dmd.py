@@ -39,13 +39,18 @@ def dmd_config(output_dir, **overrides) -> DMDConfig:
     return DMDConfig(**(values | overrides))
 
 
-def _trainer(tiny_model_dir, tmp_path, kind="flux", reward="brightness", lora_init=True, alpha=8, **overrides):
+def _trainer(
+    tiny_model_dir, tmp_path, kind="flux", reward="brightness", lora_init=True, alpha=8, lora=True, **overrides
+):
+    peft = (
+        LoraConfig(r=8, lora_alpha=alpha, target_modules=LORA_TARGETS, init_lora_weights=lora_init) if lora else None
+    )
     return DMDTrainer(
         tiny_model_dir(kind),
         reward,
         args=dmd_config(tmp_path, **overrides),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
-        peft_config=LoraConfig(r=8, lora_alpha=alpha, target_modules=LORA_TARGETS, init_lora_weights=lora_init),
+        peft_config=peft,
     )
 
 
@@ -66,11 +71,14 @@ def test_dmd_loss_closed_form():
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
-def test_zero_gradient_when_student_fake_score_and_teacher_agree(tiny_model_dir, tmp_path):
-    """A zero-initialised LoRA (student = teacher), the fake score as it starts (a copy of the student) and the teacher's
-    guidance equal to the student's: every LoRA gradient of the student's loss is exactly 0. After the round's fake
-    updates moved the fake score, the same micro-batch has a gradient."""
-    trainer = _trainer(tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("lora", [True, False])
+def test_zero_gradient_when_student_fake_score_and_teacher_agree(tiny_model_dir, tmp_path, lora):
+    """A zero-initialised LoRA (student = teacher; or full fine-tuning, the teacher a frozen copy), the fake score as it
+    starts (a copy of the student) and the teacher's guidance equal to the student's: every trained gradient of the
+    student's loss is exactly 0. After the round's fake updates moved the fake score, the same micro-batch has a
+    gradient."""
+    trainer = _trainer(tiny_model_dir, tmp_path, lora=lora)
+    assert (trainer.ref_model is None) == lora
     start = copy.deepcopy(trainer.fake_score.state_dict())  # (on the CPU, state_dict's tensors are the live ones)
     trainer._generate_and_score(ROWS)
     moved = {name: value.detach().clone() for name, value in trainer.fake_score.params.items()}
