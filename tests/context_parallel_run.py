@@ -26,6 +26,8 @@ from trl_dance import (
     DiffusionSFTTrainer,
     DirectRewardConfig,
     DirectRewardTrainer,
+    DMDConfig,
+    DMDTrainer,
     OnlineDiffusionDPOConfig,
     OnlineDiffusionDPOTrainer,
     SPOConfig,
@@ -116,6 +118,12 @@ def build(kind: str, method: str, lora: str, model_dir: str, output_dir: str):
         )  # fmt: skip
         prompts = prompts.add_column("task", ["a"] * len(prompts))
         trainer_class = DiffusionOPDTrainer
+    elif method == "dmd":  # the fake score: a second copy with its own AdamW, its gradients reduced over the ranks
+        args = DMDConfig(
+            **(base | {"learning_rate": 100.0}), **(online | {"num_inference_steps": 2}),
+            per_device_train_batch_size=2, fake_score_learning_rate=1e-3, teacher_guidance_scale=4.0,
+        )  # fmt: skip
+        trainer_class = DMDTrainer
     else:
         raise ValueError(f"unknown case method {method!r}")
     return trainer_class(model_dir, "brightness", args=args, train_dataset=prompts, peft_config=peft)

@@ -32,6 +32,7 @@ CASES = [
     ("wan", "online-dpo", "lora"),
     ("wan", "sft", "lora"),
     ("wan", "opd", "lora"),
+    ("wan", "dmd", "lora"),  # the fake score: a functional_call copy with its own AdamW (and reduction) on the split
     ("qwen-image", "grpo", "lora"),  # diffusers' plan, prompts padded under its joint mask
     ("flux2", "grpo", "lora"),
     ("wan", "dpo", "full"),

@@ -73,8 +73,6 @@ class DMDConfig(RolloutConfig):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.reward_tilt < math.inf:
             raise ValueError(f"reward_tilt must be >= 0, got {self.reward_tilt}")
-        if self.context_parallel_size > 1:
-            raise ValueError("DMDTrainer does not support context_parallel_size > 1 yet")
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size
