@@ -32,6 +32,14 @@ def mix_seed(*parts: int) -> int:
     return value
 
 
+def seeded_noise(seeds: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """(len(seeds), *like.shape[1:]) standard normal noise on ``like``'s device, row i drawn on the CPU from ``seeds[i]``
+    (host integers): the same rows whatever the batch, device or process."""
+    return torch.stack(
+        [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+    ).to(like.device)
+
+
 def sample_generators(seed: int, round_index: int, first_index: int, count: int) -> list[torch.Generator]:
     """One CPU generator per sample, seeded by (seed, round, global sample index): a sample's noise depends neither on
     the number of processes nor on how samples are batched."""
@@ -427,6 +435,7 @@ __all__ = [
     "pooled_rollout",
     "rollout",
     "sample_generators",
+    "seeded_noise",
     "solve",
 ]
 

@@ -19,7 +19,7 @@ from ..losses import (
     optimality_probability,
 )
 from ..policies import DiffusionPolicy, require_flow
-from ..sampling import RolloutPlan, mix_seed
+from ..sampling import RolloutPlan, mix_seed, seeded_noise
 from .diffusion_nft_config import DiffusionNFTConfig
 from .evaluation import policy_with
 from .old_policy import OldPolicy, nft_decay
@@ -209,9 +209,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
         rollout, device = self._rollout, self.accelerator.device
         samples, levels, seeds = item
         x0 = rollout["x0"][samples.to(device)]
-        noise = torch.stack(
-            [torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
-        ).to(device)
+        noise = seeded_noise(seeds, x0)
         sigma = self.process.sigmas[levels].to(device)
         cond_rows = rollout["prompt_index"][samples.to(device)]
         inputs = {
@@ -285,7 +283,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args, policy = self.args, self._train_policy
         self._sync_old_policies()
-        noisy, sigma, cond = inputs["noisy"], inputs["sigma"], inputs["cond"]
+        noisy, sigma, cond, x0 = inputs["noisy"], inputs["sigma"], inputs["cond"], inputs.get("x0")  # (ART: no x0)
         advantages = inputs["advantages"]
         velocity = policy.predict(model, noisy, cond, at=sigma)
         dims = tuple(range(1, velocity.ndim))
@@ -300,7 +298,6 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 clean = noisy.float() - sigma.view(-1, *[1] * (noisy.ndim - 1)) * velocity.detach().float()
                 self._record("old_policy/deviation", ((clean - inputs["rollout_clean"]) ** 2).mean(dim=dims))
         elif args.loss_type == "dgpo":
-            x0 = inputs["x0"]
             error = flow_matching_error(velocity, inputs["noise"], x0)
             reference_error = flow_matching_error(reference, inputs["noise"], x0)
             old_error = None if ema is None else flow_matching_error(ema, inputs["noise"], x0)
@@ -309,7 +306,6 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 error, reference_error, advantages, inputs["groups"], groups, args.dgpo_beta, old_error, args.dgpo_clip
             )
         else:
-            x0 = inputs["x0"]
             with torch.no_grad():
                 old_velocity = policy.predict(self.old_policy.model, noisy, cond, at=sigma)
                 self._record("old_policy/deviation", ((velocity - old_velocity) ** 2).mean(dim=dims))

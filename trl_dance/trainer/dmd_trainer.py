@@ -9,7 +9,7 @@ import torch
 from ..losses import dmd_loss, flow_matching_error
 from ..policies import DiffusionPolicy, require_flow
 from ..rewards import reward_name
-from ..sampling import RolloutPlan
+from ..sampling import RolloutPlan, seeded_noise
 from .direct_reward_trainer import checked_score
 from .dmd_config import DMDConfig
 from .evaluation import policy_with
@@ -121,11 +121,6 @@ class DMDTrainer(RolloutTrainer):
         return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
                         (s.tolist() for s in seeds.split(size))))  # fmt: skip
 
-    def _noise(self, seeds: list[int], like: torch.Tensor) -> torch.Tensor:
-        return torch.stack(
-            [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(seed)) for seed in seeds]
-        ).to(like.device)
-
     def _cond(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         rollout = self._rollout
         return {key: value[rollout["prompt_index"][rows]] for key, value in rollout["cond"].items()}
@@ -141,7 +136,7 @@ class DMDTrainer(RolloutTrainer):
         for start in range(0, count, size):
             rows = torch.arange(start, min(start + size, count), device=device)
             x0 = clean_table[rows, steps[start : start + size].to(device)]
-            sigma, noise = sigmas[start : start + size].to(device), self._noise(seeds[start : start + size], x0)
+            sigma, noise = sigmas[start : start + size].to(device), seeded_noise(seeds[start : start + size], x0)
             with self.compute_loss_context_manager():
                 velocity = self.policy.predict(
                     model, self.process.add_noise(x0, noise, sigma), self._cond(rows), at=sigma
@@ -162,7 +157,7 @@ class DMDTrainer(RolloutTrainer):
             "state": state,
             "step": steps,
             "sigma": sigmas.to(device),
-            "noise": self._noise(seeds, state),
+            "noise": seeded_noise(seeds, state),
             "cond": self._cond(rows),
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
         }
