@@ -250,14 +250,13 @@ class DanceGRPOTrainer(RolloutTrainer):
         rollout, device = self._rollout, self.accelerator.device
         sample, step = (index.to(device) for index in indices)
         stored = step - rollout["first_step"][sample]  # position among the sample's stored steps
-        cond_rows = rollout["prompt_index"][sample]
         inputs = {
             "latents": rollout["latents"][sample, stored],
             "next_latents": rollout["latents"][sample, stored + 1],
             "step_index": step,
             "old_log_prob": rollout["log_probs"][sample, stored],
             "advantages": rollout["advantages"][sample],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(sample),
         }
         if rollout["means"] is not None:
             inputs["old_mean"] = rollout["means"][sample, stored]

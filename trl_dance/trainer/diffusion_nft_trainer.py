@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..forward_process import per_sample
 from ..losses import (
     art_guidance,
     art_loss,
@@ -211,7 +212,6 @@ class DiffusionNFTTrainer(RolloutTrainer):
         x0 = rollout["x0"][samples.to(device)]
         noise = seeded_noise(seeds, x0)
         sigma = self.process.sigmas[levels].to(device)
-        cond_rows = rollout["prompt_index"][samples.to(device)]
         inputs = {
             "noisy": self.process.add_noise(x0, noise, sigma),
             "noise": noise,
@@ -219,7 +219,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
             "x0": x0,
             "sigma": sigma,
             "advantages": rollout["advantages"][samples.to(device)],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(samples.to(device)),
         }
         if self._flow_map:
             ends = self._flow_map_ends(self.process.sigmas[levels], seeds)
@@ -254,10 +254,10 @@ class DiffusionNFTTrainer(RolloutTrainer):
         direction = (inputs["noise"][rows] - inputs["x0"][rows]).float()
         eps, part = self.args.flow_map_cd_epsilon, {key: value[rows] for key, value in cond.items()}
         high, low = (t + eps).clamp(max=1.0), torch.maximum(t - eps, end)
-        model, policy, shape = self.old_policy.model, self._train_policy, (-1,) + (1,) * (x.ndim - 1)
-        plus = policy.predict(model, x + (high - t).view(shape) * direction, part, at=high)
-        minus = policy.predict(model, x + (low - t).view(shape) * direction, part, at=low)
-        correction[rows] = (t - end).view(shape) * (plus - minus) / (high - low).view(shape)
+        model, policy = self.old_policy.model, self._train_policy
+        plus = policy.predict(model, x + per_sample(high - t, x) * direction, part, at=high)
+        minus = policy.predict(model, x + per_sample(low - t, x) * direction, part, at=low)
+        correction[rows] = per_sample(t - end, x) * (plus - minus) / per_sample(high - low, x)
         return correction
 
     def _art_microbatch(self, samples: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
@@ -266,15 +266,14 @@ class DiffusionNFTTrainer(RolloutTrainer):
         rows, positions = samples.to(device), positions.to(device)
         sigma = self.process.sigmas[self._art_levels().to(device)[positions]].to(device)
         guidance = rollout["guidance"][rows // args.num_generations]
-        shift = args.art_step_size * art_tilt_scale(sigma).view(-1, *[1] * (guidance.ndim - 1)) * guidance
-        cond_rows = rollout["prompt_index"][rows]
+        shift = args.art_step_size * per_sample(art_tilt_scale(sigma), guidance) * guidance
         return {
             "noisy": rollout["visited"][rows, positions],
             "target": rollout["visited_clean"][rows, positions] + shift,
             "rollout_clean": rollout["visited_clean"][rows, positions],
             "sigma": sigma,
             "advantages": rollout["advantages"][rows],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(rows),
         }
 
     # ----------------------------------------------------------------------------------------------------------
@@ -295,7 +294,7 @@ class DiffusionNFTTrainer(RolloutTrainer):
         if args.loss_type == "art":
             per_item = art_loss(velocity, noisy, sigma, inputs["target"])
             with torch.no_grad():  # how far θ's clean prediction moved from the rollout's (the frozen policy's)
-                clean = noisy.float() - sigma.view(-1, *[1] * (noisy.ndim - 1)) * velocity.detach().float()
+                clean = noisy.float() - per_sample(sigma, velocity.float()) * velocity.detach().float()
                 self._record("old_policy/deviation", ((clean - inputs["rollout_clean"]) ** 2).mean(dim=dims))
         elif args.loss_type == "dgpo":
             error = flow_matching_error(velocity, inputs["noise"], x0)

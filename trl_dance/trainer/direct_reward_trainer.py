@@ -170,7 +170,6 @@ class DirectRewardTrainer(RolloutTrainer):
         rollout, device = self._rollout, self.accelerator.device
         samples, inversion, position = item
         index = samples.to(device)
-        cond_rows = rollout["prompt_index"][index]
         k = self.args.draft_k
         if self.args.draft_random_truncation:
             k = int(torch.randint(1, k + 1, (1,), generator=self._cpu_generator))
@@ -178,7 +177,7 @@ class DirectRewardTrainer(RolloutTrainer):
             "x0": rollout["x0"][index],
             "noise": rollout["noise"][index],
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(index),
             "inversion": inversion,
             "position": position,
             "draft_k": k,

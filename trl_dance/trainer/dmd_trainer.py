@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..forward_process import per_sample
 from ..losses import dmd_loss, flow_matching_error
 from ..policies import DiffusionPolicy, require_flow
 from ..rewards import reward_name
@@ -121,10 +122,6 @@ class DMDTrainer(RolloutTrainer):
         return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
                         (s.tolist() for s in seeds.split(size))))  # fmt: skip
 
-    def _cond(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        rollout = self._rollout
-        return {key: value[rollout["prompt_index"][rows]] for key, value in rollout["cond"].items()}
-
     def _update_fake_score(self) -> None:
         """One fake-score update: flow matching, at fresh σ and noise, toward each sample's clean prediction at a step
         drawn uniformly (the student's samples, detached), over the round's samples in micro-batches."""
@@ -139,7 +136,7 @@ class DMDTrainer(RolloutTrainer):
             sigma, noise = sigmas[start : start + size].to(device), seeded_noise(seeds[start : start + size], x0)
             with self.compute_loss_context_manager():
                 velocity = self.policy.predict(
-                    model, self.process.add_noise(x0, noise, sigma), self._cond(rows), at=sigma
+                    model, self.process.add_noise(x0, noise, sigma), self._round_cond(rows), at=sigma
                 )
             loss = flow_matching_error(velocity, noise, x0)
             (loss.sum() / count).backward()
@@ -158,7 +155,7 @@ class DMDTrainer(RolloutTrainer):
             "step": steps,
             "sigma": sigmas.to(device),
             "noise": seeded_noise(seeds, state),
-            "cond": self._cond(rows),
+            "cond": self._round_cond(rows),
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
         }
 
@@ -174,9 +171,8 @@ class DMDTrainer(RolloutTrainer):
         with torch.no_grad():
             real = self.reference_prediction(model, noisy, cond, sigma, self._teacher_policy)
             fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
-        shape = (-1,) + (1,) * (noisy.ndim - 1)
-        real_clean = noisy.float() - sigma.view(shape) * real.float()
-        fake_clean = noisy.float() - sigma.view(shape) * fake.float()
+        real_clean = noisy.float() - per_sample(sigma, real.float()) * real.float()
+        fake_clean = noisy.float() - per_sample(sigma, fake.float()) * fake.float()
         per_item = dmd_loss(generated, real_clean, fake_clean)
         dims = tuple(range(1, noisy.ndim))
         self._record("dmd/generator_loss", per_item)

@@ -86,10 +86,9 @@ class OnlineDiffusionDPOTrainer(RolloutTrainer):
         pairs, seeds = item
         pairs = pairs.to(device)
         rows = torch.stack([rollout["chosen"][pairs], rollout["rejected"][pairs]], dim=1).flatten()  # w0, l0, w1, ...
-        cond_rows = rollout["prompt_index"][rows]
         return {
             "latents": rollout["x0"][rows],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(rows),
             "keep": rollout["keep"][pairs].float(),
             "gap": rollout["gap"][pairs],
             "generators": [torch.Generator().manual_seed(seed) for seed in seeds],

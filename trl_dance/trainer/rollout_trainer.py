@@ -271,6 +271,12 @@ class RolloutTrainer(DiffusionTrainer):
     def _microbatch(self, plan) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _round_cond(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The conditioning of the current round's samples ``rows`` ((n,) long on the device): each one's prompt's
+        entries of the round's table, encoded once per distinct prompt."""
+        rollout = self._rollout
+        return {key: value[rollout["prompt_index"][rows]] for key, value in rollout["cond"].items()}
+
     def _signal_items(self, advantages: torch.Tensor) -> torch.Tensor | None:
         """How many of this process's samples can carry a gradient, from its advantages (``None``: the method counts
         its items into ``training_signal`` itself, on every process)."""

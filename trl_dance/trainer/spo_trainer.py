@@ -226,7 +226,6 @@ class SPOTrainer(RolloutTrainer):
         pairs = pairs.to(device)
         chain, pool = pairs // pools, pairs % pools
         steps = torch.tensor(self.pool_steps, device=device)
-        cond_rows = rollout["prompt_index"][chain]
         return {
             "latents": rollout["x_t"][chain, pool],
             "chosen": rollout["chosen"][chain, pool],
@@ -234,7 +233,7 @@ class SPOTrainer(RolloutTrainer):
             "step_index": steps[pool],
             "keep": rollout["keep"][chain, pool].float(),
             "score_gap": rollout["score_gap"][chain, pool],
-            "cond": {key: value[cond_rows] for key, value in rollout["cond"].items()},
+            "cond": self._round_cond(chain),
         }
 
     # ----------------------------------------------------------------------------------------------------------
