@@ -299,6 +299,41 @@ def image_reward_raw(
 # CLIP models saved with save_pretrained (PickScore, CLIP score, aesthetic), and the aesthetic head
 
 
+def save_tiny_clap(directory: str, seed: int = 0) -> str:
+    """A tiny random ``ClapModel`` (HTSAT audio tower of two stages, one-layer RoBERTa text tower) and its
+    ``ClapProcessor`` (the published 48 kHz, 64-bin feature extractor with unfused checkpoints' ``rand_trunc``, a
+    character-level RoBERTa BPE tokenizer) in the ``save_pretrained`` layout of ``laion/larger_clap_general``."""
+    from transformers import (
+        ClapAudioConfig,
+        ClapConfig,
+        ClapFeatureExtractor,
+        ClapModel,
+        ClapProcessor,
+        ClapTextConfig,
+        RobertaTokenizer,
+    )
+
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
+    for char in string.ascii_lowercase + string.digits + "Ġ.,!?'-":
+        vocab.setdefault(char, len(vocab))
+    tokenizer = RobertaTokenizer(vocab=vocab, merges=[])
+    text = ClapTextConfig(
+        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=80, projection_dim=16,
+    )  # fmt: skip
+    audio = ClapAudioConfig(
+        depths=[1, 1], num_attention_heads=[1, 2], hidden_size=16, patch_embeds_hidden_size=8, projection_dim=16
+    )
+    torch.manual_seed(seed)
+    ClapModel(ClapConfig(text_config=text.to_dict(), audio_config=audio.to_dict(), projection_dim=16)).save_pretrained(
+        directory
+    )
+    ClapProcessor(
+        feature_extractor=ClapFeatureExtractor(truncation="rand_trunc"), tokenizer=tokenizer
+    ).save_pretrained(directory)
+    return directory
+
+
 def save_tiny_clip(directory: str, seed: int = 0) -> str:
     """A tiny random ``CLIPModel`` and its tokenizer in the ``save_pretrained`` layout (like PickScore_v1)."""
     from trl_dance.rewards.hps import clip_config

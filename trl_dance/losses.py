@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .sde import Segments
+
 
 def clipped_surrogate(
     ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float | None = None
@@ -101,6 +103,8 @@ def nft_loss(
     beta: float,
     scale: float,
     floor: float = 1e-5,
+    segments: Segments = None,
+    stream_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionNFT's negative-aware loss per sample, (B,).
 
@@ -112,15 +116,20 @@ def nft_loss(
     At v = v_old both predictions are x̂0 = x_σ − σ·v_old and the gradient is scale·(2r − 1)·(−2σ)·(x̂0 − x0)/(w·D)
     times ∂v/∂θ: zero when every advantage is 0 (r = ½), advantage-weighted flow matching to first order.
 
+    With ``segments`` (rewards routed per modality, OmniNFT), each stream s of D_s elements has its own r_s and
+    weights w±_s, and its term, times ``stream_weights[s]`` (0 leaves the stream untrained), counts D_s/D of the mean.
+
     Args:
         velocity: (B, ...) v_θ at ``noisy`` (with gradient).
         old_velocity: (B, ...) v_old at ``noisy`` (no gradient needed; detached here).
         noisy: (B, ...) x_σ = (1 − σ)·x0 + σ·ε.
         x0: (B, ...) the rollout's clean sample.
         sigma: (B,) noise levels in (0, 1].
-        r: (B,) optimality probabilities in [0, 1].
+        r: (B,) optimality probabilities in [0, 1]; (B, S) with ``segments``.
         beta: NFT's β > 0 (how far the implicit policies sit from the old one).
         scale: the loss scale (the paper: the advantage clip).
+        segments: the S streams' element counts in a flattened sample (None: one stream).
+        stream_weights: (S,) weights of the streams' terms (default 1).
     """
     shape = (-1,) + (1,) * (x0.ndim - 1)
     s, old = sigma.view(shape).float(), old_velocity.detach().float()
@@ -129,9 +138,19 @@ def nft_loss(
     terms = []
     for implicit in (beta * velocity + (1 - beta) * old, (1 + beta) * old - beta * velocity):
         error = noisy - s * implicit - x0
-        weight = error.detach().abs().mean(dim=dims, keepdim=True).clamp_min(floor)
-        terms.append((error**2 / weight).mean(dim=dims))
-    return scale / beta * (r * terms[0] + (1 - r) * terms[1])
+        if segments is None:
+            weight = error.detach().abs().mean(dim=dims, keepdim=True).clamp_min(floor)
+            terms.append((error**2 / weight).mean(dim=dims))
+            continue
+        shares = []
+        for part in error.flatten(1).split(list(segments), dim=1):
+            weight = part.detach().abs().mean(dim=1, keepdim=True).clamp_min(floor)
+            shares.append((part**2 / weight).sum(dim=1) / part.new_tensor(float(sum(segments))))
+        terms.append(torch.stack(shares, dim=1))
+    loss = r * terms[0] + (1 - r) * terms[1]
+    if segments is not None:
+        loss = (loss if stream_weights is None else loss * stream_weights.to(loss)).sum(dim=1)
+    return scale / beta * loss
 
 
 def flow_matching_error(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:

@@ -237,7 +237,8 @@ def rollout(
             log-probability of the step they took is returned differentiable; the latents stay detached.
 
     Returns:
-        ``latents`` (B, S + 1, ...) the states ``sde_start … sde_end`` (S stored steps); ``log_probs`` (B, S);
+        ``latents`` (B, S + 1, ...) the states ``sde_start … sde_end`` (S stored steps); ``log_probs`` (B, S) (per
+        stream (B, S, streams) with ``policy.runtime.stream_log_probs``);
         ``means`` (B, S, ...) with ``keep_means``; ``final_latents`` (B, ...) the last state; ``denoiser_calls`` the
         number of (sample, step) denoiser evaluations made; with ``grad_steps``, ``grad_log_probs``: a list of
         (rows (n,) host long, step i, log-probabilities (n,) with their graph), one per step with such rows; with
@@ -361,7 +362,8 @@ def _staggered_rollout(
     batch, window, device = latents.shape[0], plan.sample_window, latents.device
     starts = plan.starts(batch)
     stored = latents.new_zeros(batch, window + 1, *latents.shape[1:])
-    log_probs = latents.new_zeros(batch, window)
+    streams = (len(policy.streams),) if policy.runtime.stream_log_probs else ()  # per-stream log-probabilities
+    log_probs = latents.new_zeros(batch, window, *streams)
     means = latents.new_zeros(batch, window, *latents.shape[1:]) if keep_means else None
     for i in range(plan.num_steps):
         step_index = torch.full((batch,), i, device=device, dtype=torch.long)

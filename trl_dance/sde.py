@@ -21,6 +21,9 @@ import torch
 
 SDEType = Literal["dance", "flow_grpo", "cps", "flash"]
 Reduction = Literal["mean", "sum"]
+Segments = tuple[int, ...] | None
+"""Sizes of consecutive runs of a flattened sample (summing to its size), one per stream of a multi-stream latent
+(LTX-2's video then audio tokens), or None for one stream."""
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -34,7 +37,8 @@ class SDEStepOutput:
     Attributes:
         prev_sample: (B, ...) float32, the next, less noisy latent (sampled, or the one that was scored).
         log_prob: (B,) float32 log-density of ``prev_sample`` under the step's Gaussian, reduced over non-batch
-            dims; ``None`` when not requested. For ``sde_type="cps"`` it is the published pseudo log-prob
+            dims (given ``segments``, (B, S): each stream's share, see :func:`reduce_per_sample`); ``None`` when not
+            requested. For ``sde_type="cps"`` it is the published pseudo log-prob
             ``−reduce((prev_sample − mean)²)``.
         mean: (B, ...) float32 mean of the Gaussian transition.
         std: (B,) float32 standard deviation of the transition (isotropic).
@@ -57,6 +61,22 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor
     return value.view(batch, *([1] * (like.ndim - 1)))
 
 
+def reduce_per_sample(values: torch.Tensor, reduction: Reduction = "mean", segments: Segments = None) -> torch.Tensor:
+    """(B, ...) per-element values reduced over each sample's elements: (B,) their mean or sum; with ``segments``
+    (B, S), stream s's share, the sum over its elements (divided by the whole sample's size for ``"mean"``), so that
+    the S shares add up to the one-stream reduction."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if segments is None:
+        dims = tuple(range(1, values.ndim))
+        return values.mean(dim=dims) if reduction == "mean" else values.sum(dim=dims)
+    flat = values.flatten(1)
+    if sum(segments) != flat.shape[1]:
+        raise ValueError(f"segments {segments} do not add up to the {flat.shape[1]} elements of a sample")
+    shares = torch.stack([part.sum(dim=1) for part in flat.split(list(segments), dim=1)], dim=1)
+    return shares / flat.shape[1] if reduction == "mean" else shares
+
+
 def _gaussian_step(
     mean: torch.Tensor,
     std: torch.Tensor,
@@ -66,6 +86,7 @@ def _gaussian_step(
     reduction: Reduction,
     pseudo_log_prob: bool = False,
     noise: torch.Tensor | None = None,
+    segments: Segments = None,
 ) -> SDEStepOutput:
     """Sample (or score) ``prev_sample ~ N(mean, std² I)``; ``std`` has shape (B, 1, ..., 1)."""
     if reduction not in ("mean", "sum"):
@@ -92,8 +113,7 @@ def _gaussian_step(
             per_element = -((prev_sample - mean) ** 2)
         else:
             per_element = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-        dims = tuple(range(1, mean.ndim))
-        log_prob = per_element.mean(dim=dims) if reduction == "mean" else per_element.sum(dim=dims)
+        log_prob = reduce_per_sample(per_element, reduction, segments)
     return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std.flatten())
 
 
@@ -122,6 +142,7 @@ def flow_sde_step(
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
     noise: torch.Tensor | None = None,
+    segments: Segments = None,
 ) -> SDEStepOutput:
     """One stochastic rectified-flow step from ``sigma`` to ``sigma_next`` with its log-probability.
 
@@ -141,6 +162,7 @@ def flow_sde_step(
             (Flash-GRPO takes the same grid value, ``σ_1``).
         sigma_min: for ``flash``, σ_min (the grid's last value: 0 on flow-matching schedules).
         reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
+        segments: the streams' sizes, for a (B, S) ``log_prob`` of per-stream shares (:func:`reduce_per_sample`).
         compute_log_prob: set False to skip the log-prob. Required for a zero-noise step: noise level 0 raises;
             a zero-width step (σ_next = σ, or CPS onto σ = 0) would give an infinite log-prob.
         noise: (B, ...) standard normal noise to use instead of drawing from ``generator`` (e.g. drawn per sample).
@@ -160,7 +182,7 @@ def flow_sde_step(
     if sde_type == "cps":
         std = s_next * math.sin(eta * math.pi / 2)
         mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
-        return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, True, noise)
+        return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, True, noise, segments)
 
     if sde_type == "dance":
         diffusion = torch.full_like(s, float(eta))
@@ -179,7 +201,9 @@ def flow_sde_step(
 
     mean = x - delta * (v + diffusion**2 / (2 * s) * eps_hat)
     std = diffusion * torch.sqrt(delta)
-    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise)
+    return _gaussian_step(
+        mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise, segments=segments
+    )
 
 
 def _check_prediction_type(prediction_type: str) -> None:
@@ -234,6 +258,7 @@ def ddim_sde_step(
     reduction: Reduction = "mean",
     compute_log_prob: bool = True,
     noise: torch.Tensor | None = None,
+    segments: Segments = None,
 ) -> SDEStepOutput:
     """One DDIM step with noise ``eta`` (DDPO) for diffusion models, with its log-probability.
 
@@ -245,7 +270,7 @@ def ddim_sde_step(
         prediction_type: ``"epsilon"`` (SD1.x, SDXL), ``"v_prediction"`` (SD 2.x 768) or ``"sample"``.
         clip_sample_range: clamp x̂0 to ``[−r, r]`` (a scheduler's ``clip_sample``), ε̂ kept as predicted, as
             ``DDIMScheduler.step`` does; the transition stays Gaussian, its mean a function of the clamped x̂0.
-        prev_sample, generator, reduction, compute_log_prob, noise: as in :func:`flow_sde_step`.
+        prev_sample, generator, reduction, compute_log_prob, noise, segments: as in :func:`flow_sde_step`.
     """
     _check_eta(eta, compute_log_prob)
     x = sample.to(torch.promote_types(sample.dtype, torch.float32))  # float32 (float64 stays, for gradient checks)
@@ -257,7 +282,9 @@ def ddim_sde_step(
     variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
     std = eta * torch.sqrt(variance.clamp_min(0))
     mean = torch.sqrt(a_prev) * x0_hat + torch.sqrt((1 - a_prev - std**2).clamp_min(0)) * eps
-    return _gaussian_step(mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise)
+    return _gaussian_step(
+        mean, std, prev_sample, generator, compute_log_prob, reduction, noise=noise, segments=segments
+    )
 
 
 def dance_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:

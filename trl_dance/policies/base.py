@@ -319,8 +319,16 @@ class DiffusionPolicy(FrozenModules, ABC):
     ) -> SDEStepOutput:
         """The transition from ``step_index`` to ``step_index + 1``: :meth:`DiffusionProcess.step` (``options``:
         ``prev_sample``, ``generator``, ``compute_log_prob``, ``noise``, ``eta``), on the latents the policy samples
-        (Wan 2.2 TI2V holds its given first frame out)."""
-        return self.process.step(model_output, latents, step_index, **options)
+        (Wan 2.2 TI2V holds its given first frame out); log-probabilities per stream (B, S) with
+        ``runtime.stream_log_probs``."""
+        segments = tuple(self.streams.values()) if self.runtime.stream_log_probs else None
+        return self.process.step(model_output, latents, step_index, segments=segments, **options)
+
+    @property
+    def streams(self) -> dict[str, int] | None:
+        """The modality streams of a sample's latents, by name, with their element counts in the flattened latent's
+        order (LTX-2: ``{"video": ..., "audio": ...}``); None for one-stream families."""
+        return getattr(self.layout, "streams", None)
 
     # --- FLOPs and context parallelism -------------------------------------------------------------------------
 

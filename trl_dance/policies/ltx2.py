@@ -92,6 +92,12 @@ class AudioVideoLatents(VideoLatents):
     def size_multiple(self) -> int:
         return self.pipeline.vae_spatial_compression_ratio * self.pipeline.transformer.config.patch_size
 
+    @property
+    def streams(self) -> dict[str, int]:
+        """The video's then the audio's element counts in a row (rewards are routed to them by modality)."""
+        g = self.geometry
+        return {"video": g.video_size, "audio": g.audio_frames * g.audio_channels}
+
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
         g = self.geometry

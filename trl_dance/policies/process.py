@@ -35,6 +35,7 @@ from ..schedulers import ddim_alpha_pairs, flow_match_sigmas
 from ..sde import (
     PREDICTION_TYPES,
     SDEStepOutput,
+    Segments,
     dance_sigmas,
     ddim_sde_step,
     diffusion_target,
@@ -67,9 +68,11 @@ class DiffusionProcess(ABC):
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
         eta: float | None = None,
+        segments: Segments = None,
     ) -> SDEStepOutput:
         """The stochastic transition from ``step_index`` (B,) to ``step_index + 1`` (see :mod:`trl_dance.sde`), at
-        ``eta`` (default ``settings.eta``; 0 is the deterministic ODE / DDIM step, without log-prob)."""
+        ``eta`` (default ``settings.eta``; 0 is the deterministic ODE / DDIM step, without log-prob); ``segments``:
+        per-stream log-probabilities (B, S)."""
 
     @abstractmethod
     def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
@@ -276,6 +279,7 @@ class FlowProcess(DiffusionProcess):
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
         eta: float | None = None,
+        segments: Segments = None,
     ) -> SDEStepOutput:
         sigmas = self.sigmas.to(latents.device)
         return flow_sde_step(
@@ -292,6 +296,7 @@ class FlowProcess(DiffusionProcess):
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
             noise=noise,
+            segments=segments,
         )
 
 
@@ -376,6 +381,7 @@ class VPProcess(DiffusionProcess):
         compute_log_prob: bool = True,
         noise: torch.Tensor | None = None,
         eta: float | None = None,
+        segments: Segments = None,
     ) -> SDEStepOutput:
         device = latents.device
         return ddim_sde_step(
@@ -391,6 +397,7 @@ class VPProcess(DiffusionProcess):
             reduction=self.settings.log_prob_reduction,
             compute_log_prob=compute_log_prob,
             noise=noise,
+            segments=segments,
         )
 
 

@@ -23,6 +23,8 @@ class PolicyRuntime:
             ranks gets its slice's gradient, and the group's gradients are summed, not averaged: C).
         sampling_depth: nesting of ``sampling()`` contexts (the frozen expert moves at the outermost one).
         unclamped_decode: images decode without the final clamp to [0, 1] (inside ``unclamped_decode()``).
+        stream_log_probs: steps return per-stream log-probabilities (B, S) of the policy's ``streams`` (rewards routed
+            per modality), not (B,).
     """
 
     offload_text_encoders: bool = False
@@ -30,6 +32,7 @@ class PolicyRuntime:
     gradient_scale: float = 1.0
     sampling_depth: int = 0
     unclamped_decode: bool = False
+    stream_log_probs: bool = False
 
 
 class _ScaleGradient(torch.autograd.Function):

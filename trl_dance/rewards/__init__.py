@@ -2,6 +2,7 @@
 (videos: see :func:`score_images`)."""
 
 from .aesthetic import AestheticReward
+from .audio import CLAPScore
 from .base import (
     RewardFunc,
     check_reward_signature,
@@ -25,6 +26,7 @@ from .video_align import VideoAlignReward
 
 __all__ = [
     "AestheticReward",
+    "CLAPScore",
     "CLIPScore",
     "HPSv2Reward",
     "HPSv3Reward",

@@ -28,13 +28,28 @@ Attributes a function may set: ``accepts_video = True`` scores videos whole (``i
 other function scores videos frame by frame, see :func:`score_images`); ``groupwise = True`` is called once per
 group with the G samples of one prompt (e.g. a pairwise judge's win rates); ``accepts_audio = True`` also receives the
 samples' soundtracks, from families that generate them (LTX-2), as ``audio`` ((B, channels, samples) float waveforms)
-and ``audio_sample_rate`` (Hz), with the videos whole, as a CLAP-style audio-text scorer needs."""
+and ``audio_sample_rate`` (Hz), with the videos whole, as a CLAP-style audio-text scorer needs; ``modality =
+"video" | "audio" | "both"`` says what the reward judges on audio-video families, whose streams then train on the
+advantages of their own rewards (OmniNFT's routing; ``reward_modalities`` in the config overrides it; default
+``"both"``)."""
+
+MODALITIES = ("video", "audio", "both")
+"""What a reward may judge of an audio-video sample (``modality``)."""
+
+
+def reward_modality(func: RewardFunc, given: str | None = None) -> str:
+    """The modality ``func`` judges: ``given`` (the config's), else its ``modality`` attribute, else ``"both"``."""
+    modality = given or getattr(func, "modality", "both")
+    if modality not in MODALITIES:
+        raise ValueError(f"reward {reward_name(func)!r}: modality must be one of {MODALITIES}, got {modality!r}")
+    return modality
 
 
 def _registry() -> dict[str, Callable[..., Any]]:
     """Registered names: pixel rewards are plain functions; model rewards are classes built with ``kwargs``."""
     from . import (
         aesthetic,
+        audio,
         clip,
         hps,
         hpsv3,
@@ -57,6 +72,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "image_reward": image_reward.ImageReward,
         "pickscore": clip.PickScore,
         "clip_score": clip.CLIPScore,
+        "clap": audio.CLAPScore,
         "aesthetic": aesthetic.AestheticReward,
         "vlm_judge": judges.PointwiseJudge,
         "pairwise_judge": judges.PairwiseJudge,

@@ -105,6 +105,15 @@ class DanceGRPOTrainer(RolloutTrainer):
     def _keep_means(self) -> bool:
         return self.args.ratio_normalization or self.args.trust_region == "dppo"
 
+    def _routing_refusal(self, args: DanceGRPOConfig) -> str | None:
+        # Routed, each stream has its own ratio and advantage: the loss sums the streams' clipped surrogates.
+        refusals = {
+            "ratio_normalization (GRPO-Guard) normalises one ratio per transition": args.ratio_normalization,
+            "trust_region='dppo' masks transitions by one KL": args.trust_region == "dppo",
+            "best_of_n_k ranks samples by one advantage": args.best_of_n_k is not None,
+        }
+        return next((why for why, refused in refusals.items() if refused), None)
+
     def _branching(self) -> bool:
         return self.args.branching
 
@@ -339,6 +348,8 @@ class DanceGRPOTrainer(RolloutTrainer):
             self._record("dppo/masked_fraction", 1 - keep)
         else:
             per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
+            if per_transition.ndim == 2:  # rewards routed per modality: the streams' terms (own ratio and advantage)
+                per_transition = per_transition.sum(dim=1)
         if self.args.step_reweighting:
             per_transition = per_transition / self._delta_sigma(step_index)
         if self._rectification is not None:  # Flash-GRPO: every timestep's gradient on one scale
@@ -354,6 +365,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         transitions (detached); records its statistics, the fraction masked and the k3 estimate of KL(μ ‖ π_prox)."""
         args = self.args
         log_weight = (proximal - behaviour).detach()
+        if log_weight.ndim == 2:  # per-stream log-probabilities (routed rewards): the transition's is their sum
+            log_weight = log_weight.sum(dim=1)
         weight, kept = importance_weight(
             log_weight,
             args.importance_sampling_mode,

@@ -94,6 +94,11 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 f"({levels}): lower timestep_fraction"
             )
 
+    def _routing_refusal(self, args: DiffusionNFTConfig) -> str | None:
+        if args.loss_type != "nft":
+            return f"loss_type {args.loss_type!r} has one advantage per sample; loss_type 'nft' routes (OmniNFT)"
+        return None
+
     @staticmethod
     def _needs_reference(args: DiffusionNFTConfig) -> bool:
         return args.beta > 0 or args.loss_type == "dgpo"
@@ -314,7 +319,12 @@ class DiffusionNFTTrainer(RolloutTrainer):
                 if self._flow_map:  # NFT on the induced instantaneous velocities (V_θ − V_old = u_θ − u_old)
                     correction = self._flow_map_correction(inputs)
                     induced, old_induced = velocity + correction, old_velocity + correction
-                per_item = nft_loss(induced, old_induced, noisy, x0, sigma, r, args.nft_beta, args.adv_clip_max)
+                routes = self.reward_routes  # (S, F): each stream's own r; a stream no reward judges is not trained
+                per_item = nft_loss(
+                    induced, old_induced, noisy, x0, sigma, r, args.nft_beta, args.adv_clip_max,
+                    segments=None if routes is None else tuple(policy.streams.values()),
+                    stream_weights=None if routes is None else routes.any(dim=1).float(),
+                )  # fmt: skip
                 self._record("optimality_probability/mean", r)
             else:
                 error = flow_matching_error(velocity, inputs["noise"], x0)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..advantages import DEFAULT_EPSILON
+from ..rewards.base import MODALITIES
 from .async_rounds import AsyncRoundsArguments
 from .diffusion_config import DiffusionTrainingConfig
 
@@ -86,6 +87,12 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         adv_clip_max (`float`, defaults to `5.0`): Advantages are clipped to ±this.
         reward_weights (`list[float]` or `None`, defaults to `None`): Weights of the reward functions in the sum;
             `None`: all 1.
+        reward_modalities (`list[str]` or `None`, defaults to `None`): What each reward judges on audio-video families
+            (LTX-2): `"video"`, `"audio"` or `"both"` (OmniNFT's routing, ALGORITHMS-NEXT §2.17.5). Each stream then
+            trains on the advantages of the rewards routed to it alone (the configured aggregation over them), and a
+            stream no reward judges is not trained by any; `None`: each reward's own `modality` attribute, else
+            `"both"` (one advantage for every stream, as without routing). DanceGRPO and DiffusionNFT (`loss_type:
+            nft`).
         video_reward_frames (`int` or `None`, defaults to `8`): Image rewards score videos on this many evenly spaced
             frames (first and last included) and average them; `None`: every frame. Rewards with
             `accepts_video = True` get whole videos.
@@ -217,6 +224,12 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
     advantage_epsilon: float | None = field(default=None, metadata={"help": "Added to the std (default by mode)."})
     adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
+    reward_modalities: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "What each reward judges on audio-video families: video | audio | both (routes advantages)."
+        },
+    )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
         metadata={
@@ -278,6 +291,8 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
                 f"multi_objective_aggregation={self.multi_objective_aggregation!r} normalises each reward in its group; "
                 "scale_rewards='per_prompt' has no groups. Use one or the other"
             )
+        for modality in self.reward_modalities or []:
+            _choice("reward_modalities", modality, MODALITIES)
         if self.video_reward_frames is not None and self.video_reward_frames < 1:
             raise ValueError(f"video_reward_frames must be >= 1 or None, got {self.video_reward_frames}")
         if self.eval_num_generations < 1:

@@ -29,6 +29,7 @@ from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normal
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
+from ..rewards.base import reward_modality
 from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, sampling_identity, trainable_tensors
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
@@ -172,6 +173,7 @@ class RolloutTrainer(DiffusionTrainer):
         if audio and not policy.has_audio:
             raise ValueError(f"rewards {audio} score audio, which {type(policy.pipeline).__name__} does not generate")
         self._decode_audio = bool(audio)  # the soundtracks are decoded only for rewards that score them
+        self.reward_routes = self._reward_routes(policy, args)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
@@ -225,6 +227,42 @@ class RolloutTrainer(DiffusionTrainer):
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
         self.reward_metrics = RewardMetricLog()  # the rewards' log_metric
         self.training_signal = TrainingSignal(args.max_idle_rounds)
+
+    def _reward_routes(self, policy: DiffusionPolicy, args: RolloutConfig) -> torch.Tensor | None:
+        """(S, F) bool: which of the F rewards each of the policy's S streams trains on, from the rewards' modalities
+        (:func:`~trl_dance.rewards.base.reward_modality`); None where every reward judges every stream."""
+        given = args.reward_modalities
+        if given is not None and len(given) != len(self.reward_funcs):
+            raise ValueError(f"{len(given)} reward_modalities for {len(self.reward_funcs)} reward functions")
+        modalities = [
+            reward_modality(f, m) for f, m in zip(self.reward_funcs, given or [None] * len(self.reward_funcs))
+        ]
+        if all(modality == "both" for modality in modalities):
+            return None
+        streams = policy.streams
+        if streams is None:
+            audio = [n for n, m in zip(self.reward_names, modalities) if m == "audio"]
+            if audio:
+                raise ValueError(
+                    f"rewards {audio} judge audio, which {type(policy.pipeline).__name__} does not generate"
+                )
+            return None  # a video reward on a one-stream family judges all of it
+        if (why := self._routing_refusal(args)) is not None:
+            raise ValueError(f"rewards routed per modality ({dict(zip(self.reward_names, modalities))}): {why}")
+        refusals = {
+            "rollout workers do not return per-stream log-probabilities": bool(args.rollout_server_urls),
+            "scale_rewards='per_prompt' keeps one statistic per prompt, not per stream": args.scale_rewards
+            == "per_prompt",
+        }
+        for why, refused in refusals.items():
+            if refused:
+                raise ValueError(f"rewards routed per modality: {why}")
+        policy.runtime.stream_log_probs = True
+        return torch.tensor([[m in (stream, "both") for m in modalities] for stream in streams])
+
+    def _routing_refusal(self, args: RolloutConfig) -> str | None:
+        """Why this method cannot train each stream on its own rewards' advantages (None: it can)."""
+        return f"{type(self).__name__} does not route rewards; DanceGRPOTrainer and DiffusionNFTTrainer do"
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
@@ -280,7 +318,10 @@ class RolloutTrainer(DiffusionTrainer):
     def _signal_items(self, advantages: torch.Tensor) -> torch.Tensor | None:
         """How many of this process's samples can carry a gradient, from its advantages (``None``: the method counts
         its items into ``training_signal`` itself, on every process)."""
-        return (advantages != 0).sum() if self.args.beta == 0 else None
+        if self.args.beta:
+            return None
+        nonzero = advantages != 0  # routed (B, S): a sample counts if any stream's advantage is non-zero
+        return (nonzero.any(dim=1) if nonzero.ndim == 2 else nonzero).sum()
 
     def _idle_causes(self) -> tuple[str, str]:
         """Why a round trained nothing: (no item could contribute, every update's gradient was zero), each naming
@@ -701,7 +742,7 @@ class RolloutTrainer(DiffusionTrainer):
         if all_rewards.isnan().all(dim=1).any():  # every process sees it: name the prompt (a collective, so here)
             weighted_reward_sum(all_rewards, self.reward_weights, self.data_parallel.gather_object(prompts))
         total = weighted_reward_sum(all_rewards, self.reward_weights)
-        all_advantages = self._advantages(all_rewards, total, prompts)
+        all_advantages = self._routed_advantages(all_rewards, total, prompts)
         local = slice(first_index, first_index + batch)
         advantages = all_advantages[local]
         if (items := self._signal_items(advantages)) is not None:
@@ -732,14 +773,32 @@ class RolloutTrainer(DiffusionTrainer):
         """The soundtracks of generated ``samples`` and their sample rate, for rewards that score audio (LTX-2)."""
         return (samples["audio"], self.policy.audio_sample_rate) if "audio" in samples else None
 
-    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """(num_processes · B,) advantages of the gathered rewards (F columns) and their weighted sum."""
+    def _routed_advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """:meth:`_advantages` (num_processes · B,); with rewards routed per modality (num_processes · B, S): stream
+        s's from the rewards routed to it alone, as if they were the only ones (0 where none is)."""
+        if self.reward_routes is None:
+            return self._advantages(all_rewards, total, prompts)
+        columns = []
+        for routed in self.reward_routes:
+            rewards, weights = all_rewards[:, routed], self.reward_weights[routed]
+            if not routed.any():
+                columns.append(torch.zeros_like(total))
+            else:
+                columns.append(self._advantages(rewards, weighted_reward_sum(rewards, weights), prompts, weights))
+        return torch.stack(columns, dim=1)
+
+    def _advantages(
+        self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str], weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(num_processes · B,) advantages of the gathered rewards (F columns, ``weights``: default the trainer's)
+        and their weighted sum."""
         args = self.args
         if args.multi_objective_aggregation != "sum_then_normalize":
             renormalize = args.multi_objective_aggregation == "normalize_then_sum"
             epsilon = (1e-4 if renormalize else 1e-8) if args.advantage_epsilon is None else args.advantage_epsilon
+            weights = self.reward_weights if weights is None else weights
             return normalized_reward_sum(
-                all_rewards, self.reward_weights, args.num_generations, args.adv_clip_max, epsilon, renormalize
+                all_rewards, weights, args.num_generations, args.adv_clip_max, epsilon, renormalize
             )
         if self.stat_tracker is not None:
             # Every process updates an identical tracker with the same global (prompt, reward) list.
