@@ -45,6 +45,7 @@ STEPS = 6
         ("wan", 5.0, None),
         ("wan", 5.0, "blurry, dark"),
         ("wan-i2v", 5.0, None),
+        ("wan-flf2v", 5.0, None),  # first and last frames
         ("wan22-5b", 5.0, None),
         ("wan22-5b-i2v", 5.0, None),
         ("z-image", 0.0, None),  # Z-Image-Turbo: no CFG at guidance_scale 0
@@ -108,10 +109,13 @@ def _assert_policy_reproduces_pipeline(
     else:
         pipeline = TINY_PIPELINES["hunyuan-video" if kind == "hunyuan-image" else kind](0)
     video, columns, image_input = {}, {}, {}
-    if kind.endswith("i2v") or kind in EDITING:  # (SkyReels I2V included)
+    if kind.endswith(("i2v", "flf2v")) or kind in EDITING:  # (SkyReels I2V included)
         # The pipeline takes one image for all its prompts; the policy one per prompt.
         (image,) = tiny_condition_images(1)
         columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}
+    if kind == "wan-flf2v":  # the last frame: another image
+        last = tiny_condition_images(2)[1]
+        columns["last_image"], image_input["last_image"] = [last] * len(PROMPTS), last
     if kind == "flux-kontext":
         # The source image at its own (the output) size, and the output at 32×32: not Kontext's 1-megapixel defaults.
         image_input |= {"_auto_resize": False, "max_area": 32 * 32}

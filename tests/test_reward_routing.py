@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer, DiffusionNFTConfig, DiffusionNFTTrainer
 from trl_dance.advantages import group_advantages, normalized_reward_sum
-from trl_dance.sde import flow_sde_step, reduce_per_sample
+from trl_dance.sde import flow_sde_step, join_streams, reduce_per_sample
 
 # The video unguided (its CFG, STG, modality isolation and rescale off): two forwards a step instead of four.
 UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0}
@@ -42,9 +42,9 @@ def _trainer(tiny_model_dir, tmp_path, method="grpo", rewards=(loudness,), **ove
     return trainer_class(tiny_model_dir("ltx2"), list(rewards), args=args, train_dataset=dataset, peft_config=_lora())
 
 
-def test_stream_log_probs_add_up_to_the_joint_one():
-    """Per-stream log-probabilities (B, S) are each stream's share of the one-stream reduction: they sum to it, for
-    the mean and the sum, and a stream's share is its own elements' sum (over the whole size for the mean)."""
+def test_stream_log_probs_give_back_the_joint_one():
+    """Per-stream log-probabilities (B, S) are each stream's reduction over its own elements, and
+    :func:`join_streams` gives back the one-stream reduction, for the mean and the sum."""
     generator = torch.Generator().manual_seed(0)
     v, x = torch.randn(3, 10, generator=generator), torch.randn(3, 10, generator=generator)
     joint = flow_sde_step(v, x, 0.8, 0.6, eta=0.5, generator=torch.Generator().manual_seed(1))
@@ -54,11 +54,10 @@ def test_stream_log_probs_add_up_to_the_joint_one():
             v, x, 0.8, 0.6, eta=0.5, prev_sample=joint.prev_sample, reduction=reduction, segments=(7, 3)
         )
         assert split.log_prob.shape == (3, 2)
-        torch.testing.assert_close(split.log_prob.sum(dim=1), whole.log_prob)
+        torch.testing.assert_close(join_streams(split.log_prob, (7, 3), reduction), whole.log_prob)
     values = torch.arange(12.0).view(2, 6)
-    torch.testing.assert_close(
-        reduce_per_sample(values, "mean", (4, 2)), torch.tensor([[6 / 6, 9 / 6], [30 / 6, 21 / 6]])
-    )
+    torch.testing.assert_close(reduce_per_sample(values, "mean", (4, 2)), torch.tensor([[1.5, 4.5], [7.5, 10.5]]))
+    torch.testing.assert_close(reduce_per_sample(values, "sum", (4, 2)), torch.tensor([[6.0, 9.0], [30.0, 21.0]]))
     with pytest.raises(ValueError, match="do not add up"):
         reduce_per_sample(values, "sum", (4, 3))
 

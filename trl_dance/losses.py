@@ -116,8 +116,9 @@ def nft_loss(
     At v = v_old both predictions are x̂0 = x_σ − σ·v_old and the gradient is scale·(2r − 1)·(−2σ)·(x̂0 − x0)/(w·D)
     times ∂v/∂θ: zero when every advantage is 0 (r = ½), advantage-weighted flow matching to first order.
 
-    With ``segments`` (rewards routed per modality, OmniNFT), each stream s of D_s elements has its own r_s and
-    weights w±_s, and its term, times ``stream_weights[s]`` (0 leaves the stream untrained), counts D_s/D of the mean.
+    With ``segments`` (rewards routed per modality, OmniNFT), each stream has its own r_s, weights w±_s and mean over
+    its own elements, and the streams' terms, times ``stream_weights`` (0 leaves a stream untrained), are averaged
+    (OmniNFT's (L_video + L_audio)/2).
 
     Args:
         velocity: (B, ...) v_θ at ``noisy`` (with gradient).
@@ -142,14 +143,14 @@ def nft_loss(
             weight = error.detach().abs().mean(dim=dims, keepdim=True).clamp_min(floor)
             terms.append((error**2 / weight).mean(dim=dims))
             continue
-        shares = []
+        streams = []
         for part in error.flatten(1).split(list(segments), dim=1):
             weight = part.detach().abs().mean(dim=1, keepdim=True).clamp_min(floor)
-            shares.append((part**2 / weight).sum(dim=1) / part.new_tensor(float(sum(segments))))
-        terms.append(torch.stack(shares, dim=1))
+            streams.append((part**2 / weight).mean(dim=1))
+        terms.append(torch.stack(streams, dim=1))
     loss = r * terms[0] + (1 - r) * terms[1]
     if segments is not None:
-        loss = (loss if stream_weights is None else loss * stream_weights.to(loss)).sum(dim=1)
+        loss = (loss if stream_weights is None else loss * stream_weights.to(loss)).mean(dim=1)
     return scale / beta * loss
 
 

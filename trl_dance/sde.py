@@ -37,8 +37,8 @@ class SDEStepOutput:
     Attributes:
         prev_sample: (B, ...) float32, the next, less noisy latent (sampled, or the one that was scored).
         log_prob: (B,) float32 log-density of ``prev_sample`` under the step's Gaussian, reduced over non-batch
-            dims (given ``segments``, (B, S): each stream's share, see :func:`reduce_per_sample`); ``None`` when not
-            requested. For ``sde_type="cps"`` it is the published pseudo log-prob
+            dims (given ``segments``, (B, S): each stream's over its own elements, see :func:`reduce_per_sample`);
+            ``None`` when not requested. For ``sde_type="cps"`` it is the published pseudo log-prob
             ``−reduce((prev_sample − mean)²)``.
         mean: (B, ...) float32 mean of the Gaussian transition.
         std: (B,) float32 standard deviation of the transition (isotropic).
@@ -62,9 +62,8 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor
 
 
 def reduce_per_sample(values: torch.Tensor, reduction: Reduction = "mean", segments: Segments = None) -> torch.Tensor:
-    """(B, ...) per-element values reduced over each sample's elements: (B,) their mean or sum; with ``segments``
-    (B, S), stream s's share, the sum over its elements (divided by the whole sample's size for ``"mean"``), so that
-    the S shares add up to the one-stream reduction."""
+    """(B, ...) per-element values reduced over each sample's elements, their mean or sum: (B,); with ``segments``
+    (B, S), each stream's over its own elements (:func:`join_streams` gives back the one-stream reduction)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if segments is None:
@@ -73,8 +72,17 @@ def reduce_per_sample(values: torch.Tensor, reduction: Reduction = "mean", segme
     flat = values.flatten(1)
     if sum(segments) != flat.shape[1]:
         raise ValueError(f"segments {segments} do not add up to the {flat.shape[1]} elements of a sample")
-    shares = torch.stack([part.sum(dim=1) for part in flat.split(list(segments), dim=1)], dim=1)
-    return shares / flat.shape[1] if reduction == "mean" else shares
+    parts = flat.split(list(segments), dim=1)
+    return torch.stack([part.mean(dim=1) if reduction == "mean" else part.sum(dim=1) for part in parts], dim=1)
+
+
+def join_streams(per_stream: torch.Tensor, segments: tuple[int, ...], reduction: Reduction = "mean") -> torch.Tensor:
+    """(B, S) per-stream reductions (:func:`reduce_per_sample` with ``segments``) to the one-stream reduction (B,): the
+    sum, or for the mean the streams' means weighted by their share of the elements."""
+    if reduction == "sum":
+        return per_stream.sum(dim=1)
+    shares = torch.tensor(segments, dtype=per_stream.dtype, device=per_stream.device)
+    return (per_stream * shares).sum(dim=1) / shares.sum()
 
 
 def _gaussian_step(
@@ -162,7 +170,7 @@ def flow_sde_step(
             (Flash-GRPO takes the same grid value, ``σ_1``).
         sigma_min: for ``flash``, σ_min (the grid's last value: 0 on flow-matching schedules).
         reduction: ``"mean"`` or ``"sum"`` of the per-element log-density over non-batch dims.
-        segments: the streams' sizes, for a (B, S) ``log_prob`` of per-stream shares (:func:`reduce_per_sample`).
+        segments: the streams' sizes, for a (B, S) ``log_prob``, each stream's (:func:`reduce_per_sample`).
         compute_log_prob: set False to skip the log-prob. Required for a zero-noise step: noise level 0 raises;
             a zero-width step (σ_next = σ, or CPS onto σ = 0) would give an infinite log-prob.
         noise: (B, ...) standard normal noise to use instead of drawing from ``generator`` (e.g. drawn per sample).

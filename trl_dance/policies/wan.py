@@ -166,6 +166,9 @@ class WanPolicy(DiffusionPolicy):
 
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         image_embeds = cond.get("image_embeds")
+        if image_embeds is not None and self.denoiser.config.get("pos_embed_seq_len") is not None:
+            # FLF2V's image embedder takes the two images as rows (2B, N, D) and pairs them itself.
+            image_embeds = image_embeds.reshape(-1, image_embeds.shape[1] // 2, image_embeds.shape[2])
         if self.pipeline.config.expand_timesteps:
             timestep = timestep[:, None] * self._token_noise_mask(latents)[None]
         # The frozen expert may be held in another dtype (frozen_dtype) than the trained one.
@@ -197,6 +200,10 @@ class WanImageToVideoPolicy(WanPolicy):
     TI2V (``expand_timesteps``) instead puts the image's latent in place of the first latent frame, with timestep 0
     on its tokens: that frame is given, not sampled, so the transitions and their log-probabilities cover the other
     frames only.
+
+    First-last-frame (Wan 2.1 FLF2V, whose image embedder has positions for two images' CLIP tokens): the dataset's
+    ``last_image`` column is the video's last frame, as the pipeline's ``last_image``: its latents close the image
+    condition, the frame mask marks both ends, and the cross-attention reads both images' features.
     """
 
     condition_columns = ("image",)
@@ -204,6 +211,9 @@ class WanImageToVideoPolicy(WanPolicy):
 
     def __init__(self, pipeline: WanImageToVideoPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)
+        self._last_frame_given = self.denoiser.config.get("pos_embed_seq_len") is not None
+        if self._last_frame_given:
+            self.condition_columns = ("image", "last_image")
         self._first_frame_given = bool(pipeline.config.expand_timesteps)
         if self._first_frame_given and self.denoiser.config.patch_size[0] != 1:
             raise ValueError("Wan 2.2 TI2V image-to-video needs one latent frame per token (patch_size[0] == 1)")
@@ -229,17 +239,25 @@ class WanImageToVideoPolicy(WanPolicy):
         return self._model_input(latents, cond) if self._first_frame_given else latents
 
     @torch.no_grad()
-    def _encode_columns(self, image: list) -> Conditioning:
+    def _encode_columns(self, image: list, last_image: list | None = None) -> Conditioning:
         pipeline, settings, device = self.pipeline, self.settings, self.device
         cond = {}
         if self.denoiser.config.image_dim is not None:
-            # The pipeline's encode_image, with the pixels cast to the encoder's dtype (it may be frozen in bf16).
+            # The pipeline's encode_image, with the pixels cast to the encoder's dtype (it may be frozen in bf16);
+            # FLF2V: each sample's first and last images, their tokens side by side (B, 2·N, D).
+            images = list(image) if last_image is None else [one for pair in zip(image, last_image) for one in pair]
             encoder = pipeline.image_encoder
-            pixels = pipeline.image_processor(images=list(image), return_tensors="pt").pixel_values
+            pixels = pipeline.image_processor(images=images, return_tensors="pt").pixel_values
             outputs = encoder(pixel_values=pixels.to(device, encoder.dtype), output_hidden_states=True)
-            cond["image_embeds"] = outputs.hidden_states[-2]
-        frames = pipeline.video_processor.preprocess(list(image), height=settings.height, width=settings.width)
-        frames = frames.to(device, torch.float32)
+            features = outputs.hidden_states[-2]
+            cond["image_embeds"] = features.reshape(len(image), -1, features.shape[-1])
+
+        def frames_of(images: list) -> torch.Tensor:
+            frames = pipeline.video_processor.preprocess(images, height=settings.height, width=settings.width)
+            return frames.to(device, torch.float32)
+
+        frames = frames_of(list(image))
+        last = None if last_image is None else frames_of(list(last_image))
         # One image at a time: prepare_latents repeats a single image's condition to its batch size. The given
         # (unused) latents keep it from drawing noise from the global generator.
         placeholder = torch.zeros(self._latent_shape(1), device=device)
@@ -254,6 +272,7 @@ class WanImageToVideoPolicy(WanPolicy):
                 torch.float32,
                 device,
                 latents=placeholder,
+                last_image=None if last is None else last[i : i + 1],
             )[1]
             for i in range(frames.shape[0])
         ]

@@ -34,6 +34,7 @@ from .wan import (
     tiny_wan22_5b_pipeline,
     tiny_wan22_i2v_pipeline,
     tiny_wan22_pipeline,
+    tiny_wan_flf2v_pipeline,
     tiny_wan_i2v_pipeline,
     tiny_wan_pipeline,
 )
@@ -74,6 +75,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "ltx2": tiny_ltx2_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
+    "wan-flf2v": tiny_wan_flf2v_pipeline,
     "wan22": tiny_wan22_pipeline,
     "wan22-i2v": tiny_wan22_i2v_pipeline,
     "wan22-5b": tiny_wan22_5b_pipeline,

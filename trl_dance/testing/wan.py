@@ -45,12 +45,15 @@ def _wan_vae(latent_channels: int, temporal: int, wan22: bool) -> AutoencoderKLW
     )
 
 
-def _wan_components(image_to_video: bool = False, two_experts: bool = False, expand_timesteps: bool = False) -> dict:
+def _wan_components(
+    image_to_video: bool = False, two_experts: bool = False, expand_timesteps: bool = False, last_frame: bool = False
+) -> dict:
     """The components of a tiny Wan pipeline: a VAE (:func:`_wan_vae`) downsampling frames by 2, 4 latent channels. For
     image-to-video the transformer also takes the 2-channel frame mask and the image latents, and attends to a
     tiny CLIP vision encoder's features (Wan 2.1; Wan 2.2 A14B has no image encoder). ``two_experts``: Wan 2.2
     A14B's layout; ``expand_timesteps``: Wan 2.2 TI2V-5B's (one timestep per token, the image's latent as the first
-    latent frame)."""
+    latent frame); ``last_frame``: Wan 2.1 FLF2V's (the first and last frames' CLIP features side by side, with
+    learned positions)."""
     tokenizer = _t5_tokenizer()
     latent_channels, temporal = 4, 2
     concat_image = image_to_video and not expand_timesteps
@@ -70,6 +73,8 @@ def _wan_components(image_to_video: bool = False, two_experts: bool = False, exp
             rope_max_seq_len=32,
             image_dim=_CLIP_DIM if clip_features else None,
             added_kv_proj_dim=24 if clip_features else None,  # the attention width, 2 heads of 12
+            # FLF2V: positions for both images' CLIP tokens (2 × 257 in the real model; 2 × (16 patches + class)).
+            pos_embed_seq_len=2 * ((TINY_RESOLUTION // 8) ** 2 + 1) if last_frame else None,
         )
 
     components = {
@@ -120,6 +125,12 @@ def tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     """A WanImageToVideoPipeline (Wan 2.1 I2V layout: image latents and frame mask as extra input channels, CLIP
     vision features in an image cross-attention): videos of 32×32 that start from a given image."""
     return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True)), seed)
+
+
+def tiny_wan_flf2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
+    """A WanImageToVideoPipeline in the Wan 2.1 FLF2V layout: videos of 32×32 from a given first and last frame (the
+    pipeline's ``image`` and ``last_image``), both images' CLIP features in the image cross-attention."""
+    return _build(lambda: WanImageToVideoPipeline(**_wan_components(image_to_video=True, last_frame=True)), seed)
 
 
 def tiny_wan22_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:

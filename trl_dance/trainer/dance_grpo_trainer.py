@@ -17,6 +17,7 @@ from ..losses import (
 )
 from ..policies import DiffusionPolicy, FlowProcess
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
+from ..sde import join_streams
 from .dance_grpo_config import DanceGRPOConfig
 from .rollout_trainer import RolloutTrainer
 
@@ -337,7 +338,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         step_index: torch.Tensor,
         kl_old: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per-transition policy loss (n,) of log-ratios ``log_ratio`` against the rollout: the PPO-clipped surrogate
+        """Per-transition policy loss (n,) of log-ratios ``log_ratio`` (n,) against the rollout (with rewards routed per
+        modality, (n, S) and advantages (n, S): the streams' surrogates averaged): the PPO-clipped surrogate
         (or, given the KL to the rollout's step ``kl_old``, DPPO's masked one), GRPO-Guard's step reweighting,
         Flash-GRPO's rectification; records the ratio metrics."""
         ratio = torch.exp(log_ratio)
@@ -348,8 +350,8 @@ class DanceGRPOTrainer(RolloutTrainer):
             self._record("dppo/masked_fraction", 1 - keep)
         else:
             per_transition = clipped_surrogate(ratio, advantages, eps, eps_high)
-            if per_transition.ndim == 2:  # rewards routed per modality: the streams' terms (own ratio and advantage)
-                per_transition = per_transition.sum(dim=1)
+            if per_transition.ndim == 2:  # rewards routed per modality: the streams' terms (own ratio and advantage),
+                per_transition = per_transition.mean(dim=1)  # averaged as OmniNFT averages its streams' losses
         if self.args.step_reweighting:
             per_transition = per_transition / self._delta_sigma(step_index)
         if self._rectification is not None:  # Flash-GRPO: every timestep's gradient on one scale
@@ -365,8 +367,8 @@ class DanceGRPOTrainer(RolloutTrainer):
         transitions (detached); records its statistics, the fraction masked and the k3 estimate of KL(μ ‖ π_prox)."""
         args = self.args
         log_weight = (proximal - behaviour).detach()
-        if log_weight.ndim == 2:  # per-stream log-probabilities (routed rewards): the transition's is their sum
-            log_weight = log_weight.sum(dim=1)
+        if log_weight.ndim == 2:  # per-stream log-probabilities (routed rewards): the transition's joint one
+            log_weight = join_streams(log_weight, tuple(self.policy.streams.values()), args.log_prob_reduction)
         weight, kept = importance_weight(
             log_weight,
             args.importance_sampling_mode,
