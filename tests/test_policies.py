@@ -450,7 +450,24 @@ LTX2_LEGACY = {  # guidance as diffusers' own LTX-2 tests pin it: CFG only
 def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs):
     """LTX-2: video and audio latents from the same generators as the pipeline's, the pipeline's guidance in x0
     space with every term, both modalities stepped together; the decoded video and the audio latents equal."""
-    pipeline = TINY_PIPELINES["ltx2"](0)
+    _assert_ltx2_reproduces_pipeline("ltx2", guidance, negative_prompt, pipeline_kwargs)
+
+
+@pytest.mark.parametrize(
+    ("guidance", "pipeline_kwargs"),
+    [
+        (1.0, {**LTX2_LEGACY, "audio_guidance_scale": 1.0}),
+        (3.0, {"spatio_temporal_guidance_blocks": [1]}),  # every guidance term
+    ],
+)
+def test_ltx2_image_to_video_reproduces_the_pipeline(guidance, pipeline_kwargs):
+    """LTX-2 image-to-video: the image's latents as the first latent frame at timestep 0 (re-compression off:
+    ``image_crf`` 0), every guidance term over the rows with the image in, the other tokens and the audio stepped."""
+    _assert_ltx2_reproduces_pipeline("ltx2-i2v", guidance, None, {**pipeline_kwargs, "image_crf": 0})
+
+
+def _assert_ltx2_reproduces_pipeline(kind, guidance, negative_prompt, pipeline_kwargs):
+    pipeline = TINY_PIPELINES[kind](0)
     settings = _deterministic(
         guidance,
         negative_prompt,
@@ -459,15 +476,21 @@ def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs
         pipeline_kwargs=pipeline_kwargs,
     )
     policy = make_policy(pipeline, settings)
+    columns, image_input = {}, {}
+    if kind == "ltx2-i2v":  # one image per prompt (the pipeline indexes them by its per-sample generators)
+        (image,) = tiny_condition_images(1)
+        columns = {"image": [image] * len(PROMPTS)}
+        image_input = columns
     generators = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
     with torch.no_grad():
         initial = policy.initial_noise(generators)
-        cond = policy.encode_prompts(PROMPTS)
+        cond = policy.encode_prompts(PROMPTS, **columns)
         latents = initial
         for i in range(policy.num_steps):
             index = torch.full((latents.shape[0],), i)
             output = policy.predict(policy.denoiser, latents, cond, at=i)
             latents = policy.step(output, latents, index, compute_log_prob=False).prev_sample
+        latents = policy.final_latents(latents, cond)
         ours, audio = policy.decode(latents), policy.decode_audio(latents)
         expected = pipeline(
             prompt=PROMPTS,
@@ -480,6 +503,7 @@ def test_ltx2_reproduces_the_pipeline(guidance, negative_prompt, pipeline_kwargs
             max_sequence_length=32,
             generator=[torch.Generator().manual_seed(i) for i in range(len(PROMPTS))],
             output_type="pt",
+            **image_input,
             **pipeline_kwargs,
         )
     assert ours.shape == expected.frames.shape == (2, TINY_VIDEO_FRAMES, 3, 32, 32)

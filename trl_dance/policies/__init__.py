@@ -12,6 +12,7 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     QwenImage21Pipeline,
     QwenImageEditPipeline,
@@ -37,7 +38,7 @@ from .layout import (
     SpatialLatents,
     VideoLatents,
 )
-from .ltx2 import LTX2Policy
+from .ltx2 import LTX2ImageToVideoPolicy, LTX2Policy
 from .process import DiffusionProcess, FlowProcess, VPProcess, require_flow
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .qwen_image21 import QwenImage21Policy
@@ -92,6 +93,7 @@ for _pipeline, _policy in (
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
     (HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15ImageToVideoPolicy),
+    (LTX2ImageToVideoPipeline, LTX2ImageToVideoPolicy),
     (LTX2Pipeline, LTX2Policy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
@@ -150,6 +152,7 @@ __all__ = [
     "HunyuanVideo15ImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
+    "LTX2ImageToVideoPolicy",
     "LTX2Policy",
     "QwenImage21Policy",
     "QwenImageEditPlusPolicy",

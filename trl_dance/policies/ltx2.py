@@ -7,13 +7,17 @@ import dataclasses
 import inspect
 
 import numpy as np
+import PIL.Image
 import torch
 from diffusers import LTX2Pipeline
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
-from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
-from diffusers.utils import logging
+from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import resolve_default_image_crf, retrieve_latents
+from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, conditioning_frame_rate
+from diffusers.utils import is_av_available, logging
+from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
+from ..sde import SDEStepOutput
 from .base import Conditioning, DiffusionPolicy, SamplerSettings
 from .layout import VideoLatents
 
@@ -287,6 +291,10 @@ class LTX2Policy(DiffusionPolicy):
         video, audio, mask = pipeline.connectors(embeds, mask, padding_side=pipeline.tokenizer.padding_side)
         return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": mask}
 
+    def _video_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
+        """The video tokens' timestep input for the batch's (B,) timesteps (the same for every token here)."""
+        return timestep
+
     def _forward(self, model, latents, timestep, cond, stg: bool = False, isolate: bool = False) -> torch.Tensor:
         dtype, g = self.denoiser.dtype, self.geometry
         video, audio = self.layout.split(latents)
@@ -295,7 +303,8 @@ class LTX2Policy(DiffusionPolicy):
             audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             audio_encoder_hidden_states=cond["audio_prompt_embeds"].to(dtype),
-            timestep=timestep,
+            timestep=self._video_timestep(timestep),
+            audio_timestep=timestep,
             sigma=timestep,  # (LTX-2.3's prompt modulation reads it; the pipeline passes the timestep)
             encoder_attention_mask=cond["prompt_attention_mask"],
             audio_encoder_attention_mask=cond["prompt_attention_mask"],
@@ -369,3 +378,104 @@ class LTX2Policy(DiffusionPolicy):
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         return self.layout.decode_audio(latents)
+
+
+class LTX2ImageToVideoPolicy(LTX2Policy):
+    """Policy over an :class:`~diffusers.LTX2ImageToVideoPipeline`: each sample starts from the image in the dataset
+    column ``image`` (PIL), its first frame, with its soundtrack generated as in text-to-audio-video.
+
+    As in the pipeline, the image is re-compressed as one H.264 frame at ``image_crf`` (``pipeline_kwargs``; default
+    the pipeline's for its text encoder, 33 for LTX-2/2.3 on Gemma 3, which needs PyAV; 0 skips it), encoded by the VAE
+    (its mode) and normalised; its latents take the first latent frame's tokens in every forward, at timestep 0 on
+    those tokens. That frame is given, not sampled: the transitions, their log-probabilities and the video stream of
+    routed rewards cover the other frames' tokens and the audio.
+    """
+
+    condition_columns = ("image",)
+    pipeline_tag = "image-to-video"
+    pipeline_defaults = {**LTX2_GUIDANCE, "image_crf": None}
+
+    def __init__(self, pipeline: LTX2Pipeline, settings: SamplerSettings):
+        super().__init__(pipeline, settings)
+        crf = self.options.get("image_crf")
+        self.image_crf = resolve_default_image_crf(pipeline.text_encoder) if crf is None else crf
+        if self.image_crf and not is_av_available():
+            raise ValueError(
+                f"LTX-2 image-to-video re-compresses each image as one H.264 frame at CRF {self.image_crf} (the "
+                "pipeline's default for its text encoder), which needs PyAV: `pip install av`, or skip it with "
+                "pipeline_kwargs {image_crf: 0} (and sample with image_crf=0 afterwards)"
+            )
+
+    @property
+    def _given(self) -> int:
+        """Elements of a row's first latent frame (its first h·w packed video tokens)."""
+        g = self.geometry
+        return g.height * g.width * g.video_channels
+
+    @property
+    def streams(self) -> dict[str, int]:
+        streams = dict(self.layout.streams)
+        streams["video"] -= self._given  # (the given frame is not sampled)
+        return streams
+
+    @torch.no_grad()
+    def _encode_columns(self, image: list) -> Conditioning:
+        pipeline, settings, vae, crf = self.pipeline, self.settings, self.pipeline.vae, self.image_crf
+        rows = []
+        for picture in image:
+            if crf:
+                picture = PIL.Image.fromarray(apply_image_conditioning_crf(np.array(picture.convert("RGB")), crf))
+            pixels = pipeline.video_processor.preprocess(picture, height=settings.height, width=settings.width)
+            encoded = vae.encode(pixels.to(self.device, vae.dtype).unsqueeze(2))
+            latent = retrieve_latents(encoded, None, "argmax").float()  # (1, C, 1, h, w)
+            latent = pipeline._normalize_latents(latent, vae.latents_mean, vae.latents_std)
+            rows.append(pipeline._pack_latents(latent, 1, 1).flatten(1))
+        return {"image_latents": torch.cat(rows)}
+
+    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Each sample's video noise (the given frame's part unused) then its audio noise, as the I2V pipeline's
+        ``prepare_latents`` and ``prepare_audio_latents`` draw them."""
+        pipeline, g = self.pipeline, self.geometry
+        rows = []
+        for generator in generators:
+            shape = (1, g.video_channels, g.frames, g.height, g.width)
+            video = pipeline._pack_latents(randn_tensor(shape, generator=generator, device=self.device), 1, 1)
+            audio = pipeline.prepare_audio_latents(
+                1, pipeline.audio_vae.config.latent_channels, g.audio_frames, pipeline.audio_vae.config.mel_bins, 0.0,
+                torch.float32, self.device, generator,
+            )  # fmt: skip
+            rows.append(self.layout.join(video, audio))
+        return torch.cat(rows)
+
+    def _with_image(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Rows (B, D) with the first latent frame's tokens replaced by the image's."""
+        return torch.cat([cond["image_latents"].to(latents), latents[:, self._given :]], dim=1)
+
+    def _guided(self, model, latents, timestep, cond, guidance_scale=None) -> torch.Tensor:
+        # (Every term's x̂0, and so the rescale's std, sees the image's tokens, as in the pipeline.)
+        return super()._guided(model, self._with_image(latents, cond), timestep, cond, guidance_scale)
+
+    def _video_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        given = torch.zeros(g.frames * g.height * g.width, device=timestep.device)
+        given[: g.height * g.width] = 1.0
+        return timestep[:, None] * (1 - given)  # (B, tokens): 0 on the given frame's
+
+    def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
+        # The given frame carries over unchanged (it is replaced by the image's in every input and at the end); only
+        # the other tokens are drawn and scored.
+        given = self._given
+        for name in ("prev_sample", "noise"):
+            if options.get(name) is not None:
+                options[name] = options[name][:, given:]
+        rest = super().step(model_output[:, given:], latents[:, given:], step_index, **options)
+        first = latents[:, :given].float()
+        return SDEStepOutput(
+            prev_sample=torch.cat([first, rest.prev_sample], dim=1),
+            log_prob=rest.log_prob,
+            mean=torch.cat([first, rest.mean], dim=1),
+            std=rest.std,
+        )
+
+    def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return self._with_image(latents, cond)

@@ -21,7 +21,7 @@ from .hunyuan_video import (
     tiny_hunyuan_video_pipeline,
     tiny_skyreels_i2v_pipeline,
 )
-from .ltx2 import tiny_ltx2_pipeline
+from .ltx2 import tiny_ltx2_i2v_pipeline, tiny_ltx2_pipeline
 from .qwen_image import (
     tiny_qwen_image21_pipeline,
     tiny_qwen_image_edit_pipeline,
@@ -73,6 +73,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "hunyuan-video15": tiny_hunyuan_video15_pipeline,
     "hunyuan-video15-i2v": tiny_hunyuan_video15_i2v_pipeline,
     "ltx2": tiny_ltx2_pipeline,
+    "ltx2-i2v": tiny_ltx2_i2v_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan-flf2v": tiny_wan_flf2v_pipeline,

@@ -7,6 +7,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -33,10 +34,11 @@ LTX2_TINY_REGISTERS = 8
 """Learnable registers of the tiny LTX-2 connectors (128 in the real ones): ``max_sequence_length`` must divide by it."""
 
 
-def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
+def tiny_ltx2_pipeline(seed: int = 0, pipeline_class: type = LTX2Pipeline) -> LTX2Pipeline:
     """An LTX2Pipeline (LTX-2.3's architecture: gated attention, cross-attention modulation, perturbed attention for
     STG, per-modality text projections and learnable registers in the connectors): Gemma 3, a 2× video VAE (5 frames
-    of 32² → 3 × 16 × 16 latents), an audio VAE and vocoder; the video's 0.2 s of audio are 5 latent frames."""
+    of 32² → 3 × 16 × 16 latents), an audio VAE and vocoder; the video's 0.2 s of audio are 5 latent frames.
+    ``pipeline_class``: another pipeline of the same components (``LTX2ImageToVideoPipeline``)."""
 
     def factory() -> LTX2Pipeline:
         tokenizer = _gemma_tokenizer()
@@ -84,7 +86,7 @@ def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
             vae.latents_std.copy_(torch.tensor([2.0, 2.8, 1.6, 2.4]))
             audio_vae.latents_mean.copy_(torch.tensor([0.1, -0.1, 0.2, 0.0]))
             audio_vae.latents_std.copy_(torch.tensor([1.5, 2.0, 1.2, 1.8]))
-        return LTX2Pipeline(
+        return pipeline_class(
             scheduler=ltx2_scheduler(),
             vae=vae,
             audio_vae=audio_vae,
@@ -145,3 +147,8 @@ def tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         )
 
     return _build(factory, seed)
+
+
+def tiny_ltx2_i2v_pipeline(seed: int = 0) -> LTX2ImageToVideoPipeline:
+    """An LTX2ImageToVideoPipeline of :func:`tiny_ltx2_pipeline`'s components: a given first frame."""
+    return tiny_ltx2_pipeline(seed, LTX2ImageToVideoPipeline)
