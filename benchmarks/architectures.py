@@ -29,6 +29,8 @@ TINY = {
     "tiny-qwen-image21": "qwen-image21",
     "tiny-hunyuan-video15-i2v": "hunyuan-video15-i2v",
     "tiny-ltx2": "ltx2",
+    "tiny-ltx2-i2v": "ltx2-i2v",
+    "tiny-wan-flf2v": "wan-flf2v",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
@@ -38,6 +40,8 @@ VIDEO_MODELS = (
     "tiny-hunyuan-video15",
     "tiny-hunyuan-video15-i2v",
     "tiny-ltx2",
+    "tiny-ltx2-i2v",
+    "tiny-wan-flf2v",
     "wan21-1.3b",
     "wan21-14b",
     "wan22-a14b",
@@ -45,13 +49,18 @@ VIDEO_MODELS = (
     "hunyuan-video15",
     "ltx2",
 )
-# Rows carry an `image` column.
+# Rows carry an `image` column (and, first-last-frame, a `last_image`).
 IMAGE_CONDITIONED_MODELS = (
     "tiny-flux-kontext",
     "tiny-skyreels-i2v",
     "tiny-qwen-image-edit",
     "tiny-hunyuan-video15-i2v",
+    "tiny-ltx2-i2v",
+    "tiny-wan-flf2v",
 )
+LAST_FRAME_MODELS = ("tiny-wan-flf2v",)
+# Sampling arguments a model needs here: LTX-2 I2V's H.264 re-compression of its image needs PyAV.
+PIPELINE_KWARGS = {"tiny-ltx2-i2v": {"image_crf": 0}}
 
 
 def build_model(name: str, workdir: str, layers: int | None = None):

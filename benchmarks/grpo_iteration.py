@@ -22,7 +22,14 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from architectures import IMAGE_CONDITIONED_MODELS, build_model, lora_config, release  # noqa: E402
+from architectures import (  # noqa: E402
+    IMAGE_CONDITIONED_MODELS,
+    LAST_FRAME_MODELS,
+    PIPELINE_KWARGS,
+    build_model,
+    lora_config,
+    release,
+)
 from cli import add_model_arguments, emit, is_tiny, num_frames, out_of_memory, resolution  # noqa: E402
 from floor import CallRecorder, describe_device, peak_memory_mb, peak_tflops, synchronize  # noqa: E402
 from kernel_profile import RoundProfiler, phase, summary_line  # noqa: E402
@@ -69,6 +76,8 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     rows = {"prompt": PROMPTS}
     if options.model in IMAGE_CONDITIONED_MODELS:  # editing / image-to-video: a source image per prompt
         rows["image"] = tiny_condition_images(len(PROMPTS))
+    if options.model in LAST_FRAME_MODELS:
+        rows["last_image"] = tiny_condition_images(2 * len(PROMPTS))[len(PROMPTS) :]
     trainer = DanceGRPOTrainer(model, "brightness", args=args, train_dataset=Dataset.from_dict(rows), peft_config=peft)
     device = trainer.accelerator.device
     recorder = CallRecorder(trainer) if floor else None
@@ -216,6 +225,7 @@ def _benchmark(options) -> dict:
                 width=size,
                 num_frames=num_frames(options),
                 max_sequence_length=32 if is_tiny(options.model) else 512,
+                pipeline_kwargs=PIPELINE_KWARGS.get(options.model),
                 per_device_train_batch_size=train_batch,
                 gradient_accumulation_steps=accumulation,
                 activation_checkpointing=options.gradient_checkpointing,

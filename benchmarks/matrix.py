@@ -64,6 +64,8 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
             "6",
         ],  # fmt: skip
         "grpo-tiny-ltx2": ["grpo_iteration.py", "--model", "tiny-ltx2", "--guidance-scale", "3"],
+        "grpo-tiny-ltx2-i2v": ["grpo_iteration.py", "--model", "tiny-ltx2-i2v", "--guidance-scale", "3"],
+        "grpo-tiny-wan-flf2v": ["grpo_iteration.py", "--model", "tiny-wan-flf2v", "--guidance-scale", "5"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },
