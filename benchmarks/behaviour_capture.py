@@ -83,6 +83,7 @@ def _capture_policy(kind: str) -> dict:
     settings = SamplerSettings(
         num_inference_steps=4, height=32, width=32, guidance_scale=4.0 if cfg else 3.5, eta=1.0,
         max_sequence_length=length, num_frames=TINY_VIDEO_FRAMES if video else None,
+        pipeline_kwargs={"image_crf": 0} if kind == "ltx2-i2v" else None,  # (its H.264 re-compression needs PyAV)
     )  # fmt: skip
     policy = make_policy(pipeline, settings).to("cpu")
     model = policy.denoiser

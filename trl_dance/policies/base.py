@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from diffusers import DiffusionPipeline
@@ -385,3 +386,31 @@ class DiffusionPolicy(FrozenModules, ABC):
             yield
         finally:
             self.runtime.unclamped_decode = False
+
+
+def step_after_given(
+    step: Callable[..., SDEStepOutput],
+    model_output: torch.Tensor,
+    latents: torch.Tensor,
+    step_index: torch.Tensor,
+    given: int,
+    dim: int,
+    **options,
+) -> SDEStepOutput:
+    """``step`` (a policy's transition) on the elements after the first ``given`` along ``dim`` of the latents: a given
+    part (image-to-video's first frame, put back in every input) carries over unchanged, neither drawn nor scored."""
+
+    def rest(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(dim, given, tensor.shape[dim] - given)
+
+    for name in ("prev_sample", "noise"):
+        if options.get(name) is not None:
+            options[name] = rest(options[name])
+    out = step(rest(model_output), rest(latents), step_index, **options)
+    first = latents.narrow(dim, 0, given).float()
+    return SDEStepOutput(
+        prev_sample=torch.cat([first, out.prev_sample], dim=dim),
+        log_prob=out.log_prob,
+        mean=torch.cat([first, out.mean], dim=dim),
+        std=out.std,
+    )

@@ -17,8 +17,7 @@ from diffusers.utils import is_av_available, logging
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
-from ..sde import SDEStepOutput
-from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .base import Conditioning, DiffusionPolicy, SamplerSettings, step_after_given
 from .layout import VideoLatents
 
 logger = logging.get_logger(__name__)
@@ -264,15 +263,20 @@ class LTX2Policy(DiffusionPolicy):
         )
         return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
 
+    def _video_noise(self, generator: torch.Generator) -> torch.Tensor:
+        """One sample's packed video noise (1, F'·h·w, C), as the pipeline's ``prepare_latents`` draws it."""
+        settings, g = self.settings, self.geometry
+        return self.pipeline.prepare_latents(
+            1, g.video_channels, settings.height, settings.width, settings.num_frames, 0.0, torch.float32,
+            self.device, generator,
+        )  # fmt: skip
+
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """Each sample's video noise then its audio noise from its generator, as the pipeline draws them."""
-        pipeline, settings, g = self.pipeline, self.settings, self.geometry
+        pipeline, g = self.pipeline, self.geometry
         rows = []
         for generator in generators:
-            video = pipeline.prepare_latents(
-                1, g.video_channels, settings.height, settings.width, settings.num_frames, 0.0, torch.float32,
-                self.device, generator,
-            )  # fmt: skip
+            video = self._video_noise(generator)
             audio = pipeline.prepare_audio_latents(
                 1, pipeline.audio_vae.config.latent_channels, g.audio_frames, pipeline.audio_vae.config.mel_bins, 0.0,
                 torch.float32, self.device, generator,
@@ -432,20 +436,11 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
             rows.append(pipeline._pack_latents(latent, 1, 1).flatten(1))
         return {"image_latents": torch.cat(rows)}
 
-    def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        """Each sample's video noise (the given frame's part unused) then its audio noise, as the I2V pipeline's
-        ``prepare_latents`` and ``prepare_audio_latents`` draw them."""
-        pipeline, g = self.pipeline, self.geometry
-        rows = []
-        for generator in generators:
-            shape = (1, g.video_channels, g.frames, g.height, g.width)
-            video = pipeline._pack_latents(randn_tensor(shape, generator=generator, device=self.device), 1, 1)
-            audio = pipeline.prepare_audio_latents(
-                1, pipeline.audio_vae.config.latent_channels, g.audio_frames, pipeline.audio_vae.config.mel_bins, 0.0,
-                torch.float32, self.device, generator,
-            )  # fmt: skip
-            rows.append(self.layout.join(video, audio))
-        return torch.cat(rows)
+    def _video_noise(self, generator: torch.Generator) -> torch.Tensor:
+        # What the I2V pipeline's prepare_latents draws (the given frame's part is unused: the image's replaces it).
+        g = self.geometry
+        shape = (1, g.video_channels, g.frames, g.height, g.width)
+        return self.pipeline._pack_latents(randn_tensor(shape, generator=generator, device=self.device), 1, 1)
 
     def _with_image(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Rows (B, D) with the first latent frame's tokens replaced by the image's."""
@@ -462,20 +457,8 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
         return timestep[:, None] * (1 - given)  # (B, tokens): 0 on the given frame's
 
     def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
-        # The given frame carries over unchanged (it is replaced by the image's in every input and at the end); only
-        # the other tokens are drawn and scored.
-        given = self._given
-        for name in ("prev_sample", "noise"):
-            if options.get(name) is not None:
-                options[name] = options[name][:, given:]
-        rest = super().step(model_output[:, given:], latents[:, given:], step_index, **options)
-        first = latents[:, :given].float()
-        return SDEStepOutput(
-            prev_sample=torch.cat([first, rest.prev_sample], dim=1),
-            log_prob=rest.log_prob,
-            mean=torch.cat([first, rest.mean], dim=1),
-            std=rest.std,
-        )
+        # The given frame carries over unchanged (the image's replaces it in every input and at the end).
+        return step_after_given(super().step, model_output, latents, step_index, self._given, 1, **options)
 
     def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return self._with_image(latents, cond)

@@ -10,8 +10,7 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
-from ..sde import SDEStepOutput
-from .base import At, Conditioning, DiffusionPolicy, SamplerSettings
+from .base import At, Conditioning, DiffusionPolicy, SamplerSettings, step_after_given
 from .layout import VideoLatents
 
 
@@ -223,17 +222,7 @@ class WanImageToVideoPolicy(WanPolicy):
             return super().step(model_output, latents, step_index, **options)
         # The first latent frame is replaced by the image's in every model input and in the output: it carries
         # over unchanged, and only the other frames are drawn and scored.
-        for name in ("prev_sample", "noise"):
-            if options.get(name) is not None:
-                options[name] = options[name][:, :, 1:]
-        rest = super().step(model_output[:, :, 1:], latents[:, :, 1:], step_index, **options)
-        first = latents[:, :, :1].float()
-        return SDEStepOutput(
-            prev_sample=torch.cat([first, rest.prev_sample], dim=2),
-            log_prob=rest.log_prob,
-            mean=torch.cat([first, rest.mean], dim=2),
-            std=rest.std,
-        )
+        return step_after_given(super().step, model_output, latents, step_index, 1, 2, **options)
 
     def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return self._model_input(latents, cond) if self._first_frame_given else latents

@@ -107,7 +107,7 @@ class DanceGRPOTrainer(RolloutTrainer):
         return self.args.ratio_normalization or self.args.trust_region == "dppo"
 
     def _routing_refusal(self, args: DanceGRPOConfig) -> str | None:
-        # Routed, each stream has its own ratio and advantage: the loss sums the streams' clipped surrogates.
+        # Routed, each stream has its own ratio and advantage: the loss averages the streams' clipped surrogates.
         refusals = {
             "ratio_normalization (GRPO-Guard) normalises one ratio per transition": args.ratio_normalization,
             "trust_region='dppo' masks transitions by one KL": args.trust_region == "dppo",
