@@ -11,7 +11,7 @@ from reward_checkpoints import save_tiny_clap
 
 from trl_dance import DanceGRPOTrainer
 from trl_dance.rewards import CLAPScore, get_reward_function
-from trl_dance.rewards.audio import resample
+from trl_dance.rewards.audio import av_sync, resample
 
 
 @pytest.mark.parametrize(("orig", "new"), [(24000, 48000), (48000, 16000), (16000, 44100)])
@@ -80,3 +80,27 @@ def test_clap_by_name_routes_to_the_audio_stream(tiny_model_dir, tmp_path):
     assert trainer.reward_routes.tolist() == [[False, True], [True, True]]  # brightness: "both" (its default)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["rewards/clap/mean"])
+
+
+def test_av_sync_in_closed_form():
+    """Motion that follows the soundtrack's loudness scores 1, the opposite −1, a still video 0; the reward judges both
+    streams."""
+    envelope = torch.tensor([0.1, 0.9, 0.2, 0.7, 0.4])  # per frame step (frames 1-5 of 6)
+    frames = torch.zeros(3, 6, 3, 4, 4)
+    for t in range(1, 6):  # each frame step moves the pixels by the envelope's value
+        frames[:, t] = frames[:, t - 1] + envelope[t - 1] / 10 * (1 if t % 2 else -1)
+    frames += 0.5
+    frames[2] = 0.5  # a still video
+    carrier = torch.tensor([1.0, -1.0]).repeat(300)  # a square wave: its RMS over a window is the amplitude
+
+    def soundtrack(steps):  # (2, 600): 6 windows of 100 samples, the first (frame 0) at 0.3, then ``steps``
+        return torch.stack([torch.cat([torch.tensor([0.3]), steps]).repeat_interleave(100) * carrier] * 2)
+
+    audio = torch.stack([soundtrack(envelope), soundtrack(1 - envelope), soundtrack(envelope)])
+    scores = av_sync(PROMPTS[:3], frames, audio)
+    assert (
+        scores[0] == pytest.approx(1.0, abs=1e-6) and scores[1] == pytest.approx(-1.0, abs=1e-6) and scores[2] == 0.0
+    )
+    assert get_reward_function("av_sync").modality == "both"
+    with pytest.raises(ValueError, match="F >= 3"):
+        av_sync(PROMPTS[:1], frames[:1, :2], audio[:1])

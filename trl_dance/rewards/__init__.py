@@ -2,7 +2,7 @@
 (videos: see :func:`score_images`)."""
 
 from .aesthetic import AestheticReward
-from .audio import CLAPScore
+from .audio import CLAPScore, av_sync
 from .base import (
     RewardFunc,
     check_reward_signature,
@@ -40,6 +40,7 @@ __all__ = [
     "RewardFunc",
     "RewardModel",
     "VideoAlignReward",
+    "av_sync",
     "brightness",
     "check_reward_signature",
     "get_reward_function",

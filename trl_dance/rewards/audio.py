@@ -124,3 +124,32 @@ class CLAPScore(RewardModel):
             for start in range(0, len(prompts), self.batch_size)
         ]
         return torch.cat(scores).float().cpu().tolist()
+
+
+def av_sync(prompts: list[str], images: torch.Tensor, audio: torch.Tensor, **_) -> list[float]:
+    """Audio–video synchrony, in [−1, 1]: the Pearson correlation, over a video's F − 1 frame steps, between its motion
+    (mean absolute change of a pixel from frame t − 1 to t) and its soundtrack's loudness while frame t shows (the RMS
+    of the mono mix over the t-th of F equal windows). Sounds that start with the motion score high. A model-free
+    example of a reward that judges both streams (``modality = "both"``); DeSync-style scorers (Synchformer) are the
+    learned version. A video whose motion or loudness does not vary scores 0.
+
+    Args:
+        images: (B, F, 3, H, W) videos in [0, 1], F >= 3.
+        audio: (B, channels, samples) waveforms covering the videos.
+    """
+    if images.ndim != 5 or images.shape[1] < 3:
+        raise ValueError(f"av_sync scores videos (B, F >= 3, 3, H, W), got {tuple(images.shape)}")
+    frames = images.shape[1]
+    motion = (images[:, 1:] - images[:, :-1]).abs().float().mean(dim=(2, 3, 4))  # (B, F − 1)
+    mono = audio.float().mean(dim=1)
+    windows = mono[:, : mono.shape[1] // frames * frames].reshape(len(mono), frames, -1)
+    loudness = windows.pow(2).mean(dim=2).sqrt()[:, 1:]  # (B, F − 1): while frames 1 … F − 1 show
+    motion, loudness = motion - motion.mean(dim=1, keepdim=True), loudness - loudness.mean(dim=1, keepdim=True)
+    scale = motion.norm(dim=1) * loudness.norm(dim=1)
+    correlation = (motion * loudness).sum(dim=1) / scale.clamp_min(1e-12)
+    return torch.where(scale > 1e-12, correlation, torch.zeros_like(correlation)).tolist()
+
+
+av_sync.accepts_video = True
+av_sync.accepts_audio = True
+av_sync.modality = "both"

@@ -73,6 +73,7 @@ def _registry() -> dict[str, Callable[..., Any]]:
         "pickscore": clip.PickScore,
         "clip_score": clip.CLIPScore,
         "clap": audio.CLAPScore,
+        "av_sync": audio.av_sync,
         "aesthetic": aesthetic.AestheticReward,
         "vlm_judge": judges.PointwiseJudge,
         "pairwise_judge": judges.PairwiseJudge,
