@@ -22,8 +22,12 @@ def _generate(pipeline, kind, seed=0):
     video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
     if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "qwen-image", "z-image") or video:
         kwargs["max_sequence_length"] = 16
-    if kind.endswith("i2v") or kind == "flux-kontext":
+    if kind.endswith(("i2v", "flf2v")) or kind == "flux-kontext":
         kwargs["image"] = tiny_condition_images(1)[0]
+    if kind == "wan-flf2v":
+        kwargs["last_image"] = tiny_condition_images(2)[1]
+    if kind == "ltx2-i2v":  # (its default H.264 re-compression of the image needs PyAV)
+        kwargs["image_crf"] = 0
     if kind == "skyreels-i2v":  # one image per prompt, and a fixed posterior sample
         kwargs["image"] = [kwargs["image"]] * 2
     if kind == "flux-kontext":  # at 32×32, not Kontext's 1-megapixel defaults
