@@ -28,6 +28,8 @@ def _count(kind: str, mode: str, cfg: bool, checkpointing: bool, **more) -> tupl
         num_frames=TINY_VIDEO_FRAMES if video else None,
         **more,
     )
+    if kind == "ltx2-i2v":  # (its default H.264 re-compression of the image needs PyAV)
+        settings.pipeline_kwargs = {**(settings.pipeline_kwargs or {}), "image_crf": 0}
     policy = make_policy(TINY_PIPELINES[kind](0), settings).to("cpu")
     denoiser = policy.denoiser.requires_grad_(mode == "full")
     if mode == "lora":

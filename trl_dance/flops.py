@@ -128,8 +128,8 @@ def denoiser_tokens(inputs: Mapping[str, object], config) -> dict[str, int]:
         image = (hidden.shape[2] // patch_t) * (hidden.shape[3] // patch_h) * (hidden.shape[4] // patch_w)
     tokens = {"image": image, SAMPLE: inputs["timestep"][0].numel()}
     for stream, name in (("text", "encoder_hidden_states"), ("image_embeds", "encoder_hidden_states_image")):
-        if isinstance(inputs.get(name), torch.Tensor):
-            tokens[stream] = inputs[name].shape[1]
+        if isinstance(inputs.get(name), torch.Tensor):  # (rows of several per sample: Wan FLF2V's two images)
+            tokens[stream] = inputs[name].shape[1] * (inputs[name].shape[0] // hidden.shape[0])
     return tokens
 
 

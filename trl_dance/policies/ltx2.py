@@ -178,6 +178,7 @@ class LTX2Policy(DiffusionPolicy):
     # (which skip them), as are the STG blocks' self-attention queries, keys and cores in STG calls (see __init__).
     flop_layout = FlopLayout(
         streams=(
+            (r"^time_embed", "video_time"),  # one row per sample, or per video token where its timestep is (I2V)
             (r"time_embed|prompt_adaln|^av_cross_attn_", SAMPLE),
             (r"caption_projection", "text"),
             (r"audio_to_video_attn\.to_[kv]$", "a2v_audio"),
@@ -329,6 +330,7 @@ class LTX2Policy(DiffusionPolicy):
         crossed = not inputs.get("isolate_modalities", False)
         attended = not inputs.get("spatio_temporal_guidance_blocks")
         tokens = {"image": video, "audio": audio, "text": inputs["encoder_hidden_states"].shape[1], SAMPLE: 1}
+        tokens["video_time"] = inputs["timestep"][0].numel()
         tokens |= {"stg_image": video * attended, "stg_audio": audio * attended}
         tokens |= {"a2v_video": video * crossed, "v2a_video": video * crossed}
         return tokens | {"a2v_audio": audio * crossed, "v2a_audio": audio * crossed}
