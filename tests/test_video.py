@@ -4,7 +4,6 @@ import pytest
 import torch
 from conftest import (
     LEARNING_SEED,
-    LORA_TARGETS,
     PROMPTS,
     assert_learned,
     family_overrides,
@@ -300,33 +299,6 @@ def test_ltx2_image_to_video(tiny_model_dir, tmp_path):
         ValueError, match=r"needs PyAV: `pip install av`, or skip it with pipeline_kwargs \{image_crf: 0\}"
     ):
         DanceGRPOTrainer(tiny_model_dir("ltx2-i2v"), "brightness", args=default_crf, train_dataset=dataset)
-
-
-# LTX-2 image-to-video with its video unguided (as the text-to-video learning test), 8 rounds at lr 3e-2: brightness
-# +0.052 / +0.049 / +0.050 (seeds 42 / 1 / 2; first-round sample std 0.013-0.014). Margin: the smallest / 2.3.
-@pytest.mark.slow
-def test_ltx2_image_to_video_brightness_rises(tiny_model_dir, tmp_path):
-    """Learning on LTX-2 image-to-video: GRPO raises the brightness of videos that start from the dataset's images."""
-    unguided = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0}
-    args = tiny_grpo_config(
-        tmp_path,
-        generation_batch_size=32,
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=10,
-        max_steps=8,
-        guidance_scale=1.0,
-        seed=LEARNING_SEED,
-        pipeline_kwargs={**unguided, "image_crf": 0},
-        **family_overrides("ltx2"),
-    )
-    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("ltx2-i2v"), "brightness", args=args, train_dataset=_i2v_dataset(), peft_config=lora
-    )
-    trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert_learned("brightness", first, last, trainer.state.log_history[0]["reward_std"], 0.021)
 
 
 def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
