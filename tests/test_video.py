@@ -307,10 +307,13 @@ def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
 
 
 # Over seeds 42, 1, 2 and 1-2 threads (constant lr 1.5e-2, CFG 5, first 3 -> last 3 of 30 rollouts): Wan 2.1 layout
-# +0.181 to +0.278 kB (sample std 0.010-0.012); Wan 2.2 TI2V layout, whose first frame is the image's and cannot change
+# +0.181 to +0.278 kB (sample std 0.010-0.012), in 20 rollouts +0.085 / +0.161 / +0.119 (what the test runs; margin
+# the smallest / 2.3); Wan 2.2 TI2V layout, whose first frame is the image's and cannot change
 # and whose VAE leaves 2×2 tokens per latent frame, +0.033 to +0.046 kB (sample std 0.005).
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "load", "rise"), [("wan-i2v", {}, 0.05), ("wan22-5b", TI2V_AS_I2V, 0.012)])
+@pytest.mark.parametrize(
+    ("kind", "load", "rise"), [("wan-i2v", {"max_steps": 20}, 0.037), ("wan22-5b", TI2V_AS_I2V, 0.012)]
+)
 def test_image_to_video_jpeg_compressibility_rises(tiny_model_dir, tmp_path, kind, load, rise):
     """Learning on image-to-video: GRPO with CFG raises the frame-averaged JPEG compressibility of videos that
     start from the dataset's images."""
