@@ -116,14 +116,7 @@ class CLAPScore(RewardModel):
                 f"{self.name}: expected one waveform (channels, samples) per prompt, got {shape} for {len(prompts)} prompts"
             )
         self.load(images.device)
-        prompts = list(prompts)
-        scores = [
-            self.audio_score(
-                prompts[start : start + self.batch_size], audio[start : start + self.batch_size], audio_sample_rate
-            )
-            for start in range(0, len(prompts), self.batch_size)
-        ]
-        return torch.cat(scores).float().cpu().tolist()
+        return self._in_batches(lambda chunk, waves: self.audio_score(chunk, waves, audio_sample_rate), prompts, audio)
 
 
 def av_sync(prompts: list[str], images: torch.Tensor, audio: torch.Tensor, **_) -> list[float]:

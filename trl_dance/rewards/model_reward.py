@@ -179,9 +179,15 @@ class RewardModel(ABC):
     def __call__(self, prompts: list[str], images: torch.Tensor, **_) -> list[float]:
         self._check(prompts, images)
         self.load(images.device)
+        return self._in_batches(lambda chunk, pixels: self._score(chunk, pixels, exact=True), prompts, images)
+
+    def _in_batches(
+        self, score: Callable[..., torch.Tensor], prompts: list[str], samples: torch.Tensor
+    ) -> list[float]:
+        """``score(prompts, samples)`` over chunks of ``batch_size``, as B floats."""
         prompts = list(prompts)
         scores = [
-            self._score(prompts[start : start + self.batch_size], images[start : start + self.batch_size], exact=True)
+            score(prompts[start : start + self.batch_size], samples[start : start + self.batch_size])
             for start in range(0, len(prompts), self.batch_size)
         ]
         return torch.cat(scores).float().cpu().tolist()
