@@ -84,8 +84,12 @@ def normalized_log_ratio(
 
 def gaussian_step_kl(mean: torch.Tensor, other_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """(B,) KL between two step Gaussians N(mean, std²I) and N(other_mean, std²I) of one (B,) std, per latent element:
-    mean((mean − other_mean)²) / (2·std²) over the non-batch dimensions (the exact KL divided by their count)."""
-    return ((mean - other_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
+    mean((mean − other_mean)²) / (2·std²) over the non-batch dimensions (the exact KL divided by their count); a std
+    of ``mean``'s shape (per element) inside the mean."""
+    dims = tuple(range(1, mean.ndim))
+    if std.shape == mean.shape and mean.ndim > 1:
+        return (((mean - other_mean) / std) ** 2).mean(dim=dims) / 2
+    return ((mean - other_mean) ** 2).mean(dim=dims) / (2 * std**2)
 
 
 def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:

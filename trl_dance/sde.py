@@ -41,7 +41,8 @@ class SDEStepOutput:
             ``None`` when not requested. For ``sde_type="cps"`` it is the published pseudo log-prob
             ``−reduce((prev_sample − mean)²)``.
         mean: (B, ...) float32 mean of the Gaussian transition.
-        std: (B,) float32 standard deviation of the transition (isotropic).
+        std: (B,) float32 standard deviation of the transition (isotropic); (B, ...) per element where σ is given per
+            element (streams on their own σ grids, :class:`~trl_dance.policies.process.StreamFlowProcess`).
     """
 
     prev_sample: torch.Tensor
@@ -51,9 +52,12 @@ class SDEStepOutput:
 
 
 def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A float or (B,) tensor as a float32 tensor of shape (B, 1, ..., 1) broadcastable against ``like``."""
+    """A float or (B,) tensor as a float32 tensor of shape (B, 1, ..., 1) broadcastable against ``like``; a tensor of
+    ``like``'s own shape (one value per element: streams on their own σ grids) as it is."""
     batch = like.shape[0]
     value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.ndim > 1 and value.shape == like.shape:
+        return value
     if value.ndim == 0:
         value = value.expand(batch)
     if value.shape != (batch,):
@@ -122,7 +126,8 @@ def _gaussian_step(
         else:
             per_element = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
         log_prob = reduce_per_sample(per_element, reduction, segments)
-    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std.flatten())
+    per_element = std.shape == mean.shape and mean[0].numel() > 1
+    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std if per_element else std.flatten())
 
 
 def _check_eta(eta: float, compute_log_prob: bool) -> None:
@@ -157,7 +162,8 @@ def flow_sde_step(
     Args:
         model_output: (B, ...) predicted velocity ``v ≈ ε − x0``.
         sample: (B, ...) current latent ``x_σ``.
-        sigma, sigma_next: noise levels in [0, 1], ``sigma > sigma_next``; floats or (B,) tensors.
+        sigma, sigma_next: noise levels in [0, 1], ``sigma > sigma_next``; floats, (B,) tensors, or tensors of
+            ``sample``'s shape (one level per element; ``sigma_max`` and ``sigma_min`` then too).
         sde_type: ``"dance"`` (constant diffusion ``s = eta``, DanceGRPO), ``"flow_grpo"``
             (``s = eta · sqrt(σ / (1 − σ̃))``, ``σ̃ = sigma_max`` where ``σ = 1``), ``"flash"`` (Flash-GRPO,
             arXiv 2605.15980: ``s = eta · (σ_min + (σ_max − σ_min) · σ)``, linear in σ, with the schedule's

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
-from diffusers import DiffusionPipeline
+import torch
+from diffusers import DiffusionPipeline, ModularPipeline
 from transformers import AutoTokenizer, Qwen2VLProcessor, Qwen3VLProcessor
 
 # Written beside a tiny pipeline's model_index.json: the sampling settings its recipes use, which `trl-dance eval`
@@ -15,6 +17,8 @@ TINY_SAMPLING_FILE = "trl_dance_tiny.json"
 TINY_RESOLUTION = 32
 """Height and width of the tiny pipelines' images and videos."""
 TINY_SAMPLING = {"height": TINY_RESOLUTION, "width": TINY_RESOLUTION, "num_inference_steps": 8}
+MODULAR_INDEX = "modular_model_index.json"
+"""The index a modular pipeline (MiniMax-H3) is saved with, instead of ``model_index.json``."""
 
 
 def is_tiny_folder(folder: str) -> bool:
@@ -55,23 +59,45 @@ def load_tiny_pipeline(directory: str, **kwargs) -> DiffusionPipeline:
     ``Qwen3VLProcessor`` only with torchvision (its video processor), which CPU-only torch lacks; with torchvision,
     ``from_pretrained`` alone loads it. ``kwargs`` go to ``from_pretrained``."""
     folder = os.path.join(directory, "processor")
+    modular = os.path.isfile(os.path.join(directory, MODULAR_INDEX))
     if not os.path.isdir(folder):
-        return DiffusionPipeline.from_pretrained(directory, **kwargs)
+        return load_modular_pipeline(directory, **kwargs) if modular else DiffusionPipeline.from_pretrained(directory, **kwargs)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    with open(os.path.join(directory, "model_index.json")) as handle:
+    with open(os.path.join(directory, MODULAR_INDEX if modular else "model_index.json")) as handle:
         cls = {"Qwen3VLProcessor": Qwen3VLProcessor}.get(json.load(handle)["processor"][1], Qwen2VLProcessor)
     processor = qwen_vl_processor(
         AutoTokenizer.from_pretrained(folder), Qwen2VLImageProcessorPil.from_pretrained(folder), cls
     )
+    if modular:
+        return load_modular_pipeline(directory, processor=processor, **kwargs)
     return DiffusionPipeline.from_pretrained(directory, processor=processor, **kwargs)
 
 
+def load_modular_pipeline(model: str, workflow: str | None = None, **kwargs) -> ModularPipeline:
+    """A modular pipeline (MiniMax-H3) from a Hub id or folder with its components loaded: ``ModularPipeline.
+    from_pretrained`` (pruned to ``workflow``, e.g. ``"t2va"``, which loads only that workflow's transformer), then
+    ``load_components`` with ``kwargs`` (``dtype``, ...); components given as modules in ``kwargs`` are used as they
+    are."""
+    given = {name: value for name, value in kwargs.items() if not isinstance(value, (str, torch.dtype, dict))}
+    options = {name: value for name, value in kwargs.items() if name not in given}
+    pipeline = ModularPipeline.from_pretrained(model, workflow=workflow)
+    names = [name for name in pipeline.pretrained_component_names if name not in given]
+    with warnings.catch_warnings():  # (components that fail to load are reported below, not as warnings)
+        warnings.simplefilter("ignore")
+        pipeline.load_components(names=names, **options)
+    if given:
+        pipeline.update_components(**given)
+    return pipeline
+
+
 __all__ = [
+    "MODULAR_INDEX",
     "TINY_RESOLUTION",
     "TINY_SAMPLING",
     "TINY_SAMPLING_FILE",
     "is_tiny_folder",
+    "load_modular_pipeline",
     "load_tiny_pipeline",
     "qwen_vl_processor",
 ]

@@ -14,6 +14,8 @@ from diffusers import (
     HunyuanVideoPipeline,
     LTX2ImageToVideoPipeline,
     LTX2Pipeline,
+    MiniMaxH3ModularPipeline,
+    ModularPipeline,
     QwenImage21Pipeline,
     QwenImageEditPipeline,
     QwenImageEditPlusPipeline,
@@ -39,7 +41,8 @@ from .layout import (
     VideoLatents,
 )
 from .ltx2 import LTX2ImageToVideoPolicy, LTX2Policy
-from .process import DiffusionProcess, FlowProcess, VPProcess, require_flow
+from .minimax_h3 import MiniMaxH3Policy
+from .process import DiffusionProcess, FlowProcess, StreamFlowProcess, VPProcess, require_flow
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
 from .qwen_image21 import QwenImage21Policy
 from .runtime import PolicyRuntime
@@ -73,8 +76,10 @@ def register_policy(pipeline_class: type[DiffusionPipeline], policy_class: type[
     Raises:
         TypeError if either argument is not such a class.
     """
-    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
-        raise TypeError(f"pipeline_class must be a diffusers DiffusionPipeline subclass, got {pipeline_class!r}")
+    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, (DiffusionPipeline, ModularPipeline))):
+        raise TypeError(
+            f"pipeline_class must be a diffusers DiffusionPipeline or ModularPipeline subclass, got {pipeline_class!r}"
+        )
     if not (isinstance(policy_class, type) and issubclass(policy_class, DiffusionPolicy)):
         raise TypeError(f"policy_class must be a trl_dance.policies.DiffusionPolicy subclass, got {policy_class!r}")
     _POLICIES[pipeline_class] = policy_class
@@ -95,6 +100,7 @@ for _pipeline, _policy in (
     (HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15ImageToVideoPolicy),
     (LTX2ImageToVideoPipeline, LTX2ImageToVideoPolicy),
     (LTX2Pipeline, LTX2Policy),
+    (MiniMaxH3ModularPipeline, MiniMaxH3Policy),
     (StableDiffusion3Pipeline, SD3Policy),
     (StableDiffusionXLPipeline, StableDiffusionXLPolicy),
     (StableDiffusionPipeline, StableDiffusionPolicy),
@@ -141,6 +147,7 @@ __all__ = [
     "PolicyRuntime",
     "RGBAOneFrameLatents",
     "SpatialLatents",
+    "StreamFlowProcess",
     "VPProcess",
     "VideoLatents",
     "require_flow",
@@ -154,6 +161,7 @@ __all__ = [
     "HunyuanVideoPolicy",
     "LTX2ImageToVideoPolicy",
     "LTX2Policy",
+    "MiniMaxH3Policy",
     "QwenImage21Policy",
     "QwenImageEditPlusPolicy",
     "QwenImageEditPolicy",

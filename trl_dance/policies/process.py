@@ -155,7 +155,7 @@ class DiffusionProcess(ABC):
         return (at_one.mean - at_zero.mean).abs().flatten() / at_zero.std
 
 
-TimestepUnits = Literal["train_steps", "sigma", "one_minus_sigma"]
+TimestepUnits = Literal["train_steps", "sigma", "one_minus_sigma", "clean_time"]
 
 
 class FlowProcess(DiffusionProcess):
@@ -300,6 +300,146 @@ class FlowProcess(DiffusionProcess):
         )
 
 
+
+class StreamFlowProcess(FlowProcess):
+    """Rectified flow whose streams step down their own σ grids in one transition (MiniMax-H3: a sample's video rows on
+    the shift-12 grid, its audio rows on the shift-3 one, both N steps long): σ is per element, the stream's, so the
+    step's mean, std and log-density are per element too (the log-probability is still one Gaussian over the sample;
+    ``segments`` reduce it per stream as for any family). The denoiser's timestep is per stream: (B, S) of ``1 − σ``
+    (``timestep_units="clean_time"``; the H3 convention, t = 1 clean).
+
+    What needs one σ per sample — the forward process (NFT, Diffusion-DPO, SFT, distillation), Δσ-based options
+    (GRPO-Guard's ratio normalisation, Flash-GRPO's gradient rectification), fractional steps (MixGRPO-Flash) — raises.
+    """
+
+    def __init__(self, grids: dict[str, torch.Tensor], streams: dict[str, int], settings: SamplerSettings):
+        DiffusionProcess.__init__(self, settings)
+        if list(grids) != list(streams):
+            raise ValueError(f"one σ grid per stream, in the streams' order: got {list(grids)} for {list(streams)}")
+        lengths = {name: len(grid) for name, grid in grids.items()}
+        if set(lengths.values()) != {settings.num_inference_steps + 1}:
+            raise ValueError(
+                f"each stream's σ grid must have num_inference_steps + 1 = {settings.num_inference_steps + 1} values "
+                f"(its terminal one included), got {lengths}"
+            )
+        self.timestep_units = "clean_time"
+        self.stream_sigmas = torch.stack([grid.to("cpu", torch.float32) for grid in grids.values()])  # (S, N + 1)
+        self.segments = tuple(streams.values())
+
+    def _one_sigma(self, what: str):
+        raise NotImplementedError(
+            f"{what} needs one noise level per sample, but this process steps its streams "
+            f"({len(self.segments)}) on their own σ grids (MiniMax-H3's video and audio); use a GRPO-family method "
+            "without Δσ options"
+        )
+
+    @property
+    def sigmas(self) -> torch.Tensor:
+        self._one_sigma("the σ table")
+
+    @property
+    def sigma_values(self) -> tuple[float, ...]:
+        self._one_sigma("the σ table")
+
+    def sigma(self, step_index: torch.Tensor) -> torch.Tensor:
+        self._one_sigma("σ at a step")
+
+    def sigma_at(self, positions: torch.Tensor) -> torch.Tensor:
+        self._one_sigma("σ between steps")
+
+    def stream_sigma(self, step_index: torch.Tensor) -> torch.Tensor:
+        """(B, S) float32: each stream's σ at each step index, on the index's device."""
+        return self.stream_sigmas.to(step_index.device)[:, step_index].T
+
+    def element_sigma(self, step_index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """σ per element of latents ``like`` (B, ...) at ``step_index`` (B,): each stream's over its elements."""
+        repeats = torch.tensor(self.segments, device=like.device)
+        per_stream = self.stream_sigma(step_index.to(like.device))
+        return per_stream.repeat_interleave(repeats, dim=1, output_size=sum(self.segments)).view(like.shape)
+
+    def model_timestep(self, step_index: torch.Tensor) -> torch.Tensor:
+        """(B, S): each stream's ``1 − σ`` (float32, as MiniMax-H3's scheduler computes its timesteps)."""
+        return 1.0 - self.stream_sigma(step_index)
+
+    def timestep_at(self, t: torch.Tensor) -> torch.Tensor:
+        self._one_sigma("a forward-process time")
+
+    def noise_coefficients(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._one_sigma("the forward process")
+
+    def sample_training_times(self, count, generator, device, density: TimeDensity = UNIFORM) -> torch.Tensor:
+        self._one_sigma("the forward process")
+
+    def training_sigmas(self) -> torch.Tensor:
+        self._one_sigma("the forward process")
+
+    def deterministic_step(self, model_output, latents, t, t_next) -> torch.Tensor:
+        self._one_sigma("a step between forward-process times")
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self._one_sigma("the forward process")
+
+    def recover_clean(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self._one_sigma("the forward process")
+
+    def log_prob_gradient_scale(self, steps: list[int]) -> torch.Tensor:
+        self._one_sigma("Flash-GRPO's temporal gradient rectification")
+
+    def check_schedule(self, steps: list[int]) -> None:
+        trainable = torch.tensor(steps, dtype=torch.long)
+        if len(trainable) > 0:  # (one element per stream: the step of (len(steps), S) probes at each stream's σ)
+            zeros, sigmas = torch.zeros(len(trainable), len(self.segments)), self.stream_sigmas
+            std = flow_sde_step(
+                zeros, zeros, self.stream_sigma(trainable), self.stream_sigma(trainable + 1),
+                sde_type=self.settings.sde_type, eta=self.settings.eta, prev_sample=zeros, compute_log_prob=False,
+                sigma_max=sigmas[:, 1].expand_as(zeros), sigma_min=sigmas[:, -1].expand_as(zeros),
+            ).std  # fmt: skip
+            bad = (std <= 0).reshape(len(trainable), -1).any(dim=1)
+            if bad.any():
+                raise ValueError(
+                    f"steps {trainable[bad].tolist()} of the {self.num_steps}-step schedules have zero standard "
+                    f"deviation in some stream (noise level {self.settings.eta}, sde_type "
+                    f"{self.settings.sde_type!r}): their log-probability is undefined"
+                )
+
+    def predicted_clean(
+        self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor
+    ) -> torch.Tensor:
+        """x̂0 = x_σ − σ·v with each element's stream σ, (B, ...) float32."""
+        return latents.float() - self.element_sigma(step_index, latents) * model_output.float()
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        latents: torch.Tensor,
+        step_index: torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        compute_log_prob: bool = True,
+        noise: torch.Tensor | None = None,
+        eta: float | None = None,
+        segments: Segments = None,
+    ) -> SDEStepOutput:
+        step_index = step_index.to(latents.device)
+        at = functools.partial(self.element_sigma, like=latents)
+        last = torch.full_like(step_index, self.num_steps)
+        return flow_sde_step(
+            model_output,
+            latents,
+            at(step_index),
+            at(step_index + 1),
+            sde_type=self.settings.sde_type,
+            eta=self.settings.eta if eta is None else eta,
+            prev_sample=prev_sample,
+            generator=generator,
+            sigma_max=at(torch.ones_like(step_index)),
+            sigma_min=at(last),
+            reduction=self.settings.log_prob_reduction,
+            compute_log_prob=compute_log_prob,
+            noise=noise,
+            segments=segments,
+        )
+
 class VPProcess(DiffusionProcess):
     """The variance-preserving process of an ε-, v- or x0-prediction UNet, sampled with DDIM-η steps (DDPO) on a
     ``DDIMScheduler`` built from the pipeline's scheduler config (whatever scheduler it ships: PNDM for SD1.5, Euler
@@ -412,4 +552,4 @@ def require_flow(process: DiffusionProcess, what: str, hint: str = "") -> FlowPr
     return process
 
 
-__all__ = ["DiffusionProcess", "FlowProcess", "TimestepUnits", "VPProcess", "require_flow"]
+__all__ = ["DiffusionProcess", "FlowProcess", "StreamFlowProcess", "TimestepUnits", "VPProcess", "require_flow"]

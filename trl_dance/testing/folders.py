@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 from diffusers import (
     DiffusionPipeline,
+    ModularPipeline,
 )
 
-from ..tiny_folders import TINY_SAMPLING, TINY_SAMPLING_FILE
+from ..tiny_folders import MODULAR_INDEX, TINY_SAMPLING, TINY_SAMPLING_FILE
 from .components import _PREFERENCE_PROMPTS, TINY_RESOLUTION, TINY_VIDEO_FRAMES
 from .flux import tiny_flux2_klein_pipeline, tiny_flux2_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pipeline
 from .hunyuan_video import (
@@ -22,6 +23,7 @@ from .hunyuan_video import (
     tiny_skyreels_i2v_pipeline,
 )
 from .ltx2 import tiny_ltx2_i2v_pipeline, tiny_ltx2_pipeline
+from .minimax_h3 import MINIMAX_H3_TINY_FRAMES, tiny_minimax_h3_pipeline
 from .qwen_image import (
     tiny_qwen_image21_pipeline,
     tiny_qwen_image_edit_pipeline,
@@ -74,6 +76,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "hunyuan-video15-i2v": tiny_hunyuan_video15_i2v_pipeline,
     "ltx2": tiny_ltx2_pipeline,
     "ltx2-i2v": tiny_ltx2_i2v_pipeline,
+    "minimax-h3": tiny_minimax_h3_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,
     "wan-flf2v": tiny_wan_flf2v_pipeline,
@@ -91,20 +94,28 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
         raise ValueError(f"unknown tiny pipeline {kind!r}; choose from {sorted(TINY_PIPELINES)}")
     pipeline = TINY_PIPELINES[kind](seed)
     processor = pipeline.components.get("processor")
+    modular = isinstance(pipeline, ModularPipeline)
     if processor is None:
         pipeline.save_pretrained(directory)
     else:  # transformers cannot save a processor without its video processor: its parts, then the index entry
-        pipeline.register_modules(processor=None)
+        if modular:
+            pipeline.update_components(processor=None)
+        else:
+            pipeline.register_modules(processor=None)
         pipeline.save_pretrained(directory)
         processor.image_processor.save_pretrained(os.path.join(directory, "processor"))
         processor.tokenizer.save_pretrained(os.path.join(directory, "processor"))
-        index_path = os.path.join(directory, "model_index.json")
+        index_path = os.path.join(directory, MODULAR_INDEX if modular else "model_index.json")
         with open(index_path) as handle:
             index = json.load(handle)
+        entry = ["transformers", type(processor).__name__]
+        if modular:  # (a modular index also says where each component loads from)
+            entry.append({**index["processor"][2], "pretrained_model_name_or_path": directory, "subfolder": "processor"})
         with open(index_path, "w") as handle:
-            json.dump({**index, "processor": ["transformers", type(processor).__name__]}, handle, indent=2)
+            json.dump({**index, "processor": entry}, handle, indent=2)
     with open(os.path.join(directory, TINY_SAMPLING_FILE), "w") as handle:
-        video = {"num_frames": TINY_VIDEO_FRAMES} if getattr(pipeline, "video_processor", None) is not None else {}
+        frames = MINIMAX_H3_TINY_FRAMES if kind == "minimax-h3" else TINY_VIDEO_FRAMES
+        video = {"num_frames": frames} if getattr(pipeline, "video_processor", None) is not None else {}
         json.dump({"kind": kind, **TINY_SAMPLING, **video}, handle)
     return directory
 

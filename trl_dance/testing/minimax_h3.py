@@ -1,0 +1,117 @@
+"""A tiny MiniMax-H3 audio-video modular pipeline."""
+
+from __future__ import annotations
+
+from diffusers import (
+    AutoencoderKLMiniMaxH3,
+    AutoencoderKLMiniMaxH3Audio,
+    MiniMaxH3ModularPipeline,
+    MiniMaxH3Scheduler,
+    MiniMaxH3Transformer3DModel,
+)
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+from ..tiny_folders import qwen_vl_processor
+from .components import _build, _qwen_tokenizer
+
+MINIMAX_H3_TINY_FRAMES = 124
+"""The tiny MiniMax-H3's frame count: the pipeline's shortest clip (5 s at 24 fps, 17·7 + 5 frames), 37 latent frames
+and 207 audio latents per channel."""
+
+
+def tiny_minimax_h3_pipeline(seed: int = 0) -> MiniMaxH3ModularPipeline:
+    """A MiniMaxH3ModularPipeline with the released classes at toy sizes: the transformer (2 blocks, one token
+    refiner, the (1, 2, 2) patch), the two schedulers at their released shifts (video 12, audio 3), the video VAE
+    (16× spatial, 17 → 5 frames per chunk, tiled, per-channel statistics; 4 latent channels), the mono audio VAE
+    (800-sample hop at 32 kHz; 4 latent channels) and a Qwen3-VL conditioner of 51 layers (the pipeline reads
+    ``hidden_states[50]``), with its processor. 32×32 canvases (one 2×2 group of latents a frame)."""
+
+    def factory() -> MiniMaxH3ModularPipeline:
+        tokenizer = _qwen_tokenizer()
+        ids = tokenizer.convert_tokens_to_ids
+        text_encoder = Qwen3VLForConditionalGeneration(
+            Qwen3VLConfig(
+                text_config={
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_hidden_layers": 51,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "head_dim": 8,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+                },
+                vision_config={
+                    "depth": 1,
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": 16,
+                    "patch_size": 16,
+                    "spatial_merge_size": 2,
+                    "temporal_patch_size": 2,
+                    "num_position_embeddings": 64,
+                    "deepstack_visual_indexes": [0],
+                },
+                image_token_id=ids("<|image_pad|>"),
+                video_token_id=ids("<|video_pad|>"),
+                vision_start_token_id=ids("<|vision_start|>"),
+                vision_end_token_id=ids("<|vision_end|>"),
+            )
+        )
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+        pipeline = MiniMaxH3Blocks().init_pipeline()
+        pipeline.update_components(
+            transformer=MiniMaxH3Transformer3DModel(
+                num_attention_heads=2,
+                attention_head_dim=16,
+                hidden_size=24,
+                num_layers=2,
+                num_refiner_layers=1,
+                ffn_dim=32,
+                in_channels=4,
+                audio_in_channels=4,
+                text_dim=16,
+                freq_dim=32,
+                time_embed_hidden_dim=32,
+                time_embed_dim=16,
+                rope_freq_dim=2,
+            ),
+            scheduler=MiniMaxH3Scheduler(shift=12.0),
+            audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+            vae=AutoencoderKLMiniMaxH3(
+                latent_channels=4,
+                block_out_channels=(8, 8, 8, 8, 8, 8),
+                layers_per_block=1,
+                norm_num_groups=4,
+                decoder_num_layers=1,
+                decoder_num_attention_heads=2,
+                decoder_attention_head_dim=8,
+                decoder_num_register_tokens=1,
+                decoder_ffn_mult=2,
+                latents_mean=(0.1, 0.2, -0.1, 0.0),
+                latents_std=(1.5, 0.8, 1.2, 1.0),
+            ),
+            audio_vae=AutoencoderKLMiniMaxH3Audio(
+                encoder_dim=4,
+                latent_dim=16,
+                latent_channels=4,
+                num_attention_heads=2,
+                decoder_dim=16,
+                decoder_rates=(10, 10, 8),  # the released 800-sample hop in three stages
+                decoder_kernel_sizes=(20, 20, 16),
+                resblock_kernel_sizes=(3,),
+                resblock_dilation_sizes=((1, 3),),
+                latents_mean=[0.1, 0.0, -0.1, 0.2],
+                latents_std=[1.1, 0.9, 1.0, 1.2],
+            ),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            processor=qwen_vl_processor(tokenizer, image_processor, Qwen3VLProcessor),
+        )
+        return pipeline
+
+    return _build(factory, seed)
