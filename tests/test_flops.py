@@ -10,6 +10,7 @@ from tests.conftest import TINY_VIDEO_FRAMES, tiny_dpo_config, tiny_grpo_config
 from trl_dance.flops import DenoiserFlops
 from trl_dance.policies import SamplerSettings, make_policy
 from trl_dance.testing import TINY_PIPELINES, TINY_RESOLUTION, tiny_condition_images, tiny_preference_dataset
+from trl_dance.testing.minimax_h3 import MINIMAX_H3_TINY_FRAMES
 from trl_dance.trainer.performance import PerformanceLog, peak_tflops
 
 # Every family's tiny denoiser: a frozen forward with CFG where the family uses it, and a training forward + backward
@@ -20,12 +21,13 @@ CASES = [("frozen", True, False), ("lora", False, True), ("full", False, False)]
 
 def _count(kind: str, mode: str, cfg: bool, checkpointing: bool, **more) -> tuple[float, float]:
     video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
+    frames = MINIMAX_H3_TINY_FRAMES if kind == "minimax-h3" else TINY_VIDEO_FRAMES if video else None
     settings = SamplerSettings(
         height=TINY_RESOLUTION,
         width=TINY_RESOLUTION,
-        guidance_scale=4.0 if cfg else 1.0,
+        guidance_scale=4.0 if cfg and kind != "minimax-h3" else 1.0,  # (H3 is guidance-distilled, without a scale)
         max_sequence_length=64 if kind.startswith("qwen-image-edit") else 16,  # the source's image tokens
-        num_frames=TINY_VIDEO_FRAMES if video else None,
+        num_frames=frames,
         **more,
     )
     if kind == "ltx2-i2v":  # (its default H.264 re-compression of the image needs PyAV)

@@ -9,6 +9,7 @@ from trl_dance.testing import (
     save_tiny_pipeline,
     tiny_condition_images,
 )
+from trl_dance.testing.minimax_h3 import MINIMAX_H3_TINY_FRAMES
 
 
 def _generate(pipeline, kind, seed=0):
@@ -19,7 +20,7 @@ def _generate(pipeline, kind, seed=0):
         "output_type": "pt",
         "generator": torch.Generator().manual_seed(seed),
     }
-    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
+    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx", "minimax"))
     if kind in ("flux", "flux-kontext", "flux2", "flux2-klein", "qwen-image", "z-image") or video:
         kwargs["max_sequence_length"] = 16
     if kind.endswith(("i2v", "flf2v")) or kind == "flux-kontext":
@@ -32,6 +33,14 @@ def _generate(pipeline, kind, seed=0):
         kwargs["image"] = [kwargs["image"]] * 2
     if kind == "flux-kontext":  # at 32×32, not Kontext's 1-megapixel defaults
         kwargs |= {"_auto_resize": False, "max_area": 32 * 32}
+    if kind == "minimax-h3":  # a modular pipeline: one prompt a call, its outputs in the returned state
+        del kwargs["max_sequence_length"]
+        return torch.cat(
+            [
+                pipeline(prompt=p, num_frames=MINIMAX_H3_TINY_FRAMES, **kwargs).values["videos"]
+                for p in ["a red cat", "a blue dog"]
+            ]
+        )
     if kind.startswith("qwen-image-edit"):  # Edit-Plus takes one prompt at a time
         image = tiny_condition_images(1)[0]
         return torch.cat([pipeline(prompt=p, image=image, **kwargs).images for p in ["a red cat", "a blue dog"]])
@@ -60,8 +69,9 @@ def test_tiny_pipeline_generates_deterministically_and_round_trips(kind, tmp_pat
             assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in component.parameters())
 
     images = _generate(pipeline, kind)
-    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx"))
-    assert images.shape == ((2, TINY_VIDEO_FRAMES, 3, 32, 32) if video else (2, 3, 32, 32))
+    video = kind.startswith(("wan", "hunyuan", "skyreels", "ltx", "minimax"))
+    frames = MINIMAX_H3_TINY_FRAMES if kind == "minimax-h3" else TINY_VIDEO_FRAMES
+    assert images.shape == ((2, frames, 3, 32, 32) if video else (2, 3, 32, 32))
     assert images.dtype == torch.float32 and images.min() >= 0 and images.max() <= 1
     assert images.std() > 0.01  # not a constant image
     assert not torch.equal(images[0], images[1])

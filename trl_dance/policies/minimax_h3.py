@@ -183,7 +183,7 @@ class MiniMaxH3Policy(DiffusionPolicy):
     pipeline_tag = "text-to-video"
     flop_layout = FlopLayout(
         streams=(
-            (r"^time_embedder|^time_proj", SAMPLE),
+            (r"^time_embedder|adaln_proj|^norm_out\.linear", SAMPLE),  # once per distinct timestep of a call
             (r"^context_embedder|^token_refiner", "text"),
             (r"^proj_in", "video"),
             (r"^audio_proj_in", "audio"),
@@ -304,8 +304,9 @@ class MiniMaxH3Policy(DiffusionPolicy):
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         video, audio = inputs["hidden_states"].shape[1], inputs["audio_hidden_states"].shape[1]
-        text = inputs["encoder_hidden_states"].shape[1]
-        return {"video": video, "audio": audio, "text": text, "sequence": video + audio + text}
+        text, batch = inputs["encoder_hidden_states"].shape[1], inputs["hidden_states"].shape[0]
+        timesteps = inputs["timestep"].numel()  # (the AdaLN tables: per distinct timestep, shared by the batch)
+        return {"video": video, "audio": audio, "text": text, "sequence": video + audio + text, SAMPLE: timesteps / batch}
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         return self.layout.decode_audio(latents)

@@ -93,9 +93,11 @@ class DanceGRPOTrainer(RolloutTrainer):
                 f"{args.num_inference_steps - 1} steps per sample, but the {args.train_expert} expert serves only "
                 f"{len(trainable)} ({trainable}); use timestep_fraction <= {len(trainable) / (args.num_inference_steps - 1):.3f}"
             )
-        # g_t = |∂μ/∂output|/std of each trainable step: Flash-GRPO's rectification and DPPO's v-space KL use it.
+        # g_t = |∂μ/∂output|/std of each trainable step: Flash-GRPO's rectification and DPPO's v-space KL use it
+        # (only they: a process with a σ per stream has no one g_t).
         self._gradient_scale = torch.zeros(policy.num_steps)
-        self._gradient_scale[trainable] = policy.process.log_prob_gradient_scale(trainable)
+        if args.temporal_rectification or (args.trust_region == "dppo" and args.dppo_kl_space == "v"):
+            self._gradient_scale[trainable] = policy.process.log_prob_gradient_scale(trainable)
         self._rectification = None
         if args.temporal_rectification:  # 1 / each candidate step's gradient scale, averaging 1 over them
             steps = trainable if self.sde_window is None else list(range(self.sde_window.low, self.sde_window.high))
