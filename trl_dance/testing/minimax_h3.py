@@ -24,7 +24,7 @@ def tiny_minimax_h3_pipeline(seed: int = 0) -> MiniMaxH3ModularPipeline:
     """A MiniMaxH3ModularPipeline with the released classes at toy sizes: the transformer (2 blocks, one token
     refiner, the (1, 2, 2) patch), the two schedulers at their released shifts (video 12, audio 3), the video VAE
     (16× spatial, 17 → 5 frames per chunk, tiled, per-channel statistics; 4 latent channels), the mono audio VAE
-    (800-sample hop at 32 kHz; 4 latent channels) and a Qwen3-VL conditioner of 51 layers (the pipeline reads
+    (40 latents a second as released, at 3.2 kHz instead of 32; 4 latent channels) and a Qwen3-VL conditioner of 51 layers (the pipeline reads
     ``hidden_states[50]``), with its processor. 32×32 canvases (one 2×2 group of latents a frame)."""
 
     def factory() -> MiniMaxH3ModularPipeline:
@@ -96,13 +96,17 @@ def tiny_minimax_h3_pipeline(seed: int = 0) -> MiniMaxH3ModularPipeline:
                 latents_std=(1.5, 0.8, 1.2, 1.0),
             ),
             audio_vae=AutoencoderKLMiniMaxH3Audio(
+                # 40 latents a second as released, at a tenth of its rate: a hop of 80 samples at 3.2 kHz (the
+                # pipeline's shortest clip, 5 s, is 165,600 samples a channel at 32 kHz: most of a tiny round's time)
                 encoder_dim=4,
+                encoder_rates=(2, 5, 8),
                 latent_dim=16,
                 latent_channels=4,
                 num_attention_heads=2,
                 decoder_dim=16,
-                decoder_rates=(10, 10, 8),  # the released 800-sample hop in three stages
-                decoder_kernel_sizes=(20, 20, 16),
+                decoder_rates=(10, 8),
+                decoder_kernel_sizes=(20, 16),
+                sampling_rate=3200,
                 resblock_kernel_sizes=(3,),
                 resblock_dilation_sizes=((1, 3),),
                 latents_mean=[0.1, 0.0, -0.1, 0.2],

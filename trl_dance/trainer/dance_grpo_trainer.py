@@ -15,7 +15,7 @@ from ..losses import (
     importance_weight,
     normalized_log_ratio,
 )
-from ..policies import DiffusionPolicy, FlowProcess
+from ..policies import DiffusionPolicy, FlowProcess, StreamFlowProcess
 from ..sampling import RolloutPlan, SDEWindow, compressed_steps, mix_seed
 from ..sde import join_streams
 from .dance_grpo_config import DanceGRPOConfig
@@ -75,6 +75,20 @@ class DanceGRPOTrainer(RolloutTrainer):
             if used and not isinstance(policy.process, FlowProcess):
                 raise ValueError(
                     f"{what}, which {type(policy.pipeline).__name__}'s DDIM steps do not have; flow-matching models only"
+                )
+        one_sigma = {
+            **flow_only,
+            "sde_type='flash' is a rectified-flow SDE": False,  # (its σ_max and σ_min are taken per stream)
+            "ratio_normalization (GRPO-Guard) divides by the step's Δσ": args.ratio_normalization,
+            "temporal_rectification rescales by the step's gradient scale": args.temporal_rectification,
+            "dppo_kl_space='v' rescales by the step's gradient scale": args.trust_region == "dppo"
+            and args.dppo_kl_space == "v",
+        }
+        for what, used in one_sigma.items():
+            if used and isinstance(policy.process, StreamFlowProcess):
+                raise ValueError(
+                    f"{what}, but {type(policy.pipeline).__name__} steps its streams on their own σ grids (no one σ "
+                    "per sample)"
                 )
         policy.check_schedule()
         trainable = policy.trainable_steps()
