@@ -49,6 +49,8 @@ def family_overrides(kind: str) -> dict:
         return {"max_sequence_length": 64}
     if kind == "ltx2":  # (a multiple of the connectors' learnable registers)
         return {"num_frames": TINY_VIDEO_FRAMES, "max_sequence_length": 32}
+    if kind == "minimax-h3":  # (its shortest clip; its two shipped σ grids)
+        return {"num_frames": 124, "max_sequence_length": 32, "sigma_schedule": "pipeline"}
     return {"num_frames": TINY_VIDEO_FRAMES} if kind.startswith(("wan", "hunyuan", "skyreels")) else {}
 
 

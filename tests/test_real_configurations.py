@@ -17,10 +17,11 @@ def _rows(prompts, generations=4):
     return [{"prompt": p} for p in prompts for _ in range(generations)]
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd", "ltx2"])
+@pytest.mark.parametrize("kind", ["flux", "sd", "ltx2", "minimax-h3"])
 def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
     """A pipeline loaded in bf16 (as every real GRPO config loads it) trains its LoRA in fp32 under bf16 autocast:
-    one Adam update at lr 1e-5 moves every entry (in bf16 most of them would round away), the base stays bf16."""
+    one Adam update at lr 1e-5 moves every entry (in bf16 most of them would round away), the base stays bf16 (but
+    for the modules its class keeps in fp32: MiniMax-H3's patch projections, heads and time embedder, as shipped)."""
     args = tiny_grpo_config(
         tmp_path,
         bf16=True,
@@ -32,13 +33,20 @@ def test_bf16_pipeline_trains_fp32_lora_weights(tiny_model_dir, tmp_path, kind):
         **family_overrides(kind),
     )
     # Both LoRA matrices random (not B = 0), so every entry has a gradient in the first update.
-    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    # (MiniMax-H3: a handful of the text refiner's 768 query/key LoRA entries do not move on these few-token prompts,
+    # 7 in bf16 and 9 in fp32: not rounding; the refiner is left out.)
+    excluded = r".*token_refiner.*" if kind == "minimax-h3" else None
+    lora = LoraConfig(
+        r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False, exclude_modules=excluded
+    )
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=lora)
     trained = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in name and p.dtype == torch.float32 for name, p in trained.items())
-    frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
-    assert all(p.dtype == torch.bfloat16 for p in frozen)
+    kept = type(trainer.policy.denoiser)._keep_in_fp32_modules or []
+    frozen = {name: p for name, p in trainer.model.named_parameters() if not p.requires_grad}
+    assert all(p.dtype == torch.bfloat16 for name, p in frozen.items() if not any(k in name for k in kept))
+    assert all(p.dtype == torch.float32 for name, p in frozen.items() if any(k in name for k in kept))
     before = {name: p.detach().clone() for name, p in trained.items()}
     trainer.train()
     assert trainer.state.global_step == 1

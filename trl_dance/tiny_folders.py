@@ -74,14 +74,21 @@ def load_tiny_pipeline(directory: str, **kwargs) -> DiffusionPipeline:
     return DiffusionPipeline.from_pretrained(directory, processor=processor, **kwargs)
 
 
+TRAINED_WORKFLOWS = {"MiniMaxH3ModularPipeline": "t2va"}
+"""The workflow a modular pipeline class is loaded for when none is named: the one its policy trains (MiniMax-H3's
+repository holds two 61.7 GB transformer partitions; ``t2va`` loads only its own)."""
+
+
 def load_modular_pipeline(model: str, workflow: str | None = None, **kwargs) -> ModularPipeline:
     """A modular pipeline (MiniMax-H3) from a Hub id or folder with its components loaded: ``ModularPipeline.
-    from_pretrained`` (pruned to ``workflow``, e.g. ``"t2va"``, which loads only that workflow's transformer), then
+    from_pretrained`` pruned to ``workflow`` (default: :data:`TRAINED_WORKFLOWS`' entry for its class), then
     ``load_components`` with ``kwargs`` (``dtype``, ...); components given as modules in ``kwargs`` are used as they
     are."""
     given = {name: value for name, value in kwargs.items() if not isinstance(value, (str, torch.dtype, dict))}
     options = {name: value for name, value in kwargs.items() if name not in given}
     pipeline = ModularPipeline.from_pretrained(model, workflow=workflow)
+    if workflow is None and type(pipeline).__name__ in TRAINED_WORKFLOWS:
+        pipeline = ModularPipeline.from_pretrained(model, workflow=TRAINED_WORKFLOWS[type(pipeline).__name__])
     names = [name for name in pipeline.pretrained_component_names if name not in given]
     with warnings.catch_warnings():  # (components that fail to load are reported below, not as warnings)
         warnings.simplefilter("ignore")
@@ -96,6 +103,7 @@ __all__ = [
     "TINY_RESOLUTION",
     "TINY_SAMPLING",
     "TINY_SAMPLING_FILE",
+    "TRAINED_WORKFLOWS",
     "is_tiny_folder",
     "load_modular_pipeline",
     "load_tiny_pipeline",

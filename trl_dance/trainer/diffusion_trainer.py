@@ -19,7 +19,7 @@ from typing import Any
 
 import diffusers
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModularPipeline
 from diffusers.training_utils import cast_training_params
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from huggingface_hub import save_torch_state_dict
@@ -34,7 +34,7 @@ from ..flops import DenoiserFlops
 from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loading_code, save_lora
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
-from ..tiny_folders import is_tiny_folder, load_tiny_pipeline
+from ..tiny_folders import MODULAR_INDEX, is_tiny_folder, load_modular_pipeline, load_tiny_pipeline
 from .checkpoints import named_save_failure, resolve_checkpoint, write_manifest
 from .context_parallel import (
     DataParallel,
@@ -82,7 +82,7 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
     Under DeepSpeed ZeRO-3 the text encoders load whole on every process (transformers would otherwise partition
     them with ``zero.Init``): they stay frozen outside the engine, which alone gathers its shards in forward.
     """
-    if isinstance(model, DiffusionPipeline):
+    if isinstance(model, (DiffusionPipeline, ModularPipeline)):
         return _with_merged_loras(model, args)
     if not isinstance(model, str):
         raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
@@ -95,12 +95,17 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
     loader = DiffusionPipeline
     if pipeline_class is not None:
         loader = getattr(diffusers, pipeline_class, None)
-        if not (isinstance(loader, type) and issubclass(loader, DiffusionPipeline)):
+        if not (isinstance(loader, type) and issubclass(loader, (DiffusionPipeline, ModularPipeline))):
             raise ValueError(f"pipeline_class must name a diffusers pipeline class, got {pipeline_class!r}")
+    # A modular-only model (MiniMax-H3) has a modular_model_index.json and no model_index.json: named by its
+    # pipeline class for a Hub id, recognised in a folder.
+    modular = issubclass(loader, ModularPipeline) or os.path.isfile(os.path.join(model, MODULAR_INDEX))
     try:
         with _without_zero3_init(args):
             if pipeline_class is None and is_tiny_folder(model):  # (a Qwen-VL processor is rebuilt from its parts)
                 pipeline = load_tiny_pipeline(model, **kwargs)
+            elif modular:
+                pipeline = load_modular_pipeline(model, **kwargs)
             else:
                 pipeline = loader.from_pretrained(model, **kwargs)
     except OSError as err:  # huggingface_hub's "not found / offline" errors; a local folder's own errors pass
