@@ -49,6 +49,7 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
         ("grpo", "grpo_flux2_tiny", "flux2"),
         ("grpo", "grpo_flux2_klein_tiny", "flux2-klein"),
         ("grpo", "grpo_hunyuan_video15_tiny", "hunyuan-video15"),
+        ("grpo", "grpo_minimax_h3_tiny", "minimax-h3"),
         ("spo", "spo_sd_tiny", "sd"),
         ("online_dpo", "online_dpo_sd3_tiny", "sd3"),
     ],
@@ -65,7 +66,7 @@ def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path,
     assert "reward: first step" in result.stdout
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
-    strip = 4 if kind in ("wan", "hunyuan-video", "hunyuan-video15") else 1  # videos: strips of 4 frames
+    strip = 4 if kind in ("wan", "hunyuan-video", "hunyuan-video15", "minimax-h3") else 1  # videos: 4-frame strips
     # Two columns of 128-pixel pictures with a gap, a label column (before / after), a caption row (the prompts).
     assert Image.open(output_dir / "samples.png").size == (56 + 2 * 128 * strip + 6, 2 * 128 + 6 + 30)
 
@@ -102,7 +103,8 @@ def test_shipped_configs_are_valid(name, tmp_path):
     if "pipeline_class" in values:
         import diffusers
 
-        assert issubclass(getattr(diffusers, values["pipeline_class"]), diffusers.DiffusionPipeline)
+        pipeline_class = getattr(diffusers, values["pipeline_class"])
+        assert issubclass(pipeline_class, (diffusers.DiffusionPipeline, diffusers.ModularPipeline))
     if "train_expert" in values:
         # The tiny two-expert Wan has Wan 2.2's boundary (0.875 of 1000): the same steps fall to each expert.
         from trl_dance.policies import SamplerSettings, make_policy
