@@ -1,7 +1,7 @@
 """Benchmark models: the tiny offline pipelines, and real architectures (FLUX.1-dev, SD3.5-medium, Wan 2.1 1.3B and
-14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5, FLUX.2 [klein] base 4B, LTX-2) built with random
-weights from the published configurations shipped in ``trl_dance/model_configs`` (no download; see
-:mod:`trl_dance.random_weights`)."""
+14B, Wan 2.2 A14B, HunyuanVideo, Qwen-Image, Z-Image-Turbo, HunyuanVideo 1.5, FLUX.2 [klein] base 4B, LTX-2,
+MiniMax-H3) built with random weights from the published configurations shipped in ``trl_dance/model_configs`` (no
+download; see :mod:`trl_dance.random_weights`)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ TINY = {
     "tiny-ltx2": "ltx2",
     "tiny-ltx2-i2v": "ltx2-i2v",
     "tiny-wan-flf2v": "wan-flf2v",
+    "tiny-minimax-h3": "minimax-h3",
 }
 MODELS = [*TINY, *random_weight_models()]
 VIDEO_MODELS = (
@@ -42,13 +43,20 @@ VIDEO_MODELS = (
     "tiny-ltx2",
     "tiny-ltx2-i2v",
     "tiny-wan-flf2v",
+    "tiny-minimax-h3",
     "wan21-1.3b",
     "wan21-14b",
     "wan22-a14b",
     "hunyuan-video",
     "hunyuan-video15",
     "ltx2",
+    "minimax-h3",
 )
+# Frame counts other than the scripts' defaults (5 tiny, 33 real): MiniMax-H3's shortest clip is 124 frames (5 s).
+DEFAULT_FRAMES = {"tiny-minimax-h3": 124, "minimax-h3": 124}
+# Config values a model needs: MiniMax-H3 samples on its pipeline's two σ grids (and without guidance: its rows pass
+# --guidance-scale 1).
+CONFIG_OVERRIDES = {name: {"sigma_schedule": "pipeline"} for name in DEFAULT_FRAMES}
 # Rows carry an `image` column (and, first-last-frame, a `last_image`).
 IMAGE_CONDITIONED_MODELS = (
     "tiny-flux-kontext",

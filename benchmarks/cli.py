@@ -6,7 +6,7 @@ import argparse
 import json
 
 import torch
-from architectures import MODELS, VIDEO_MODELS
+from architectures import DEFAULT_FRAMES, MODELS, VIDEO_MODELS
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -33,7 +33,7 @@ def num_frames(options: argparse.Namespace) -> int | None:
     """Frames per sample of a video model (None for image models)."""
     if options.model not in VIDEO_MODELS:
         return None
-    return options.frames or (5 if is_tiny(options.model) else 33)
+    return options.frames or DEFAULT_FRAMES.get(options.model) or (5 if is_tiny(options.model) else 33)
 
 
 def emit(figures: dict) -> dict:

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from architectures import (  # noqa: E402
+    CONFIG_OVERRIDES,
     IMAGE_CONDITIONED_MODELS,
     LAST_FRAME_MODELS,
     PIPELINE_KWARGS,
@@ -235,6 +236,7 @@ def _benchmark(options) -> dict:
                 rollout_backprop=options.rollout_backprop,
                 learning_rate=1e-4,
                 max_steps=rounds,  # one optimizer update per round
+                **CONFIG_OVERRIDES.get(options.model, {}),
             )
 
         warmup = 1

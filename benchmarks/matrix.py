@@ -66,6 +66,7 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-tiny-ltx2": ["grpo_iteration.py", "--model", "tiny-ltx2", "--guidance-scale", "3"],
         "grpo-tiny-ltx2-i2v": ["grpo_iteration.py", "--model", "tiny-ltx2-i2v", "--guidance-scale", "3"],
         "grpo-tiny-wan-flf2v": ["grpo_iteration.py", "--model", "tiny-wan-flf2v", "--guidance-scale", "5"],
+        "grpo-tiny-minimax-h3": ["grpo_iteration.py", "--model", "tiny-minimax-h3", "--guidance-scale", "1"],
         "dpo-tiny-sd": ["dpo_step.py", "--model", "tiny-sd"],
         "dpo-tiny-sd3": ["dpo_step.py", "--model", "tiny-sd3"],
     },
@@ -134,6 +135,10 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         # LTX-2 at the pipeline's guidance (CFG 3 / 7, STG, modality isolation, rescale: four forwards a step).
         "grpo-ltx2-33f-lora64-gc": _real(
             "grpo_iteration.py", "ltx2", 64, "--frames", "33", "--guidance-scale", "3", *_VIDEO_LARGE
+        ),
+        # MiniMax-H3 (33B) at its shortest clip, 124 frames (5 s) at 512²: ~9.9k packed rows, one forward a step.
+        "grpo-minimax-h3-124f-lora64-gc": _real(
+            "grpo_iteration.py", "minimax-h3", 64, "--guidance-scale", "1", *_VIDEO_LARGE
         ),
     },
 }

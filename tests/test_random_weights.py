@@ -23,6 +23,7 @@ PUBLISHED = {
     # configuration as public reimplementations of the gated checkpoint read it; not checked against its own file).
     "flux2-klein-base-4b": 3.88,
     "ltx2": 18.88,  # LTX-2 "19B": its video and audio streams (Gemma 3 12B and the 1.4B connectors beside it)
+    "minimax-h3": 33.12,  # MiniMax-H3 "33B" (diffusers' defaults, documented as the released configuration)
 }
 
 
@@ -41,6 +42,10 @@ def test_every_shipped_configuration_builds_at_its_published_size():
     with torch.device("meta"):  # Qwen2.5-VL lists one attention type per layer: shrunk with the depth
         qwen = random_weight_pipeline("qwen-image", layers=1)
     assert qwen.text_encoder.config.text_config.layer_types == ["full_attention"] * 3
+    with torch.device("meta"):  # a modular pipeline; its conditioner keeps the 51 layers the transformer reads
+        h3 = random_weight_pipeline("minimax-h3", layers=1)
+    assert type(h3).__name__ == "MiniMaxH3ModularPipeline" and len(h3.transformer.transformer_blocks) == 1
+    assert h3.text_encoder.config.text_config.num_hidden_layers == 51 and h3.processor is not None
     with pytest.raises(ValueError, match="unknown model 'flux-schnell'"):
         random_weight_pipeline("flux-schnell")
 

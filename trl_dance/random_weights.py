@@ -70,6 +70,9 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
         raise ValueError(f"unknown model {name!r}; shipped: {random_weight_models()}")
     with open(os.path.join(folder, "model_index.json")) as handle:
         index = json.load(handle)
+    # A conditioner read at a middle layer keeps the layers up to it (MiniMax-H3: hidden_states[50] of a 64-layer
+    # Qwen3-VL, whose last 13 never reach the transformer and would not fit beside it on one GPU).
+    text_layers = index.get("_text_encoder_layers")
     components = {}
     for key, value in index.items():
         if key.startswith("_"):
@@ -80,6 +83,8 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
         library, class_name = value
         if class_name is None:
             components[key] = None
+        elif class_name.endswith("Processor"):  # (a modular pipeline's: built from the tokenizer below)
+            continue
         elif key.startswith("tokenizer"):
             components[key] = _tokenizer(class_name)
         elif library == "diffusers" or hasattr(diffusers.pipelines, library):
@@ -97,5 +102,20 @@ def random_weight_pipeline(name: str, layers: int | None = None) -> DiffusionPip
                 # Text encoders keep 3 layers: pipelines read hidden states 2 or 3 from the end (Z-Image,
                 # HunyuanVideo 1.5); FLUX.2's fixed depths 10/20/30 still need its full stack.
                 config = _shrunk(json.load(handle), None if layers is None else max(layers, 3))
+            if key.startswith("text_encoder") and text_layers is not None:
+                config = _shrunk(config, text_layers)
             components[key] = cls(cls.config_class.from_dict(config))
-    return getattr(diffusers, index["_class_name"])(**components)
+    pipeline_class = getattr(diffusers, index["_class_name"])
+    if not issubclass(pipeline_class, diffusers.ModularPipeline):
+        return pipeline_class(**components)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from .tiny_folders import qwen_vl_processor
+
+    if "processor" in index:  # Qwen3-VL's processor: its image settings, the offline tokenizer
+        image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)
+        processor_class = getattr(transformers, index["processor"][1])
+        components["processor"] = qwen_vl_processor(components["tokenizer"], image_processor, processor_class)
+    pipeline = getattr(diffusers, index["_blocks_class_name"])().init_pipeline()
+    pipeline.update_components(**components)
+    return pipeline
