@@ -14,7 +14,12 @@ from trl_dance.sde import flow_sde_step, join_streams
 from trl_dance.testing import TINY_PIPELINES
 from trl_dance.testing.minimax_h3 import MINIMAX_H3_TINY_FRAMES
 
-H3 = {"num_frames": MINIMAX_H3_TINY_FRAMES, "max_sequence_length": 32, "sigma_schedule": "pipeline", "guidance_scale": 1.0}
+H3 = {
+    "num_frames": MINIMAX_H3_TINY_FRAMES,
+    "max_sequence_length": 32,
+    "sigma_schedule": "pipeline",
+    "guidance_scale": 1.0,
+}
 STEPS = 4
 
 
@@ -71,7 +76,7 @@ def test_the_streams_step_on_their_own_grids():
     drawn = policy.step(v, x, steps, generator=generator)
     scored = process.step(v, x, steps, prev_sample=drawn.prev_sample, segments=tuple(streams.values()))
     start = 0
-    for stream, (name, count) in enumerate(streams.items()):
+    for stream, count in enumerate(streams.values()):
         grid, part = process.stream_sigmas[stream], slice(start, start + count)
         alone = flow_sde_step(
             v[:, part], x[:, part], grid[steps], grid[steps + 1], sde_type="flow_grpo", eta=0.7,
@@ -93,7 +98,7 @@ def test_minimax_h3_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(NotImplementedError, match="own σ grids"):
         policy.process.add_noise(torch.zeros(1, 4), torch.zeros(1, 4), torch.tensor([0.5]))
     with pytest.raises(NotImplementedError, match="own σ grids"):
-        policy.process.sigmas
+        policy.process.sigma(torch.tensor([0]))
     with pytest.raises(ValueError, match="guidance-distilled"):
         make_policy(pipeline, _settings(guidance_scale=4.0))
     with pytest.raises(ValueError, match=r"num_frames must be 17·n \+ 5"):
@@ -110,7 +115,9 @@ def _dataset():
 
 
 def _lora():
-    return LoraConfig(r=8, lora_alpha=8, target_modules=[*LORA_TARGETS, "audio_proj_out"], init_lora_weights="gaussian")
+    return LoraConfig(
+        r=8, lora_alpha=8, target_modules=[*LORA_TARGETS, "audio_proj_out"], init_lora_weights="gaussian"
+    )
 
 
 def test_minimax_h3_grpo_is_on_policy_and_its_lora_reloads(tiny_model_dir, tmp_path):

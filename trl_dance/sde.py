@@ -127,7 +127,9 @@ def _gaussian_step(
             per_element = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
         log_prob = reduce_per_sample(per_element, reduction, segments)
     per_element = std.shape == mean.shape and mean[0].numel() > 1
-    return SDEStepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std if per_element else std.flatten())
+    return SDEStepOutput(
+        prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std if per_element else std.flatten()
+    )
 
 
 def _check_eta(eta: float, compute_log_prob: bool) -> None:

@@ -61,7 +61,11 @@ def load_tiny_pipeline(directory: str, **kwargs) -> DiffusionPipeline:
     folder = os.path.join(directory, "processor")
     modular = os.path.isfile(os.path.join(directory, MODULAR_INDEX))
     if not os.path.isdir(folder):
-        return load_modular_pipeline(directory, **kwargs) if modular else DiffusionPipeline.from_pretrained(directory, **kwargs)
+        return (
+            load_modular_pipeline(directory, **kwargs)
+            if modular
+            else DiffusionPipeline.from_pretrained(directory, **kwargs)
+        )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     with open(os.path.join(directory, MODULAR_INDEX if modular else "model_index.json")) as handle:

@@ -306,7 +306,13 @@ class MiniMaxH3Policy(DiffusionPolicy):
         video, audio = inputs["hidden_states"].shape[1], inputs["audio_hidden_states"].shape[1]
         text, batch = inputs["encoder_hidden_states"].shape[1], inputs["hidden_states"].shape[0]
         timesteps = inputs["timestep"].numel()  # (the AdaLN tables: per distinct timestep, shared by the batch)
-        return {"video": video, "audio": audio, "text": text, "sequence": video + audio + text, SAMPLE: timesteps / batch}
+        return {
+            "video": video,
+            "audio": audio,
+            "text": text,
+            "sequence": video + audio + text,
+            SAMPLE: timesteps / batch,
+        }
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         return self.layout.decode_audio(latents)

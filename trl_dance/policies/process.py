@@ -300,7 +300,6 @@ class FlowProcess(DiffusionProcess):
         )
 
 
-
 class StreamFlowProcess(FlowProcess):
     """Rectified flow whose streams step down their own σ grids in one transition (MiniMax-H3: a sample's video rows on
     the shift-12 grid, its audio rows on the shift-3 one, both N steps long): σ is per element, the stream's, so the
@@ -439,6 +438,7 @@ class StreamFlowProcess(FlowProcess):
             noise=noise,
             segments=segments,
         )
+
 
 class VPProcess(DiffusionProcess):
     """The variance-preserving process of an ε-, v- or x0-prediction UNet, sampled with DDIM-η steps (DDPO) on a

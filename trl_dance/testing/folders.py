@@ -110,7 +110,9 @@ def save_tiny_pipeline(kind: str, directory: str, seed: int = 0) -> str:
             index = json.load(handle)
         entry = ["transformers", type(processor).__name__]
         if modular:  # (a modular index also says where each component loads from)
-            entry.append({**index["processor"][2], "pretrained_model_name_or_path": directory, "subfolder": "processor"})
+            entry.append(
+                {**index["processor"][2], "pretrained_model_name_or_path": directory, "subfolder": "processor"}
+            )
         with open(index_path, "w") as handle:
             json.dump({**index, "processor": entry}, handle, indent=2)
     with open(os.path.join(directory, TINY_SAMPLING_FILE), "w") as handle:
