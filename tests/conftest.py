@@ -45,8 +45,10 @@ def tiny_model_dir(tmp_path_factory):
 def family_overrides(kind: str) -> dict:
     """Config values a tiny family needs beyond :func:`tiny_grpo_config`'s: short videos for Wan and HunyuanVideo,
     room for the source image's tokens in Qwen-Image-Edit's prompt embeddings (and Qwen-Image 2.1's template)."""
-    if kind.startswith("qwen-image-edit") or kind == "qwen-image21":  # (2.1: its template's tokens)
+    if kind.startswith("qwen-image-edit"):
         return {"max_sequence_length": 64}
+    if kind == "qwen-image21":  # (its template's tokens; a condition image read at the tiny output size)
+        return {"max_sequence_length": 64, "pipeline_kwargs": {"output_resolution": 32}}
     if kind == "ltx2":  # (a multiple of the connectors' learnable registers)
         return {"num_frames": TINY_VIDEO_FRAMES, "max_sequence_length": 32}
     if kind == "minimax-h3":  # (its shortest clip; its two shipped σ grids)
@@ -187,10 +189,13 @@ def assert_saved_lora_reproduces_training(trainer, model_dir: str, lora_dir: str
     def predict(policy, model):
         return policy.predict(model, latents, policy.encode_prompts(prompts, **columns), at=steps)
 
+    policies = {"loaded": make_policy(reloaded, settings), "base": make_policy(base, settings)}
+    for policy in policies.values():  # (an optional condition column, as the trainer takes it)
+        policy.use_condition_columns(list(columns))
     with torch.no_grad():
         trained = predict(trainer.policy, trainer.model)
-        loaded = predict(make_policy(reloaded, settings), reloaded.transformer)
-        base_out = predict(make_policy(base, settings), base.transformer)
+        loaded = predict(policies["loaded"], reloaded.transformer)
+        base_out = predict(policies["base"], base.transformer)
     assert (trained - base_out).abs().max() > 1e-3  # training changed the model...
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)  # ...and the saved LoRA reproduces it
 

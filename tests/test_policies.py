@@ -322,6 +322,38 @@ def test_qwen_image21_reproduces_the_pipeline(guidance, negative_prompt, steps):
     torch.testing.assert_close(alone, batched[:1], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(("guidance", "negative_prompt"), [(1.0, None), (4.0, "blurry, dark")])
+def test_qwen_image21_with_a_condition_image_reproduces_the_pipeline(guidance, negative_prompt):
+    """Qwen-Image 2.1's image-conditioned mode (rows with an ``image``): each prompt read with its condition image by
+    the text encoder (its vision tokens the slots of the image's VAE latents in the transformer's sequence), the
+    negative with the same image; two prompts of different lengths and images in one batch, each equal to the
+    pipeline's call with its image (keys and values cached or not). Without the image the result differs."""
+    pipeline = TINY_PIPELINES["qwen-image21"](0)
+    prompts, images = ["a red cat", "a photograph of a blue dog"], tiny_condition_images(2)
+    settings = _deterministic(  # (8 steps: the shipped sample_sigmas grid the pipeline samples on)
+        guidance, negative_prompt, num_inference_steps=8, max_sequence_length=64,
+        pipeline_kwargs={"output_resolution": 32},
+    )  # fmt: skip
+    policy = make_policy(pipeline, settings)
+    policy.use_condition_columns(["prompt", "image"])
+    initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    negative = {"negative_prompt": [negative_prompt or ""]} if guidance > 1 else {}
+    with torch.no_grad():
+        ours = _sample_deterministically(policy, initial, prompts, {"image": images})
+        for i, (prompt, image) in enumerate(zip(prompts, images)):
+            for use_kv_cache in (False, True):
+                expected = pipeline(
+                    prompt=[prompt], image=image, height=32, width=32, true_cfg_scale=guidance, output_resolution=32,
+                    latents=initial[i : i + 1].clone(), output_type="pt", use_kv_cache=use_kv_cache, **negative,
+                ).images[:, :3]  # fmt: skip
+                torch.testing.assert_close(ours[i : i + 1], expected, rtol=0, atol=1e-5)
+        text_only = pipeline(
+            prompt=prompts[:1], height=32, width=32, true_cfg_scale=guidance, latents=initial[:1].clone(),
+            output_type="pt", **negative,
+        ).images[:, :3]  # fmt: skip
+    assert (ours[:1] - text_only).abs().max() > 1e-3
+
+
 def test_hunyuan_video15_meanflow_reads_a_time_as_the_instantaneous_velocity():
     """On a MeanFlow transformer a time (not a step) is the instantaneous velocity, r = t; at a step the jump's end
     time is the next step's, and the two outputs differ (r matters). Parity with the pipeline: the test above."""

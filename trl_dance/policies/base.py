@@ -94,6 +94,10 @@ class DiffusionPolicy(FrozenModules, ABC):
     """Arguments of the pipeline's ``__call__`` the policy reproduces besides the config's own fields, with the
     pipeline's defaults (LTX-2's guidance terms): ``settings.pipeline_kwargs`` overrides them by name."""
 
+    optional_condition_columns: tuple[str, ...] = ()
+    """Dataset columns the family conditions on when a dataset has them (Qwen-Image 2.1's optional condition
+    ``image``): :meth:`use_condition_columns` makes them :attr:`condition_columns`."""
+
     def __init__(self, pipeline: DiffusionPipeline, settings: SamplerSettings):
         settings = self.layout_class.checked_settings(pipeline, settings, self.default_num_frames)
         self.pipeline = pipeline
@@ -118,6 +122,18 @@ class DiffusionPolicy(FrozenModules, ABC):
             if size % multiple:
                 raise ValueError(f"{name}={size} must be a multiple of {multiple} for {type(pipeline).__name__}")
         self.process = self.make_process()
+
+    @property
+    def pipeline_options(self) -> dict:
+        """:attr:`pipeline_defaults` with ``settings.pipeline_kwargs`` applied."""
+        return {**self.pipeline_defaults, **(self.settings.pipeline_kwargs or {})}
+
+    def use_condition_columns(self, columns: list[str]) -> None:
+        """Condition on those of :attr:`optional_condition_columns` among a dataset's ``columns`` (the trainer calls
+        this with its training set's)."""
+        optional = tuple(name for name in self.optional_condition_columns if name in columns)
+        if optional:
+            self.condition_columns = (*self.condition_columns, *optional)
 
     def make_process(self) -> DiffusionProcess:
         """The family's :attr:`process_class` on the pipeline's scheduler (flow: with :meth:`_scheduler_kwargs` and

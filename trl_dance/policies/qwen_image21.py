@@ -5,9 +5,10 @@ shipped with the checkpoint (``sample_sigmas``)."""
 from __future__ import annotations
 
 import numpy as np
+import PIL.Image
 import torch
 from diffusers import QwenImage21Pipeline
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions, calculate_shift
 
 from ..flops import SAMPLE, FlopLayout
 from .base import Conditioning, DiffusionPolicy
@@ -53,6 +54,9 @@ class QwenImage21Policy(DiffusionPolicy):
     masks_text = True
     supports_cfg = True
     layout_class = RGBAOneFrameLatents
+    optional_condition_columns = ("image",)
+    pipeline_defaults = {"output_resolution": 1024}  # (the condition image's resize)
+    _image_grid: tuple[int, int, int] | None = None  # the condition images' latent grid (1, h, w)
     timestep_units = "sigma"  # the transformer takes σ (the pipeline's timestep / 1000)
     flop_layout = FlopLayout(
         streams=(
@@ -93,6 +97,71 @@ class QwenImage21Policy(DiffusionPolicy):
             "prompt_length": torch.full((batch,), length, device=embeds.device)
         }
 
+    @property
+    def pipeline_tag(self) -> str:
+        return "image-to-image" if self.condition_columns else "text-to-image"
+
+    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+        """Text-to-image: the prompts encoded together (:meth:`_encode`). Image-conditioned (an ``image`` column):
+        each prompt read with its condition image (and its negative's, with CFG), and the image's VAE latents."""
+        if not self.condition_columns:
+            return super().encode_prompts(prompts, **columns)
+        cond = super().encode_prompts(prompts, **columns)  # (checks the column; the images' latents)
+        with self._text_encoders_on_device():
+            rows = [self._read_with_image(prompt, image) for prompt, image in zip(prompts, columns["image"])]
+        return cond | {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+
+    def _sized(self, image) -> tuple[PIL.Image.Image, tuple[int, int]]:
+        """A condition image as the pipeline takes it: RGBA, resized to about ``output_resolution``² pixels at its
+        aspect ratio (sides multiples of 32)."""
+        image = image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image))
+        image = image if image.mode == "RGBA" else image.convert("RGBA")
+        area = self.pipeline_options["output_resolution"] ** 2
+        width, height = calculate_dimensions(area, image.size[0] / image.size[1])[:2]
+        return self.pipeline.image_processor.resize(image, width=width, height=height), (height, width)
+
+    def _read_with_image(self, prompt: str, image) -> Conditioning:
+        """One sample's prompt read with its condition image (the image-conditioned template, its vision tokens in
+        the slots the transformer fills with the image's latents), and its negative's with CFG."""
+        seen = self._sized(image)[0]
+        cond, length = {}, self.settings.max_sequence_length
+        prompts = {"": prompt} | ({"negative_": self.settings.negative_prompt or ""} if self.use_cfg else {})
+        for prefix, text in prompts.items():
+            embeds, mask, slots = self.pipeline.encode_prompt(prompt=[text], image=[seen], device=self.device)
+            if embeds.shape[1] > length:
+                raise ValueError(
+                    f"a prompt with its condition image's tokens is {embeds.shape[1]} tokens, more than "
+                    f"max_sequence_length ({length}): raise it (the image tokens grow with output_resolution)"
+                )
+            cond |= padded_prompt(embeds, mask, length, prefix)
+            cond[f"{prefix}image_slots"] = torch.nn.functional.pad(slots, (0, length - slots.shape[1]))
+            cond[f"{prefix}prompt_length"] = torch.tensor([embeds.shape[1]], device=embeds.device)
+        return cond
+
+    def _encode_columns(self, image: list | None = None) -> Conditioning:
+        """The condition images' VAE latents (B, h_i·w_i, C), all of one grid (one aspect ratio per run)."""
+        if image is None:
+            return {}
+        pipeline, latents = self.pipeline, []
+        for row in image:
+            picture, (height, width) = self._sized(row)
+            grid = (1, height // pipeline.vae_scale_factor, width // pipeline.vae_scale_factor)
+            if self._image_grid not in (None, grid):
+                raise ValueError(
+                    "the condition images of a run must share one size after resizing (one aspect ratio), so that "
+                    f"samples batch: got latent grids {grid} and {self._image_grid}"
+                )
+            self._image_grid = grid
+            pixels = pipeline.image_processor.preprocess(picture, height=height, width=width).unsqueeze(2)
+            encoded = pipeline._encode_vae_image(pixels.to(self.device, pipeline.vae.dtype), generator=None)
+            latents.append(pipeline._pack_latents(encoded.float(), 1, encoded.shape[1], *encoded.shape[3:]))
+        return {"image_latents": torch.cat(latents)}
+
+    def _negative_cond(self, batch: int, cond: Conditioning) -> Conditioning:
+        if not self.condition_columns:
+            return super()._negative_cond(batch, cond)
+        return {key[len("negative_") :]: value for key, value in cond.items() if key.startswith("negative_")}
+
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         settings = self.settings
         latents, _ = self.pipeline.prepare_latents(
@@ -111,6 +180,8 @@ class QwenImage21Policy(DiffusionPolicy):
         dtype, (h, w) = self.denoiser.dtype, self.layout.latent_hw
         tokens = latents.shape[1]
         lengths = cond["prompt_length"].tolist()
+        conditioned = "image_latents" in cond  # the condition image's latents fill its vision tokens' slots
+        shapes = [self._image_grid, (1, h, w)] if conditioned else [(1, h, w)]
         output = None
         for length in sorted(set(lengths)):
             rows = [index for index, value in enumerate(lengths) if value == length]
@@ -118,12 +189,16 @@ class QwenImage21Policy(DiffusionPolicy):
             mask = cond["prompt_embeds_mask"][index, :length]
             slots = torch.zeros(len(rows), length + tokens // _SLOT, dtype=torch.bool, device=latents.device)
             slots[:, length:] = True  # the image's slots after the (padded) prompt
+            hidden = latents[index]
+            if conditioned:
+                slots[:, :length] = cond["image_slots"][index, :length]
+                hidden = torch.cat([cond["image_latents"][index].to(latents.dtype), hidden], dim=1)
             velocity = model(
-                hidden_states=latents[index].to(dtype),
+                hidden_states=hidden.to(dtype),
                 timestep=timestep[index].to(dtype),
                 encoder_hidden_states=cond["prompt_embeds"][index, :length].to(dtype),
                 encoder_hidden_states_mask=None if mask.all() else mask,  # (as the pipeline: none without padding)
-                img_shapes=[[(1, h, w)]] * len(rows),
+                img_shapes=[shapes] * len(rows),
                 img_mask=slots,
                 return_dict=False,
             )[0][:, -tokens:]

@@ -174,6 +174,8 @@ class RolloutTrainer(DiffusionTrainer):
             raise ValueError(f"rewards {audio} score audio, which {type(policy.pipeline).__name__} does not generate")
         self._decode_audio = bool(audio)  # the soundtracks are decoded only for rewards that score them
         self.reward_routes = self._reward_routes(policy, args)
+        if train_dataset is not None:  # (Qwen-Image 2.1 conditions on an image column where the rows have one)
+            policy.use_condition_columns(_columns(train_dataset))
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             missing = [c for c in policy.condition_columns if dataset is not None and c not in _columns(dataset)]
             if missing:
