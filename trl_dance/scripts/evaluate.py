@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         num_frames=args.num_frames or defaults.get("num_frames"),
     )
     policy = make_policy(pipeline, settings)
+    policy.use_condition_columns(dataset.column_names)  # (Qwen-Image 2.1's optional condition image)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipeline.to(device)
 
