@@ -58,12 +58,21 @@ def test_deterministic_policy_sampling_reproduces_the_pipeline(kind, guidance, n
 
 
 @pytest.mark.parametrize(
-    ("kind", "train_expert"), [("wan22", "high_noise"), ("wan22", "low_noise"), ("wan22-i2v", "low_noise")]
+    ("kind", "train_expert", "last_image"),
+    [
+        ("wan22", "high_noise", False),
+        ("wan22", "low_noise", False),
+        ("wan22-i2v", "low_noise", False),
+        ("wan22-i2v", "high_noise", True),  # first and last frames (the rows' optional last_image column)
+    ],
 )
-def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert):
-    """Wan 2.2 A14B (T2V, I2V): steps 0-1 of 6 are the high-noise expert's (CFG 5), the others the low-noise one's
-    (CFG 3); whichever is trained, the frozen one serves its steps with its own scale."""
-    policy = _assert_policy_reproduces_pipeline(kind, 5.0, guidance_scale_2=3.0, train_expert=train_expert)
+def test_two_expert_wan_reproduces_the_pipeline(kind, train_expert, last_image):
+    """Wan 2.2 A14B (T2V, I2V, first-last-frame): steps 0-1 of 6 are the high-noise expert's (CFG 5), the others the
+    low-noise one's (CFG 3); whichever is trained, the frozen one serves its steps with its own scale."""
+    policy = _assert_policy_reproduces_pipeline(
+        kind, 5.0, guidance_scale_2=3.0, train_expert=train_expert, last_image=last_image
+    )
+    assert ("last_image" in policy.condition_columns) == last_image
     expected = [0, 1] if train_expert == "high_noise" else [2, 3, 4]
     assert policy.trainable_steps() == expected
     assert policy.denoiser is (
@@ -102,7 +111,7 @@ def _sample_conditioned(policy, latents, cond):
 
 
 def _assert_policy_reproduces_pipeline(
-    kind, guidance, negative_prompt=None, guidance_scale_2=None, monkeypatch=None, **settings
+    kind, guidance, negative_prompt=None, guidance_scale_2=None, monkeypatch=None, last_image=False, **settings
 ):
     if kind == "flux2-klein-distilled":  # the step-distilled checkpoint: its pipeline ignores guidance_scale
         pipeline, kind = tiny_flux2_klein_pipeline(0, is_distilled=True), "flux2-klein"
@@ -113,7 +122,7 @@ def _assert_policy_reproduces_pipeline(
         # The pipeline takes one image for all its prompts; the policy one per prompt.
         (image,) = tiny_condition_images(1)
         columns, image_input = {"image": [image] * len(PROMPTS)}, {"image": image}
-    if kind == "wan-flf2v":  # the last frame: another image
+    if kind == "wan-flf2v" or last_image:  # the last frame: another image
         last = tiny_condition_images(2)[1]
         columns["last_image"], image_input["last_image"] = [last] * len(PROMPTS), last
     if kind == "flux-kontext":
@@ -139,6 +148,7 @@ def _assert_policy_reproduces_pipeline(
     policy = make_policy(
         pipeline, _deterministic(guidance, negative_prompt, max_sequence_length=16, **video, **settings)
     )
+    policy.use_condition_columns(list(columns))  # (an optional column: Wan 2.2 A14B's last frame)
     initial = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
     with torch.no_grad():
         ours = _sample_deterministically(policy, initial, PROMPTS, columns)

@@ -234,19 +234,23 @@ def _flf_dataset():
     return Dataset.from_dict({"prompt": PROMPTS, "image": images[::2], "last_image": images[1::2]})
 
 
-def test_first_last_frame_video(tiny_model_dir, tmp_path):
-    """Wan 2.1 FLF2V (first and last frames given; its parity with the pipeline's ``last_image`` is in
-    test_policies): the ``last_image`` column is required, the on-policy ratio is 1 with CFG, and the last image
-    changes the prediction of the same prompt, first image and noise."""
+@pytest.mark.parametrize("kind", ["wan-flf2v", "wan22-i2v"])
+def test_first_last_frame_video(tiny_model_dir, tmp_path, kind):
+    """First and last frames given (their parity with the pipeline's ``last_image`` is in test_policies): Wan 2.1
+    FLF2V requires the ``last_image`` column; Wan 2.2 A14B takes it where the rows have one (image-to-video without).
+    The on-policy ratio is 1 with CFG, and the last image changes the prediction of the same prompt, first image and
+    noise."""
     dataset = _flf_dataset()
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian")
-    args = tiny_grpo_config(tmp_path, guidance_scale=5.0, **WAN)
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("wan-flf2v"), "brightness", args=args, train_dataset=dataset, peft_config=lora
-    )
+    # (Wan 2.2: the low-noise expert's steps 2-4, one micro-batch of 8 samples per step)
+    experts = {"train_expert": "low_noise", "timestep_fraction": 0.6, "gradient_accumulation_steps": 3}
+    experts = experts if kind == "wan22-i2v" else {}
+    args = tiny_grpo_config(tmp_path, guidance_scale=5.0, **experts, **WAN)
+    trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=lora)
     assert trainer.policy.condition_columns == ("image", "last_image")
     trainer._generate_and_score([dict(dataset[i]) for i in (0, 1) for _ in range(4)])
-    assert trainer._rollout["cond"]["image_embeds"].shape[:2] == (2, 2 * 17)  # both images' CLIP tokens
+    if kind == "wan-flf2v":
+        assert trainer._rollout["cond"]["image_embeds"].shape[:2] == (2, 2 * 17)  # both images' CLIP tokens
     assert max_ratio_deviation(trainer) < 1e-5
     latents = trainer.policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
     first, lasts = [dataset[0]["image"]] * 2, [dataset[0]["last_image"], dataset[1]["last_image"]]
@@ -254,6 +258,10 @@ def test_first_last_frame_video(tiny_model_dir, tmp_path):
         cond = trainer.policy.encode_prompts(["a cat"] * 2, image=first, last_image=lasts)
         output = trainer.policy.predict(trainer.model, latents, cond, at=torch.tensor([1, 1]))
     assert (output[0] - output[1]).abs().max() > 1e-3
+    if kind == "wan22-i2v":  # without the column: image-to-video
+        trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=_i2v_dataset())
+        assert trainer.policy.condition_columns == ("image",)
+        return
     match = r"conditions every sample on the dataset columns \['last_image'\]"
     with pytest.raises(ValueError, match=match):
         DanceGRPOTrainer(tiny_model_dir("wan-flf2v"), "brightness", args=args, train_dataset=_i2v_dataset())

@@ -202,7 +202,8 @@ class WanImageToVideoPolicy(WanPolicy):
 
     First-last-frame (Wan 2.1 FLF2V, whose image embedder has positions for two images' CLIP tokens): the dataset's
     ``last_image`` column is the video's last frame, as the pipeline's ``last_image``: its latents close the image
-    condition, the frame mask marks both ends, and the cross-attention reads both images' features.
+    condition, the frame mask marks both ends, and the cross-attention reads both images' features. Wan 2.2 A14B
+    (no CLIP features) takes the last frame where the rows have a ``last_image`` column (latents and mask only).
     """
 
     condition_columns = ("image",)
@@ -214,6 +215,9 @@ class WanImageToVideoPolicy(WanPolicy):
         if self._last_frame_given:
             self.condition_columns = ("image", "last_image")
         self._first_frame_given = bool(pipeline.config.expand_timesteps)
+        if not (self._last_frame_given or self._first_frame_given or self.denoiser.config.image_dim is not None):
+            # Wan 2.2 A14B image-to-video (no CLIP features): the pipeline's optional last frame, where rows have one.
+            self.optional_condition_columns = ("last_image",)
         if self._first_frame_given and self.denoiser.config.patch_size[0] != 1:
             raise ValueError("Wan 2.2 TI2V image-to-video needs one latent frame per token (patch_size[0] == 1)")
 

@@ -176,7 +176,10 @@ def tiny_qwen_image21_pipeline(seed: int = 0) -> QwenImage21Pipeline:
         # (its smallest image 32² instead of 56²: a 32² condition image is read as one merged vision token, the one
         # slot of its 2×2 latents)
         image_processor = Qwen2VLImageProcessorPil(
-            patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 1 << 20}
+            patch_size=16,
+            merge_size=2,
+            temporal_patch_size=2,
+            size={"shortest_edge": 32 * 32, "longest_edge": 1 << 20},
         )
         channels = 8
         return QwenImage21Pipeline(
