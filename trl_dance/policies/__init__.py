@@ -12,6 +12,7 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideoPipeline,
+    LTX2ConditionPipeline,
     LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     MiniMaxH3ModularPipeline,
@@ -40,7 +41,7 @@ from .layout import (
     SpatialLatents,
     VideoLatents,
 )
-from .ltx2 import LTX2ImageToVideoPolicy, LTX2Policy
+from .ltx2 import LTX2ConditionPolicy, LTX2ImageToVideoPolicy, LTX2Policy
 from .minimax_h3 import MiniMaxH3Policy
 from .process import DiffusionProcess, FlowProcess, StreamFlowProcess, VPProcess, require_flow
 from .qwen_image import QwenImageEditPlusPolicy, QwenImageEditPolicy, QwenImagePolicy
@@ -98,6 +99,7 @@ for _pipeline, _policy in (
     (HunyuanSkyreelsImageToVideoPipeline, HunyuanSkyreelsImageToVideoPolicy),
     (HunyuanVideo15Pipeline, HunyuanVideo15Policy),
     (HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15ImageToVideoPolicy),
+    (LTX2ConditionPipeline, LTX2ConditionPolicy),
     (LTX2ImageToVideoPipeline, LTX2ImageToVideoPolicy),
     (LTX2Pipeline, LTX2Policy),
     (MiniMaxH3ModularPipeline, MiniMaxH3Policy),
@@ -159,6 +161,7 @@ __all__ = [
     "HunyuanVideo15ImageToVideoPolicy",
     "HunyuanVideo15Policy",
     "HunyuanVideoPolicy",
+    "LTX2ConditionPolicy",
     "LTX2ImageToVideoPolicy",
     "LTX2Policy",
     "MiniMaxH3Policy",

@@ -11,6 +11,7 @@ import PIL.Image
 import torch
 from diffusers import LTX2Pipeline
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, rescale_noise_cfg
+from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import resolve_default_image_crf, retrieve_latents
 from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, conditioning_frame_rate
 from diffusers.utils import is_av_available, logging
@@ -50,10 +51,11 @@ class _Geometry:
     video_channels: int
     audio_frames: int
     audio_channels: int
+    keyframes: int = 0  # latent frames of keyframe conditions appended as tokens (LTX2ConditionPipeline), first in a row
 
     @property
     def video_size(self) -> int:
-        return self.frames * self.height * self.width * self.video_channels
+        return (self.keyframes + self.frames) * self.height * self.width * self.video_channels
 
 
 def guidance_options(settings: SamplerSettings) -> dict:
@@ -102,7 +104,8 @@ class AudioVideoLatents(VideoLatents):
         return {"video": g.video_size, "audio": g.audio_frames * g.audio_channels}
 
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads."""
+        """(B, D) latents to the packed video (B, F'·h·w, C) and audio (B, L, C_a·M) tokens the transformer reads
+        (with keyframes, the video's first K·h·w tokens are theirs)."""
         g = self.geometry
         video, audio = latents[:, : g.video_size], latents[:, g.video_size :]
         batch = len(latents)
@@ -124,7 +127,8 @@ class AudioVideoLatents(VideoLatents):
         (at ``decode_timestep`` 0 for a timestep-conditioned VAE)."""
         pipeline, g = self.pipeline, self.geometry
         vae = pipeline.vae
-        video = pipeline._unpack_latents(self.split(latents)[0], g.frames, g.height, g.width)
+        tokens = self.split(latents)[0][:, g.keyframes * g.height * g.width :]  # (without appended keyframes)
+        video = pipeline._unpack_latents(tokens, g.frames, g.height, g.width)
         video = pipeline._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         timestep = None if self._decode_timestep is None else self._decode_timestep.to(video.device).expand(len(video))
         decoded = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
@@ -256,7 +260,7 @@ class LTX2Policy(DiffusionPolicy):
         steps, config = self.settings.num_inference_steps, self.pipeline.scheduler.config
         g = self.geometry
         mu = calculate_shift(
-            g.frames * g.height * g.width,
+            (g.keyframes + g.frames) * g.height * g.width,  # (the condition pipeline counts appended keyframes)
             config.get("base_image_seq_len", 1024),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.95),
@@ -303,6 +307,13 @@ class LTX2Policy(DiffusionPolicy):
     def _forward(self, model, latents, timestep, cond, stg: bool = False, isolate: bool = False) -> torch.Tensor:
         dtype, g = self.denoiser.dtype, self.geometry
         video, audio = self.layout.split(latents)
+        coords, appended = None, g.keyframes * g.height * g.width
+        if appended:  # keyframe tokens: first in a row, after the video's own in the transformer's sequence
+            video = torch.cat([video[:, appended:], video[:, :appended]], dim=1)
+            coords = self.denoiser.rope.prepare_video_coords(
+                len(latents), g.frames, g.height, g.width, latents.device, fps=self.fps
+            )
+            coords = torch.cat([coords, cond["keyframe_coords"].to(coords)], dim=2)
         video_out, audio_out = model(
             hidden_states=video.to(dtype),
             audio_hidden_states=audio.to(dtype),
@@ -321,8 +332,11 @@ class LTX2Policy(DiffusionPolicy):
             isolate_modalities=isolate,
             spatio_temporal_guidance_blocks=self._stg_blocks if stg else None,
             use_cross_timestep=self.options["use_cross_timestep"],
+            video_coords=coords,
             return_dict=False,
         )
+        if appended:
+            video_out = torch.cat([video_out[:, -appended:], video_out[:, :-appended]], dim=1)
         return self.layout.join(video_out, audio_out)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
@@ -464,3 +478,71 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
 
     def final_latents(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return self._with_image(latents, cond)
+
+
+class LTX2ConditionPolicy(LTX2ImageToVideoPolicy):
+    """Policy over an :class:`~diffusers.LTX2ConditionPipeline` with frame conditions of strength 1: the dataset's
+    ``image`` is the first frame (a condition at latent index 0, its tokens replaced as in image-to-video) and, where
+    the rows have a ``last_image`` column, that image is a keyframe at the last latent frame (index −1), appended to the
+    video's tokens with its own positions, as the pipeline appends non-first-frame conditions.
+
+    Both are encoded by the pipeline's own ``prepare_latents`` (its H.264 re-compression at ``image_crf``, resize and
+    crop, VAE mode, normalisation, keyframe positions); their tokens are given, not sampled (timestep 0, held out of
+    every step: with strength 1 the pipeline's x̂0 blend keeps them at the condition exactly). A row holds the keyframe's
+    tokens first, then the video's own and the audio; the transformer reads them in the pipeline's order. The σ grid's
+    shift counts the keyframe's tokens, as the pipeline's does. Conditions of strength below 1, video conditions and
+    other frame indices are not supported. The pipeline draws a batch's noise from one generator: it matches the policy
+    for one prompt at a time.
+    """
+
+    optional_condition_columns = ("last_image",)
+
+    def use_condition_columns(self, columns: list[str]) -> None:
+        super().use_condition_columns(columns)
+        if "last_image" in self.condition_columns and not self.geometry.keyframes:
+            self.layout.geometry = dataclasses.replace(self.geometry, keyframes=1)
+            self.process = self.make_process()  # (the shift counts the keyframe's tokens)
+
+    @property
+    def _given(self) -> int:
+        """Elements of a row given by the conditions: the keyframe's tokens and the first latent frame's."""
+        g = self.geometry
+        return (g.keyframes + 1) * g.height * g.width * g.video_channels
+
+    @torch.no_grad()
+    def _encode_columns(self, image: list, last_image: list | None = None) -> Conditioning:
+        """Each row's given tokens (B, given elements) in row order, and its keyframe positions (B, 3, K·h·w, 2)."""
+        pipeline, settings, g = self.pipeline, self.settings, self.geometry
+        first, rows, coords = g.height * g.width, [], []
+        for index, picture in enumerate(image):
+            conditions = [LTX2VideoCondition(frames=picture, index=0, crf=self.image_crf)]
+            if last_image is not None:
+                conditions.append(LTX2VideoCondition(frames=last_image[index], index=-1, crf=self.image_crf))
+            _, mask, clean, keyframe_coords = pipeline.prepare_latents(
+                conditions, 1, g.video_channels, settings.height, settings.width, settings.num_frames, self.fps,
+                1.0, torch.float32, self.device, torch.Generator(self.device).manual_seed(0),
+            )  # fmt: skip
+            base = g.frames * first
+            rows.append(torch.cat([clean[:, base:], clean[:, :first]], dim=1).flatten(1))
+            if keyframe_coords is not None:
+                coords.append(keyframe_coords)
+            expected = torch.zeros_like(mask[0, :, 0])
+            expected[:first], expected[base:] = 1, 1
+            if not torch.equal(mask[0, :, 0], expected):  # (strength 1 everywhere the conditions are)
+                raise ValueError("the conditions' tokens are not where LTX2ConditionPolicy expects them")
+        return {"image_latents": torch.cat(rows)} | ({"keyframe_coords": torch.cat(coords)} if coords else {})
+
+    def _video_noise(self, generator: torch.Generator) -> torch.Tensor:
+        # The condition pipeline draws its packed (1, tokens + keyframe tokens, C) noise at once; a row holds the
+        # keyframe's part first.
+        g = self.geometry
+        tokens, appended = g.frames * g.height * g.width, g.keyframes * g.height * g.width
+        noise = randn_tensor((1, tokens + appended, g.video_channels), generator=generator, device=self.device)
+        return torch.cat([noise[:, tokens:], noise[:, :tokens]], dim=1)
+
+    def _video_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        given = torch.zeros((g.frames + g.keyframes) * g.height * g.width, device=timestep.device)
+        given[: g.height * g.width] = 1.0  # the first frame's tokens, and (in the transformer's order) the keyframe's
+        given[g.frames * g.height * g.width :] = 1.0
+        return timestep[:, None] * (1 - given)

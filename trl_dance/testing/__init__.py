@@ -40,7 +40,13 @@ from .hunyuan_video import (
     tiny_hunyuan_video_pipeline,
     tiny_skyreels_i2v_pipeline,
 )
-from .ltx2 import LTX2_TINY_REGISTERS, ltx2_scheduler, tiny_ltx2_i2v_pipeline, tiny_ltx2_pipeline
+from .ltx2 import (
+    LTX2_TINY_REGISTERS,
+    ltx2_scheduler,
+    tiny_ltx2_condition_pipeline,
+    tiny_ltx2_i2v_pipeline,
+    tiny_ltx2_pipeline,
+)
 from .qwen_image import (
     qwen_image_scheduler,
     tiny_qwen_image21_pipeline,
@@ -95,6 +101,7 @@ __all__ = [
     "tiny_hunyuan_video15_i2v_pipeline",
     "tiny_hunyuan_video15_pipeline",
     "tiny_hunyuan_video_pipeline",
+    "tiny_ltx2_condition_pipeline",
     "tiny_ltx2_i2v_pipeline",
     "tiny_ltx2_pipeline",
     "tiny_preference_dataset",

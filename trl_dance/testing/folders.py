@@ -22,7 +22,7 @@ from .hunyuan_video import (
     tiny_hunyuan_video_pipeline,
     tiny_skyreels_i2v_pipeline,
 )
-from .ltx2 import tiny_ltx2_i2v_pipeline, tiny_ltx2_pipeline
+from .ltx2 import tiny_ltx2_condition_pipeline, tiny_ltx2_i2v_pipeline, tiny_ltx2_pipeline
 from .minimax_h3 import MINIMAX_H3_TINY_FRAMES, tiny_minimax_h3_pipeline
 from .qwen_image import (
     tiny_qwen_image21_pipeline,
@@ -76,6 +76,7 @@ TINY_PIPELINES: dict[str, Callable[[int], DiffusionPipeline]] = {
     "hunyuan-video15-i2v": tiny_hunyuan_video15_i2v_pipeline,
     "ltx2": tiny_ltx2_pipeline,
     "ltx2-i2v": tiny_ltx2_i2v_pipeline,
+    "ltx2-condition": tiny_ltx2_condition_pipeline,
     "minimax-h3": tiny_minimax_h3_pipeline,
     "skyreels-i2v": tiny_skyreels_i2v_pipeline,
     "wan-i2v": tiny_wan_i2v_pipeline,

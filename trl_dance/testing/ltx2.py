@@ -7,6 +7,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ConditionPipeline,
     LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
@@ -152,3 +153,8 @@ def tiny_ltx2_pipeline(seed: int = 0, pipeline_class: type = LTX2Pipeline) -> LT
 def tiny_ltx2_i2v_pipeline(seed: int = 0) -> LTX2ImageToVideoPipeline:
     """An LTX2ImageToVideoPipeline of :func:`tiny_ltx2_pipeline`'s components: a given first frame."""
     return tiny_ltx2_pipeline(seed, LTX2ImageToVideoPipeline)
+
+
+def tiny_ltx2_condition_pipeline(seed: int = 0) -> LTX2ConditionPipeline:
+    """An LTX2ConditionPipeline of :func:`tiny_ltx2_pipeline`'s components: frame conditions (first frame, keyframes)."""
+    return tiny_ltx2_pipeline(seed, LTX2ConditionPipeline)
