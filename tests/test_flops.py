@@ -30,7 +30,7 @@ def _count(kind: str, mode: str, cfg: bool, checkpointing: bool, **more) -> tupl
         num_frames=frames,
         **more,
     )
-    if kind == "ltx2-i2v":  # (its default H.264 re-compression of the image needs PyAV)
+    if kind in ("ltx2-i2v", "ltx2-condition"):  # (its default H.264 re-compression of the image needs PyAV)
         settings.pipeline_kwargs = {**(settings.pipeline_kwargs or {}), "image_crf": 0}
     policy = make_policy(TINY_PIPELINES[kind](0), settings).to("cpu")
     denoiser = policy.denoiser.requires_grad_(mode == "full")

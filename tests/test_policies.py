@@ -508,6 +508,61 @@ def test_ltx2_image_to_video_reproduces_the_pipeline(guidance, pipeline_kwargs):
     _assert_ltx2_reproduces_pipeline("ltx2-i2v", guidance, None, {**pipeline_kwargs, "image_crf": 0})
 
 
+@pytest.mark.parametrize(
+    ("guidance", "pipeline_kwargs", "keyframe"),
+    [
+        (1.0, {**LTX2_LEGACY, "audio_guidance_scale": 1.0}, False),  # the first frame only: image-to-video
+        (1.0, {**LTX2_LEGACY, "audio_guidance_scale": 1.0}, True),  # and a keyframe at the last latent frame
+        (3.0, {"spatio_temporal_guidance_blocks": [1]}, True),  # every guidance term
+    ],
+)
+def test_ltx2_condition_reproduces_the_pipeline(guidance, pipeline_kwargs, keyframe):
+    """LTX2ConditionPipeline with frame conditions of strength 1: the first frame's tokens replaced and (``last_image``)
+    a keyframe at the last latent frame appended as tokens with its own positions, both at timestep 0 and given; the
+    pipeline draws a batch's noise from one generator, so it runs per prompt. Frames and waveforms equal; the
+    keyframe changes them."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+    pipeline = TINY_PIPELINES["ltx2-condition"](0)
+    pipeline_kwargs = {**pipeline_kwargs, "image_crf": 0}
+    settings = _deterministic(
+        guidance, None, num_frames=TINY_VIDEO_FRAMES, max_sequence_length=32, pipeline_kwargs=pipeline_kwargs
+    )
+    policy = make_policy(pipeline, settings)
+    policy.use_condition_columns(["prompt", "image", *(["last_image"] if keyframe else [])])
+    images = tiny_condition_images(2 * len(PROMPTS))
+    columns = {"image": images[: len(PROMPTS)]} | ({"last_image": images[len(PROMPTS) :]} if keyframe else {})
+    with torch.no_grad():
+        latents = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(len(PROMPTS))])
+        cond = policy.encode_prompts(list(PROMPTS), **columns)
+        for i in range(policy.num_steps):
+            output = policy.predict(policy.denoiser, latents, cond, at=i)
+            latents = policy.step(output, latents, torch.full((len(PROMPTS),), i), compute_log_prob=False).prev_sample
+        latents = policy.final_latents(latents, cond)
+        ours, audio = policy.decode(latents), policy.decode_audio(latents)
+        del pipeline_kwargs["image_crf"]
+        for index, prompt in enumerate(PROMPTS):
+            conditions = [LTX2VideoCondition(frames=images[index], index=0, crf=0)]
+            if keyframe:
+                conditions.append(LTX2VideoCondition(frames=images[len(PROMPTS) + index], index=-1, crf=0))
+            expected = pipeline(
+                prompt=[prompt], negative_prompt=[""], conditions=conditions, height=32, width=32,
+                num_frames=TINY_VIDEO_FRAMES, num_inference_steps=STEPS, guidance_scale=guidance,
+                max_sequence_length=32, generator=torch.Generator().manual_seed(index), output_type="pt",
+                **pipeline_kwargs,
+            )  # fmt: skip
+            torch.testing.assert_close(ours[index : index + 1], expected.frames, rtol=0, atol=1e-5)
+            torch.testing.assert_close(audio[index : index + 1], expected.audio, rtol=0, atol=1e-5)
+            if keyframe:
+                without = pipeline(
+                    prompt=[prompt], negative_prompt=[""], conditions=conditions[:1], height=32, width=32,
+                    num_frames=TINY_VIDEO_FRAMES, num_inference_steps=STEPS, guidance_scale=guidance,
+                    max_sequence_length=32, generator=torch.Generator().manual_seed(index), output_type="pt",
+                    **pipeline_kwargs,
+                ).frames  # fmt: skip
+                assert (without - expected.frames).abs().max() > 1e-3
+
+
 def _assert_ltx2_reproduces_pipeline(kind, guidance, negative_prompt, pipeline_kwargs):
     pipeline = TINY_PIPELINES[kind](0)
     settings = _deterministic(

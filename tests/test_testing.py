@@ -29,6 +29,11 @@ def _generate(pipeline, kind, seed=0):
         kwargs["last_image"] = tiny_condition_images(2)[1]
     if kind == "ltx2-i2v":  # (its default H.264 re-compression of the image needs PyAV)
         kwargs["image_crf"] = 0
+    if kind == "ltx2-condition":  # a first frame and a keyframe (not re-compressed: that needs PyAV)
+        from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+
+        first, last = tiny_condition_images(2)
+        kwargs["conditions"] = [LTX2VideoCondition(first, index=0, crf=0), LTX2VideoCondition(last, index=-1, crf=0)]
     if kind == "skyreels-i2v":  # one image per prompt, and a fixed posterior sample
         kwargs["image"] = [kwargs["image"]] * 2
     if kind == "flux-kontext":  # at 32×32, not Kontext's 1-megapixel defaults

@@ -267,22 +267,23 @@ def test_first_last_frame_video(tiny_model_dir, tmp_path, kind):
         DanceGRPOTrainer(tiny_model_dir("wan-flf2v"), "brightness", args=args, train_dataset=_i2v_dataset())
 
 
-def test_ltx2_image_to_video(tiny_model_dir, tmp_path):
-    """LTX-2 image-to-video (its parity with the pipeline is in test_policies): ratio 1 with every guidance term; the
-    given first frame carries over through the trajectory and is not scored; the image changes the prediction; routed
-    rewards see a video stream without the given frame; the image's H.264 re-compression without PyAV is refused
-    at construction, naming the setting that skips it."""
+@pytest.mark.parametrize("kind", ["ltx2-i2v", "ltx2-condition"])
+def test_ltx2_image_to_video(tiny_model_dir, tmp_path, kind):
+    """LTX-2 image-to-video, and frame conditions (LTX2ConditionPipeline: the first frame and a keyframe at the last
+    latent frame, appended as tokens; parity with the pipelines is in test_policies): ratio 1 with every guidance
+    term; the given tokens carry over through the trajectory and are not scored; the image (and the keyframe) change
+    the prediction; routed rewards see a video stream without the given tokens; the image's H.264 re-compression
+    without PyAV is refused at construction, naming the setting that skips it."""
     pipeline_kwargs = {"image_crf": 0, "spatio_temporal_guidance_blocks": [1]}
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian")
     args = tiny_grpo_config(tmp_path, guidance_scale=3.0, pipeline_kwargs=pipeline_kwargs, **family_overrides("ltx2"))
-    dataset = _i2v_dataset()
-    trainer = DanceGRPOTrainer(
-        tiny_model_dir("ltx2-i2v"), "brightness", args=args, train_dataset=dataset, peft_config=lora
-    )
-    policy = trainer.policy
+    dataset = _flf_dataset() if kind == "ltx2-condition" else _i2v_dataset()
+    trainer = DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=args, train_dataset=dataset, peft_config=lora)
+    policy, g = trainer.policy, trainer.policy.geometry
     trainer._generate_and_score([dict(dataset[i]) for i in (0, 1) for _ in range(4)])
     assert max_ratio_deviation(trainer) < 1e-5
-    given = policy.geometry.height * policy.geometry.width * policy.geometry.video_channels
+    given = (g.keyframes + 1) * g.height * g.width * g.video_channels  # (with keyframes, theirs come first)
+    assert g.keyframes == (kind == "ltx2-condition")
     trajectory = trainer._rollout["latents"]  # (B, N, D): the given frame's part never moves
     assert torch.equal(trajectory[:, 1:, :given], trajectory[:, :1, :given].expand_as(trajectory[:, 1:, :given]))
     inputs = trainer._microbatch(trainer._microbatches[0])
@@ -296,8 +297,17 @@ def test_ltx2_image_to_video(tiny_model_dir, tmp_path):
         ]
         torch.testing.assert_close(scores[0], scores[1], rtol=0, atol=0)
         latents = policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
-        cond = policy.encode_prompts(["a cat"] * 2, image=[dataset[0]["image"], dataset[1]["image"]])
+        same_last = {"last_image": [dataset[0]["last_image"]] * 2} if kind == "ltx2-condition" else {}
+        cond = policy.encode_prompts(["a cat"] * 2, image=[dataset[0]["image"], dataset[1]["image"]], **same_last)
         output = policy.predict(trainer.model, latents, cond, at=torch.tensor([1, 1]))
+        if kind == "ltx2-condition":  # the same first image, another last one
+            keyframes = policy.encode_prompts(
+                ["a cat"] * 2,
+                image=[dataset[0]["image"]] * 2,
+                last_image=[dataset[0]["last_image"], dataset[1]["last_image"]],
+            )
+            other = policy.predict(trainer.model, latents, keyframes, at=torch.tensor([1, 1]))
+            assert (other[0] - other[1]).abs().max() > 1e-3
     assert (output[0] - output[1]).abs().max() > 1e-3  # same prompt and noise, other image: other prediction
     assert policy.streams == {"video": policy.layout.streams["video"] - given, "audio": policy.layout.streams["audio"]}
     if is_av_available():
@@ -306,7 +316,7 @@ def test_ltx2_image_to_video(tiny_model_dir, tmp_path):
     with pytest.raises(
         ValueError, match=r"needs PyAV: `pip install av`, or skip it with pipeline_kwargs \{image_crf: 0\}"
     ):
-        DanceGRPOTrainer(tiny_model_dir("ltx2-i2v"), "brightness", args=default_crf, train_dataset=dataset)
+        DanceGRPOTrainer(tiny_model_dir(kind), "brightness", args=default_crf, train_dataset=dataset)
 
 
 def test_image_to_video_needs_its_image_column(tiny_model_dir, tmp_path):
