@@ -51,7 +51,9 @@ class _Geometry:
     video_channels: int
     audio_frames: int
     audio_channels: int
-    keyframes: int = 0  # latent frames of keyframe conditions appended as tokens (LTX2ConditionPipeline), first in a row
+    keyframes: int = (
+        0  # latent frames of keyframe conditions appended as tokens (LTX2ConditionPipeline), first in a row
+    )
 
     @property
     def video_size(self) -> int:
