@@ -155,7 +155,7 @@ class DiffusionProcess(ABC):
         return (at_one.mean - at_zero.mean).abs().flatten() / at_zero.std
 
 
-TimestepUnits = Literal["train_steps", "sigma", "one_minus_sigma", "clean_time"]
+TimestepUnits = Literal["train_steps", "sigma", "one_minus_sigma"]
 
 
 class FlowProcess(DiffusionProcess):
@@ -305,7 +305,7 @@ class StreamFlowProcess(FlowProcess):
     the shift-12 grid, its audio rows on the shift-3 one, both N steps long): σ is per element, the stream's, so the
     step's mean, std and log-density are per element too (the log-probability is still one Gaussian over the sample;
     ``segments`` reduce it per stream as for any family). The denoiser's timestep is per stream: (B, S) of ``1 − σ``
-    (``timestep_units="clean_time"``; the H3 convention, t = 1 clean).
+    (:meth:`model_timestep`; the H3 convention, t = 1 clean).
 
     What needs one σ per sample — the forward process (NFT, Diffusion-DPO, SFT, distillation), Δσ-based options
     (GRPO-Guard's ratio normalisation, Flash-GRPO's gradient rectification), fractional steps (MixGRPO-Flash) — raises.
@@ -321,7 +321,6 @@ class StreamFlowProcess(FlowProcess):
                 f"each stream's σ grid must have num_inference_steps + 1 = {settings.num_inference_steps + 1} values "
                 f"(its terminal one included), got {lengths}"
             )
-        self.timestep_units = "clean_time"
         self.stream_sigmas = torch.stack([grid.to("cpu", torch.float32) for grid in grids.values()])  # (S, N + 1)
         self.segments = tuple(streams.values())
 

@@ -64,21 +64,19 @@ class DanceGRPOTrainer(RolloutTrainer):
             )
 
     def _check_policy(self, policy: DiffusionPolicy, args: DanceGRPOConfig) -> None:
-        flow_only = {
+        read_sigma = {  # what reads the step's one σ (or Δσ)
             "kl_scaling='flow_grpo' scales the KL by the step's Δσ": args.kl_scaling == "flow_grpo",
             "step_reweighting divides by the step's Δσ": args.step_reweighting,
             "post_window_solver='dpm_solver++' solves on a σ grid": args.post_window_solver != "ode",
             "post_window_step_ratio < 1 builds a compressed σ grid": args.post_window_step_ratio < 1,
-            "sde_type='flash' is a rectified-flow SDE": args.sde_type == "flash",
         }
+        flow_only = read_sigma | {"sde_type='flash' is a rectified-flow SDE": args.sde_type == "flash"}
         for what, used in flow_only.items():
             if used and not isinstance(policy.process, FlowProcess):
                 raise ValueError(
                     f"{what}, which {type(policy.pipeline).__name__}'s DDIM steps do not have; flow-matching models only"
                 )
-        one_sigma = {
-            **flow_only,
-            "sde_type='flash' is a rectified-flow SDE": False,  # (its σ_max and σ_min are taken per stream)
+        one_sigma = read_sigma | {
             "ratio_normalization (GRPO-Guard) divides by the step's Δσ": args.ratio_normalization,
             "temporal_rectification rescales by the step's gradient scale": args.temporal_rectification,
             "dppo_kl_space='v' rescales by the step's gradient scale": args.trust_region == "dppo"
