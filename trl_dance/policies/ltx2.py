@@ -51,9 +51,8 @@ class _Geometry:
     video_channels: int
     audio_frames: int
     audio_channels: int
-    keyframes: int = (
-        0  # latent frames of keyframe conditions appended as tokens (LTX2ConditionPipeline), first in a row
-    )
+    # Latent frames of keyframe conditions appended as tokens (LTX2ConditionPipeline); a row holds them first.
+    keyframes: int = 0
 
     @property
     def video_size(self) -> int:
