@@ -11,7 +11,7 @@ from test_reward_routing import _video_and_audio_gradients, loudness
 from trl_dance import DanceGRPOTrainer
 from trl_dance.policies import SamplerSettings, StreamFlowProcess, make_policy
 from trl_dance.sde import flow_sde_step, join_streams
-from trl_dance.testing import TINY_PIPELINES
+from trl_dance.testing import TINY_PIPELINES, tiny_condition_images
 from trl_dance.testing.minimax_h3 import MINIMAX_H3_TINY_FRAMES
 
 H3 = {
@@ -27,27 +27,39 @@ def _settings(**values) -> SamplerSettings:
     return SamplerSettings(height=32, width=32, num_inference_steps=STEPS, **(H3 | values))
 
 
-def test_minimax_h3_reproduces_the_pipeline():
+@pytest.mark.parametrize("keyframes", [(), ("image",), ("image", "last_image"), ("last_image",)])
+def test_minimax_h3_reproduces_the_pipeline(keyframes):
     """The policy's ODE sampling (eta 0) of two prompts of different lengths in one batch equals the pipeline's
     sampler run on each (its ``num_inference_steps`` counts the grid's N + 1 points): noise drawn as it draws it, the
     packed layout and per-row timesteps its blocks build, both σ grids, the data-ward velocity; the decoded video
-    frames and stereo waveforms equal."""
+    frames and stereo waveforms equal. With keyframes (rows with ``image`` / ``last_image``: the ``fl2va`` workflow),
+    each prompt read with its keyframes' vision blocks, their latents anchored at t = 0.999 with the noise drawn
+    first, as the pipeline does; the keyframes change the result."""
     pipeline = TINY_PIPELINES["minimax-h3"](0)
-    policy = make_policy(pipeline, _settings(eta=0.0))
-    prompts = ["a cat playing the piano in the rain", "rain"]
+    policy = make_policy(pipeline, _settings(eta=0.0, max_sequence_length=64))
+    policy.use_condition_columns(["prompt", *keyframes])
+    prompts, images = ["a cat playing the piano in the rain", "rain"], tiny_condition_images(4)
+    columns = {name: images[:2] if name == "image" else images[2:] for name in keyframes}
     with torch.no_grad():
         latents = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
-        cond = policy.encode_prompts(prompts)
+        cond = policy.encode_prompts(prompts, **columns)
         assert cond["prompt_length"].tolist()[0] > cond["prompt_length"].tolist()[1]
         for i in range(STEPS):
             output = policy.predict(policy.denoiser, latents, cond, at=i)
             latents = policy.step(output, latents, torch.full((2,), i), compute_log_prob=False).prev_sample
         videos, audio = policy.decode(latents), policy.decode_audio(latents)
     for index, prompt in enumerate(prompts):
+        given = {name: values[index] for name, values in columns.items()}
         expected = pipeline(
             prompt=prompt, num_inference_steps=STEPS + 1, height=32, width=32, num_frames=MINIMAX_H3_TINY_FRAMES,
-            generator=torch.Generator().manual_seed(index), output_type="pt",
+            generator=torch.Generator().manual_seed(index), output_type="pt", **given,
         ).values  # fmt: skip
+        if keyframes and index == 0:
+            text_only = pipeline(
+                prompt=prompt, num_inference_steps=STEPS + 1, height=32, width=32, num_frames=MINIMAX_H3_TINY_FRAMES,
+                generator=torch.Generator().manual_seed(index), output_type="pt",
+            ).values["videos"]  # fmt: skip
+            assert (text_only - expected["videos"]).abs().max() > 1e-3
         assert videos[index].shape == expected["videos"][0].shape == (MINIMAX_H3_TINY_FRAMES, 3, 32, 32)
         torch.testing.assert_close(videos[index], expected["videos"][0], rtol=0, atol=1e-5)
         torch.testing.assert_close(audio[index], expected["audio"][0], rtol=0, atol=1e-5)
@@ -142,6 +154,37 @@ def test_minimax_h3_grpo_is_on_policy_and_its_lora_reloads(tiny_model_dir, tmp_p
     unrouted = DanceGRPOTrainer(model, loudness, args=args, train_dataset=_dataset(), peft_config=_lora())
     video, audio = _video_and_audio_gradients(unrouted)
     assert video > 0.0 and audio > 0.0  # unrouted, the audio reward reaches the video rows: the check can fail
+
+
+def test_minimax_h3_keyframes_train_on_policy(tiny_model_dir, tmp_path):
+    """Rows with first and last keyframes (``fl2va``): ratio 1; the anchors' noise leads each row, is given (it never
+    moves along the trajectory and moving it leaves the log-probability unchanged); another last keyframe changes
+    the prediction; the model card's task is image-to-video."""
+    images = tiny_condition_images(16)
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:8], "image": images[:8], "last_image": images[8:]})
+    args = tiny_grpo_config(tmp_path, **(H3 | {"max_sequence_length": 64}))
+    trainer = DanceGRPOTrainer(tiny_model_dir("minimax-h3"), "brightness", args=args, train_dataset=dataset)
+    policy = trainer.policy
+    assert policy.geometry.anchors == ("first", "last") and policy.pipeline_tag == "image-to-video"
+    trainer._generate_and_score([dict(dataset[i]) for i in (0, 1) for _ in range(4)])
+    assert max_ratio_deviation(trainer) < 1e-5
+    given = policy.geometry.anchor_size
+    trajectory = trainer._rollout["latents"]
+    assert torch.equal(trajectory[:, 1:, :given], trajectory[:, :1, :given].expand_as(trajectory[:, 1:, :given]))
+    inputs = trainer._microbatch(trainer._microbatches[0])
+    with torch.no_grad():
+        output = policy.predict(trainer.model, inputs["latents"], inputs["cond"], at=inputs["step_index"])
+        moved = inputs["next_latents"].clone()
+        moved[:, :given] += 1.0
+        scores = [
+            policy.step(output, inputs["latents"], inputs["step_index"], prev_sample=x).log_prob
+            for x in (inputs["next_latents"], moved)
+        ]
+        torch.testing.assert_close(scores[0], scores[1], rtol=0, atol=0)
+        latents = policy.initial_noise([torch.Generator().manual_seed(0)] * 2)
+        cond = policy.encode_prompts(["a cat"] * 2, image=[images[0]] * 2, last_image=images[8:10])
+        output = policy.predict(trainer.model, latents, cond, at=torch.tensor([1, 1]))
+    assert (output[0] - output[1]).abs().max() > 1e-3
 
 
 # Measured (TRL_DANCE_TEST_SEED 42 / 1 / 2): loudness +7.3e-3 / +3.3e-3 / +7.3e-3 in 8 rounds (first-round std

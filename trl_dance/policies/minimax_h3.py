@@ -8,12 +8,19 @@ import dataclasses
 
 import torch
 from diffusers import MiniMaxH3ModularPipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.modular_pipelines import PipelineState
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3PrepareLayoutStep,
     MiniMaxH3SetTimestepsStep,
     patchify_video_latents,
 )
-from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+from diffusers.modular_pipelines.minimax_h3.encoders import (
+    MiniMaxH3FL2VATextEncoderStep,
+    MiniMaxH3KeyframeVaeEncoderStep,
+    get_qwen3vl_prompt_embeds,
+)
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     align_num_frames,
     audio_latent_num_frames,
@@ -23,7 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
 from ..sde import dance_sigmas
-from .base import Conditioning, DiffusionPolicy, SamplerSettings
+from .base import Conditioning, DiffusionPolicy, SamplerSettings, step_after_given
 from .layout import VideoLatents
 from .process import StreamFlowProcess
 from .qwen_image import padded_prompt
@@ -42,6 +49,12 @@ class _Geometry:
     audio_latents: int
     audio_channels: int
     audio_features: int
+    anchors: tuple[str, ...] = ()  # keyframe conditions (fl2va), "first" / "last", in packed order
+
+    @property
+    def anchor_size(self) -> int:
+        """Elements of a row holding the keyframes' noise (one latent frame each), before its video rows."""
+        return len(self.anchors) * self.latent_channels * self.height * self.width
 
     @property
     def video_rows(self) -> int:
@@ -58,7 +71,8 @@ class _Geometry:
 
 class PackedAudioVideoLatents(VideoLatents):
     """MiniMax-H3's latents: one row (B, D) per sample, its video rows (patchified latents, frame-major then
-    row-major, as the pipeline packs them) then its channel-major audio rows, flattened."""
+    row-major, as the pipeline packs them) then its channel-major audio rows, flattened; with keyframe conditions
+    (fl2va), the noise their anchors are drawn with first (``geometry.anchor_size`` elements, given, not sampled)."""
 
     def __init__(self, pipeline: MiniMaxH3ModularPipeline, settings: SamplerSettings):
         super().__init__(pipeline, settings)
@@ -104,7 +118,7 @@ class PackedAudioVideoLatents(VideoLatents):
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, D) latents to the video rows (B, R_v, C_v) and audio rows (B, R_a, C_a) the transformer reads."""
         g, batch = self.geometry, len(latents)
-        video, audio = latents.split(list(self.streams.values()), dim=1)
+        video, audio = latents[:, g.anchor_size :].split(list(self.streams.values()), dim=1)
         return video.reshape(batch, g.video_rows, g.video_channels), audio.reshape(batch, g.audio_rows, -1)
 
     @staticmethod
@@ -177,10 +191,10 @@ class MiniMaxH3Policy(DiffusionPolicy):
 
     pipeline: MiniMaxH3ModularPipeline
     layout_class = PackedAudioVideoLatents
+    optional_condition_columns = ("image", "last_image")  # the fl2va workflow's keyframes
     has_audio = True
     supports_cfg = False
     default_num_frames = 124  # 17·7 + 5: the pipeline's default, its shortest clip (5 s at 24 fps)
-    pipeline_tag = "text-to-video"
     flop_layout = FlopLayout(
         streams=(
             (r"^time_embedder|adaln_proj|^norm_out\.linear", SAMPLE),  # once per distinct timestep of a call
@@ -200,7 +214,19 @@ class MiniMaxH3Policy(DiffusionPolicy):
             )
         super().__init__(pipeline, settings)
         self.audio_sample_rate = pipeline.audio_sampling_rate
-        self._layouts: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self._layouts: dict[tuple, dict[str, torch.Tensor]] = {}
+
+    def use_condition_columns(self, columns: list[str]) -> None:
+        """Rows with ``image`` / ``last_image`` columns run the ``fl2va`` workflow: the keyframes anchored to the
+        first / last latent frame."""
+        super().use_condition_columns(columns)
+        anchors = tuple(a for a, c in (("first", "image"), ("last", "last_image")) if c in self.condition_columns)
+        self.layout.geometry = dataclasses.replace(self.geometry, anchors=anchors)
+        self._layouts.clear()
+
+    @property
+    def pipeline_tag(self) -> str:
+        return "image-to-video" if self.geometry.anchors else "text-to-video"
 
     @property
     def geometry(self) -> _Geometry:
@@ -237,33 +263,81 @@ class MiniMaxH3Policy(DiffusionPolicy):
             rows.append(padded_prompt(embeds, None, length) | {"prompt_length": torch.tensor([len(tokens)])})
         return {key: torch.cat([row[key] for row in rows]).to(self.device) for key in rows[0]}
 
+    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+        """``t2va``: each prompt alone (:meth:`_encode`). ``fl2va``: each prompt with its keyframes, through the
+        pipeline's own blocks (the keyframes put onto the canvas; a label and a vision block per keyframe before the
+        prompt, read by Qwen3-VL, its rows tagged video; the keyframes' VAE latents), stored padded with their token
+        tags and the keyframes' latents (B, K·C·h·w)."""
+        if not self.geometry.anchors:
+            return super().encode_prompts(prompts, **columns)
+        super().encode_prompts(prompts, **columns)  # (checks the columns)
+        with self._text_encoders_on_device():
+            rows = [
+                self._encode_keyframes(
+                    prompt, *(columns.get(name, [None] * len(prompts))[i] for name in ("image", "last_image"))
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+        return {key: torch.cat([row[key] for row in rows]).to(self.device) for key in rows[0]}
+
+    @torch.no_grad()
+    def _encode_keyframes(self, prompt: str, image, last_image) -> Conditioning:
+        pipeline, settings, length = self.pipeline, self.settings, self.settings.max_sequence_length
+        if getattr(pipeline, "image_processor", None) is None:  # (a t2va-loaded pipeline: its resize step's default)
+            pipeline.update_components(image_processor=VaeImageProcessor(vae_scale_factor=16))
+        state = PipelineState()
+        inputs = {"prompt": prompt, "image": image, "last_image": last_image, "height": settings.height}
+        for name, value in (inputs | {"width": settings.width}).items():
+            state.set(name, value)
+        for block in (MiniMaxH3ResizeStep(), MiniMaxH3FL2VATextEncoderStep(), MiniMaxH3KeyframeVaeEncoderStep()):
+            _, state = block(pipeline, state)
+        embeds, tags = state.get("prompt_embeds"), state.get("text_token_tags")
+        if embeds.shape[1] > length:
+            raise ValueError(
+                f"a prompt with its keyframes' vision tokens is {embeds.shape[1]} tokens, more than max_sequence_length "
+                f"({length}): raise it"
+            )
+        latents = torch.cat([latent.flatten(1) for latent in state.get("condition_latents")], dim=1)
+        return padded_prompt(embeds, None, length) | {
+            "prompt_length": torch.tensor([embeds.shape[1]]),
+            "text_token_tags": torch.nn.functional.pad(tags, (0, length - len(tags)), value=pipeline.text_tag)[None],
+            "condition_latents": latents.to(embeds.device),
+        }
+
     def initial_noise(self, generators: list[torch.Generator]) -> torch.Tensor:
-        """Each sample's video noise (as a latent tensor, then patchified) then its audio rows from its generator, in
-        the pipeline's order."""
+        """Each sample's keyframe-anchor noise (one draw per keyframe, fl2va), video noise (as a latent tensor, then
+        patchified) and audio rows from its generator, in the pipeline's order."""
         g, device = self.geometry, self.device
         rows = []
         for generator in generators:
+            anchors = [
+                randn_tensor((1, g.latent_channels, 1, g.height, g.width), generator=generator, device=device,
+                             dtype=torch.float32).flatten(1)
+                for _ in g.anchors
+            ]  # fmt: skip
             video = randn_tensor(
                 (1, g.latent_channels, g.frames, g.height, g.width), generator=generator, device=device,
                 dtype=torch.float32,
             )  # fmt: skip
             audio = randn_tensor((g.audio_rows, g.audio_features), generator=generator, device=device,
                                  dtype=torch.float32)  # fmt: skip
-            rows.append(self.layout.join(patchify_video_latents(video, g.patch)[None], audio[None]))
+            rows.append(
+                torch.cat([*anchors, self.layout.join(patchify_video_latents(video, g.patch)[None], audio[None])], 1)
+            )
         return torch.cat(rows)
 
-    def _packed_layout(self, text_length: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """The transformer's layout inputs for a prompt of ``text_length`` tokens (the pipeline's layout step), built
-        once per length and device."""
-        if (text_length, device) in self._layouts:
-            return self._layouts[text_length, device]
+    def _packed_layout(self, text_tags: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
+        """The transformer's layout inputs for a prompt with these per-token tags (the pipeline's layout step, with
+        the keyframes' anchors), built once per tags and device."""
+        if (text_tags, device) in self._layouts:
+            return self._layouts[text_tags, device]
         pipeline, g = self.pipeline, self.geometry
         position_ids, tags, video, audio, text, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            torch.full((text_length,), pipeline.text_tag, dtype=torch.long), g.frames, g.height, g.width,
-            g.audio_latents, g.patch, g.audio_channels, pipeline.audio_tag, pipeline.video_tag,
+            torch.tensor(text_tags, dtype=torch.long), g.frames, g.height, g.width, g.audio_latents, g.patch,
+            g.audio_channels, pipeline.audio_tag, pipeline.video_tag, g.anchors,
         )  # fmt: skip
         float64 = torch.float64 if device.type in ("cpu", "cuda") else torch.float32  # (the rope casts to float32)
-        self._layouts[text_length, device] = layout = {
+        self._layouts[text_tags, device] = layout = {
             "position_ids": position_ids.to(device, float64),
             "token_tags": tags.to(device),
             "video_indices": video.to(device),
@@ -272,21 +346,44 @@ class MiniMaxH3Policy(DiffusionPolicy):
         }
         return layout
 
+    def _condition_rows(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """(B, K·rows, C_v): the keyframes' latents noised to the anchors' ``t`` (0.999) with the row's anchor noise,
+        as the pipeline noises them (the scheduler's ``scale_noise``), patchified."""
+        g, pipeline = self.geometry, self.pipeline
+        shape = (len(latents), len(g.anchors), g.latent_channels, 1, g.height, g.width)
+        noise = latents[:, : g.anchor_size].float().view(shape)
+        clean = cond["condition_latents"].float().view(shape)
+        parts = [
+            pipeline.scheduler.scale_noise(clean[:, k], pipeline.keyframe_noise_aug, noise[:, k])
+            for k in range(len(g.anchors))
+        ]
+        return torch.cat(
+            [patchify_video_latents(part, g.patch).view(len(latents), -1, g.video_channels) for part in parts], 1
+        )
+
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         """``timestep``: (B, 2), each sample's video and audio ``1 − σ``."""
+        g, pipeline = self.geometry, self.pipeline
         video, audio = self.layout.split(latents)
-        keys = list(zip(cond["prompt_length"].tolist(), map(tuple, timestep.tolist()), strict=True))  # (host read)
+        conditions = self._condition_rows(latents, cond) if g.anchors else video[:, :0]
+        given = conditions.shape[1]
+        tags = cond.get("text_token_tags")
+        lengths = cond["prompt_length"].tolist()  # (host reads)
+        keys = [
+            (tuple(tags[i, :n].tolist()) if tags is not None else (pipeline.text_tag,) * n, tuple(times))
+            for i, (n, times) in enumerate(zip(lengths, timestep.tolist(), strict=True))
+        ]
         output = None
         for key in dict.fromkeys(keys):
-            (length, (video_time, audio_time)), rows = key, [i for i, other in enumerate(keys) if other == key]
-            layout = self._packed_layout(length, latents.device)
+            (text_tags, (video_time, audio_time)), rows = key, [i for i, other in enumerate(keys) if other == key]
+            layout, length = self._packed_layout(text_tags, latents.device), len(text_tags)
             plan = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), 0, 0, length, video_time, audio_time,
-                max(video_time, self.pipeline.keyframe_noise_aug), 1.0,
+                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), given, 0, length, video_time,
+                audio_time, max(video_time, pipeline.keyframe_noise_aug), 1.0,
             )  # fmt: skip
             index = torch.tensor(rows, device=latents.device)
             video_out, audio_out = model(
-                hidden_states=video[index],
+                hidden_states=torch.cat([conditions[index], video[index]], dim=1),
                 audio_hidden_states=audio[index],
                 encoder_hidden_states=cond["prompt_embeds"][index, :length],
                 timestep=plan[0].to(latents.device),
@@ -294,13 +391,22 @@ class MiniMaxH3Policy(DiffusionPolicy):
                 return_dict=False,
                 **layout,
             )
-            velocity = -self.layout.join(video_out, audio_out)  # H3's data-ward velocity → ε − x0
+            velocity = -self.layout.join(video_out[:, given:], audio_out)  # H3's data-ward velocity → ε − x0
+            if g.anchor_size:  # (the anchors' noise is given: no velocity)
+                velocity = torch.cat([velocity.new_zeros(len(rows), g.anchor_size), velocity], dim=1)
             if len(rows) == len(keys):
                 return velocity
             if output is None:
                 output = velocity.new_empty(latents.shape[0], *velocity.shape[1:])
             output[index] = velocity
         return output
+
+    def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
+        given = self.geometry.anchor_size
+        if not given:
+            return super().step(model_output, latents, step_index, **options)
+        # The keyframes' anchor noise carries over unchanged (the anchors are held at t = 0.999 every step).
+        return step_after_given(super().step, model_output, latents, step_index, given, 1, **options)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         video, audio = inputs["hidden_states"].shape[1], inputs["audio_hidden_states"].shape[1]
