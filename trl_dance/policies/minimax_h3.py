@@ -186,7 +186,8 @@ class MiniMaxH3Policy(DiffusionPolicy):
     shared by its batch: a batch runs in groups of equal prompt length and equal step (the prompt's length moves every
     row's rotary position; the pipeline has no padding). Prompts: the verbatim text (no template) through Qwen3-VL,
     read at ``hidden_states[text_encoder_layer]`` (50), stored padded to ``max_sequence_length`` with their length.
-    Conditioned workflows (``fl2va``, ``ref2va``) and forward-process methods (one σ per sample) are not supported.
+    Keyframes (``fl2va``): rows with ``image`` / ``last_image`` columns (:meth:`encode_prompts`); their anchors' noise
+    leads each row, given. The ``ref2va`` workflow and forward-process methods (one σ per sample) are not supported.
     """
 
     pipeline: MiniMaxH3ModularPipeline
