@@ -104,7 +104,8 @@ def test_the_streams_step_on_their_own_grids():
 
 
 def test_minimax_h3_refusals(tiny_model_dir, tmp_path):
-    """What needs one σ per sample (the forward process, Δσ options), guidance, frame counts the VAE cannot take."""
+    """What needs one σ per sample (the forward process, Δσ options), guidance, frame counts the VAE cannot take,
+    context parallelism."""
     pipeline = TINY_PIPELINES["minimax-h3"](0)
     policy = make_policy(pipeline, _settings())
     with pytest.raises(NotImplementedError, match="own σ grids"):
@@ -117,6 +118,10 @@ def test_minimax_h3_refusals(tiny_model_dir, tmp_path):
         make_policy(pipeline, _settings(num_frames=121))
     with pytest.raises(ValueError, match=r"num_frames must be in \[120, 360\]"):
         make_policy(pipeline, _settings(num_frames=107))
+    from trl_dance.trainer.context_parallel import check_context_parallel
+
+    with pytest.raises(ValueError, match="changes length with each prompt.*set context_parallel_size 1"):
+        check_context_parallel(policy, 2, "ulysses")
     args = tiny_grpo_config(tmp_path, ratio_normalization=True, **H3)
     with pytest.raises(ValueError, match="GRPO-Guard.*own σ grids"):
         DanceGRPOTrainer(tiny_model_dir("minimax-h3"), "brightness", args=args, train_dataset=_dataset())

@@ -421,5 +421,12 @@ class MiniMaxH3Policy(DiffusionPolicy):
             SAMPLE: timesteps / batch,
         }
 
+    def context_parallel_lengths(self) -> dict[str, int]:
+        raise NotImplementedError(
+            "MiniMax-H3's packed sequence (text, keyframe, audio and video rows) changes length with each prompt and has "
+            "no padding; diffusers' plan splits it whole, and evening it out would need a key mask its blocks do not "
+            "pass: context parallelism is not supported for it yet"
+        )
+
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         return self.layout.decode_audio(latents)
