@@ -455,7 +455,7 @@ def test_register_policy_and_unregistered_pipelines():
     assert policy_class(pipeline) is MyFluxPolicy
     with pytest.raises(TypeError, match="DiffusionPolicy subclass"):
         register_policy(MyFlux, object)
-    with pytest.raises(TypeError, match="DiffusionPipeline subclass"):
+    with pytest.raises(TypeError, match="DiffusionPipeline or ModularPipeline subclass"):
         register_policy("FluxPipeline", MyFluxPolicy)
 
 
