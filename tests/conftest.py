@@ -156,6 +156,23 @@ def max_ratio_deviation(trainer, grad: bool = False) -> float:
     )
 
 
+def assert_given_prefix_is_held(trainer, given: int) -> None:
+    """The first ``given`` elements of every row (a given frame, keyframe tokens, anchor noise) never move along the
+    last rollout's trajectories, and moving them in a transition's next state leaves its log-probability unchanged."""
+    trajectory = trainer._rollout["latents"]  # (B, N, D)
+    assert torch.equal(trajectory[:, 1:, :given], trajectory[:, :1, :given].expand_as(trajectory[:, 1:, :given]))
+    policy, inputs = trainer.policy, trainer._microbatch(trainer._microbatches[0])
+    with torch.no_grad():
+        output = policy.predict(trainer.model, inputs["latents"], inputs["cond"], at=inputs["step_index"])
+        moved = inputs["next_latents"].clone()
+        moved[:, :given] += 1.0
+        scores = [
+            policy.step(output, inputs["latents"], inputs["step_index"], prev_sample=x).log_prob
+            for x in (inputs["next_latents"], moved)
+        ]
+    torch.testing.assert_close(scores[0], scores[1], rtol=0, atol=0)
+
+
 def assert_learned(metric: str, first: float, last: float, noise: float, margin: float) -> None:
     """A learning test's verdict: the gain of ``metric`` ``last − first`` exceeds ``margin`` and twice the sample std
     ``noise``. Each verdict is also appended, as a JSON line, to $TRL_DANCE_LEARNING_LOG when set (xdist workers

@@ -404,6 +404,22 @@ class DiffusionPolicy(FrozenModules, ABC):
             self.runtime.unclamped_decode = False
 
 
+def grouped_forward(keys: list, forward: Callable[[object, list[int]], torch.Tensor]) -> torch.Tensor:
+    """``forward(key, rows)`` once per distinct key, over the batch rows (a list of indices) that hold it, the results
+    put back in row order: (B, ...) for B = ``len(keys)``. For denoisers that take one layout per call (a prompt
+    length, a step: Qwen-Image 2.1, MiniMax-H3); a single key is one call and no copy."""
+    output = None
+    for key in dict.fromkeys(keys):
+        rows = [index for index, other in enumerate(keys) if other == key]
+        result = forward(key, rows)
+        if len(rows) == len(keys):
+            return result
+        if output is None:
+            output = result.new_empty(len(keys), *result.shape[1:])
+        output[torch.tensor(rows, device=result.device)] = result
+    return output
+
+
 def step_after_given(
     step: Callable[..., SDEStepOutput],
     model_output: torch.Tensor,

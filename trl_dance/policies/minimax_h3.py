@@ -30,7 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..flops import SAMPLE, FlopLayout
 from ..sde import dance_sigmas
-from .base import Conditioning, DiffusionPolicy, SamplerSettings, step_after_given
+from .base import Conditioning, DiffusionPolicy, SamplerSettings, grouped_forward, step_after_given
 from .layout import VideoLatents
 from .process import StreamFlowProcess
 from .qwen_image import padded_prompt
@@ -374,9 +374,9 @@ class MiniMaxH3Policy(DiffusionPolicy):
             (tuple(tags[i, :n].tolist()) if tags is not None else (pipeline.text_tag,) * n, tuple(times))
             for i, (n, times) in enumerate(zip(lengths, timestep.tolist(), strict=True))
         ]
-        output = None
-        for key in dict.fromkeys(keys):
-            (text_tags, (video_time, audio_time)), rows = key, [i for i, other in enumerate(keys) if other == key]
+
+        def forward(key: tuple, rows: list[int]) -> torch.Tensor:
+            text_tags, (video_time, audio_time) = key
             layout, length = self._packed_layout(text_tags, latents.device), len(text_tags)
             plan = MiniMaxH3SetTimestepsStep.build_row_timesteps(
                 layout["video_indices"].cpu(), layout["audio_indices"].cpu(), given, 0, length, video_time,
@@ -395,12 +395,9 @@ class MiniMaxH3Policy(DiffusionPolicy):
             velocity = -self.layout.join(video_out[:, given:], audio_out)  # H3's data-ward velocity → ε − x0
             if g.anchor_size:  # (the anchors' noise is given: no velocity)
                 velocity = torch.cat([velocity.new_zeros(len(rows), g.anchor_size), velocity], dim=1)
-            if len(rows) == len(keys):
-                return velocity
-            if output is None:
-                output = velocity.new_empty(latents.shape[0], *velocity.shape[1:])
-            output[index] = velocity
-        return output
+            return velocity
+
+        return grouped_forward(keys, forward)
 
     def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
         given = self.geometry.anchor_size

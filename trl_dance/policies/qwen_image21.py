@@ -11,7 +11,7 @@ from diffusers import QwenImage21Pipeline
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions, calculate_shift
 
 from ..flops import SAMPLE, FlopLayout
-from .base import Conditioning, DiffusionPolicy
+from .base import Conditioning, DiffusionPolicy, grouped_forward
 from .layout import RGBAOneFrameLatents
 from .qwen_image import padded_prompt
 
@@ -182,9 +182,8 @@ class QwenImage21Policy(DiffusionPolicy):
         lengths = cond["prompt_length"].tolist()
         conditioned = "image_latents" in cond  # the condition image's latents fill its vision tokens' slots
         shapes = [self._image_grid, (1, h, w)] if conditioned else [(1, h, w)]
-        output = None
-        for length in sorted(set(lengths)):
-            rows = [index for index, value in enumerate(lengths) if value == length]
+
+        def forward(length: int, rows: list[int]) -> torch.Tensor:
             index = torch.tensor(rows, device=latents.device)
             mask = cond["prompt_embeds_mask"][index, :length]
             slots = torch.zeros(len(rows), length + tokens // _SLOT, dtype=torch.bool, device=latents.device)
@@ -193,7 +192,7 @@ class QwenImage21Policy(DiffusionPolicy):
             if conditioned:
                 slots[:, :length] = cond["image_slots"][index, :length]
                 hidden = torch.cat([cond["image_latents"][index].to(latents.dtype), hidden], dim=1)
-            velocity = model(
+            return model(
                 hidden_states=hidden.to(dtype),
                 timestep=timestep[index].to(dtype),
                 encoder_hidden_states=cond["prompt_embeds"][index, :length].to(dtype),
@@ -202,12 +201,8 @@ class QwenImage21Policy(DiffusionPolicy):
                 img_mask=slots,
                 return_dict=False,
             )[0][:, -tokens:]
-            if len(rows) == len(lengths):
-                return velocity
-            if output is None:
-                output = velocity.new_empty(latents.shape[0], *velocity.shape[1:])
-            output[index] = velocity
-        return output
+
+        return grouped_forward(lengths, forward)
 
     def flop_tokens(self, inputs: dict[str, object]) -> dict[str, int]:
         image, batch = inputs["hidden_states"].shape[1], inputs["hidden_states"].shape[0]

@@ -26,6 +26,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -330,5 +332,42 @@ def _gemma3(tokenizer: GemmaTokenizer) -> Gemma3ForConditionalGeneration:
             boi_token_index=ids("<start_of_image>"),
             eoi_token_index=ids("<end_of_image>"),
             image_token_index=ids("<image_soft_token>"),
+        )
+    )
+
+
+def _qwen3_vl(tokenizer: Qwen2TokenizerFast, width: int, layers: int, heads: int) -> Qwen3VLForConditionalGeneration:
+    """A tiny Qwen3-VL conditioner (Qwen-Image 2.1, MiniMax-H3): a text stack of ``layers`` layers of ``width`` with
+    ``heads`` query heads of 8 (half as many key/value heads), and a one-block vision tower whose merged tokens cover
+    32×32 pixels (16-pixel patches merged 2×2: one 2×2 group of a 16× VAE's latents)."""
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen3VLForConditionalGeneration(
+        Qwen3VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": width,
+                "intermediate_size": 2 * width,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads // 2,
+                "head_dim": 8,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": width,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 64,
+                "deepstack_visual_indexes": [0],
+            },
+            image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
         )
     )

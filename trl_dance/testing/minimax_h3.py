@@ -10,10 +10,10 @@ from diffusers import (
     MiniMaxH3Transformer3DModel,
 )
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+from transformers import Qwen3VLProcessor
 
 from ..tiny_folders import qwen_vl_processor
-from .components import _build, _qwen_tokenizer
+from .components import _build, _qwen3_vl, _qwen_tokenizer
 
 MINIMAX_H3_TINY_FRAMES = 124
 """The tiny MiniMax-H3's frame count: the pipeline's shortest clip (5 s at 24 fps, 17·7 + 5 frames), 37 latent frames
@@ -29,37 +29,7 @@ def tiny_minimax_h3_pipeline(seed: int = 0) -> MiniMaxH3ModularPipeline:
 
     def factory() -> MiniMaxH3ModularPipeline:
         tokenizer = _qwen_tokenizer()
-        ids = tokenizer.convert_tokens_to_ids
-        text_encoder = Qwen3VLForConditionalGeneration(
-            Qwen3VLConfig(
-                text_config={
-                    "vocab_size": len(tokenizer),
-                    "hidden_size": 16,
-                    "intermediate_size": 32,
-                    "num_hidden_layers": 51,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "head_dim": 8,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
-                },
-                vision_config={
-                    "depth": 1,
-                    "hidden_size": 16,
-                    "intermediate_size": 32,
-                    "num_heads": 2,
-                    "out_hidden_size": 16,
-                    "patch_size": 16,
-                    "spatial_merge_size": 2,
-                    "temporal_patch_size": 2,
-                    "num_position_embeddings": 64,
-                    "deepstack_visual_indexes": [0],
-                },
-                image_token_id=ids("<|image_pad|>"),
-                video_token_id=ids("<|video_pad|>"),
-                vision_start_token_id=ids("<|vision_start|>"),
-                vision_end_token_id=ids("<|vision_end|>"),
-            )
-        )
+        text_encoder = _qwen3_vl(tokenizer, width=16, layers=51, heads=2)  # (the pipeline reads layer 50)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2)

@@ -18,13 +18,11 @@ from diffusers import (
 )
 from transformers import (
     AutoTokenizer,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
 )
 
 from ..tiny_folders import qwen_vl_processor
-from .components import _build, _qwen25_vl, _qwen_tokenizer
+from .components import _build, _qwen3_vl, _qwen25_vl, _qwen_tokenizer
 
 # Qwen-Image's prompt template: its encoder drops the first 34 tokens, the system prefix as the real tokenizer splits it.
 
@@ -140,37 +138,7 @@ def tiny_qwen_image21_pipeline(seed: int = 0) -> QwenImage21Pipeline:
     def factory():
         tokenizer = _qwen_tokenizer(_QWEN_IMAGE21_TEMPLATE.format("a"))
         tokenizer.chat_template = _QWEN_VL_CHAT_TEMPLATE
-        ids = tokenizer.convert_tokens_to_ids
-        text_encoder = Qwen3VLForConditionalGeneration(
-            Qwen3VLConfig(
-                text_config={
-                    "vocab_size": len(tokenizer),
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 8,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
-                },
-                vision_config={
-                    "depth": 1,
-                    "hidden_size": 16,
-                    "intermediate_size": 32,
-                    "num_heads": 2,
-                    "out_hidden_size": 32,
-                    "patch_size": 16,  # one merged vision token per 32×32 pixels: a 2×2 group of 16× latents
-                    "spatial_merge_size": 2,
-                    "temporal_patch_size": 2,
-                    "num_position_embeddings": 64,
-                    "deepstack_visual_indexes": [0],
-                },
-                image_token_id=ids("<|image_pad|>"),
-                video_token_id=ids("<|video_pad|>"),
-                vision_start_token_id=ids("<|vision_start|>"),
-                vision_end_token_id=ids("<|vision_end|>"),
-            )
-        )
+        text_encoder = _qwen3_vl(tokenizer, width=32, layers=2, heads=4)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         # (its smallest image 32² instead of 56²: a 32² condition image is read as one merged vision token, the one
