@@ -429,9 +429,10 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
 
     @property
     def _given(self) -> int:
-        """Elements of a row's first latent frame (its first h·w packed video tokens)."""
+        """Elements of a row given by the conditions: the first latent frame's (h·w packed video tokens), after any
+        keyframe's tokens (LTX2ConditionPolicy), which a row holds first."""
         g = self.geometry
-        return g.height * g.width * g.video_channels
+        return (g.keyframes + 1) * g.height * g.width * g.video_channels
 
     @property
     def streams(self) -> dict[str, int]:
@@ -460,7 +461,7 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
         return self.pipeline._pack_latents(randn_tensor(shape, generator=generator, device=self.device), 1, 1)
 
     def _with_image(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """Rows (B, D) with the first latent frame's tokens replaced by the image's."""
+        """Rows (B, D) with the given tokens (the first latent frame's, any keyframe's) replaced by the conditions'."""
         return torch.cat([cond["image_latents"].to(latents), latents[:, self._given :]], dim=1)
 
     def _guided(self, model, latents, timestep, cond, guidance_scale=None) -> torch.Tensor:
@@ -469,9 +470,10 @@ class LTX2ImageToVideoPolicy(LTX2Policy):
 
     def _video_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
         g = self.geometry
-        given = torch.zeros(g.frames * g.height * g.width, device=timestep.device)
-        given[: g.height * g.width] = 1.0
-        return timestep[:, None] * (1 - given)  # (B, tokens): 0 on the given frame's
+        given = torch.zeros((g.frames + g.keyframes) * g.height * g.width, device=timestep.device)
+        given[: g.height * g.width] = 1.0  # the first frame's tokens, and (in the transformer's order) any keyframe's
+        given[g.frames * g.height * g.width :] = 1.0
+        return timestep[:, None] * (1 - given)  # (B, tokens): 0 on the given tokens
 
     def step(self, model_output: torch.Tensor, latents: torch.Tensor, step_index: torch.Tensor, **options):
         # The given frame carries over unchanged (the image's replaces it in every input and at the end).
@@ -504,12 +506,6 @@ class LTX2ConditionPolicy(LTX2ImageToVideoPolicy):
             self.layout.geometry = dataclasses.replace(self.geometry, keyframes=1)
             self.process = self.make_process()  # (the shift counts the keyframe's tokens)
 
-    @property
-    def _given(self) -> int:
-        """Elements of a row given by the conditions: the keyframe's tokens and the first latent frame's."""
-        g = self.geometry
-        return (g.keyframes + 1) * g.height * g.width * g.video_channels
-
     @torch.no_grad()
     def _encode_columns(self, image: list, last_image: list | None = None) -> Conditioning:
         """Each row's given tokens (B, given elements) in row order, and its keyframe positions (B, 3, K·h·w, 2)."""
@@ -540,10 +536,3 @@ class LTX2ConditionPolicy(LTX2ImageToVideoPolicy):
         tokens, appended = g.frames * g.height * g.width, g.keyframes * g.height * g.width
         noise = randn_tensor((1, tokens + appended, g.video_channels), generator=generator, device=self.device)
         return torch.cat([noise[:, tokens:], noise[:, :tokens]], dim=1)
-
-    def _video_timestep(self, timestep: torch.Tensor) -> torch.Tensor:
-        g = self.geometry
-        given = torch.zeros((g.frames + g.keyframes) * g.height * g.width, device=timestep.device)
-        given[: g.height * g.width] = 1.0  # the first frame's tokens, and (in the transformer's order) the keyframe's
-        given[g.frames * g.height * g.width :] = 1.0
-        return timestep[:, None] * (1 - given)

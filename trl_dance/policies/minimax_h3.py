@@ -123,7 +123,7 @@ class PackedAudioVideoLatents(VideoLatents):
 
     @staticmethod
     def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`split`."""
+        """The inverse of :meth:`split` (without the anchors' part, which leads a row)."""
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def video_latents(self, rows: torch.Tensor) -> torch.Tensor:
@@ -215,7 +215,7 @@ class MiniMaxH3Policy(DiffusionPolicy):
             )
         super().__init__(pipeline, settings)
         self.audio_sample_rate = pipeline.audio_sampling_rate
-        self._layouts: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._layouts: dict[tuple, tuple[dict, torch.Tensor, torch.Tensor]] = {}
 
     def use_condition_columns(self, columns: list[str]) -> None:
         """Rows with ``image`` / ``last_image`` columns run the ``fl2va`` workflow: the keyframes anchored to the
@@ -327,9 +327,12 @@ class MiniMaxH3Policy(DiffusionPolicy):
             )
         return torch.cat(rows)
 
-    def _packed_layout(self, text_tags: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    def _packed_layout(
+        self, text_tags: tuple[int, ...], device: torch.device
+    ) -> tuple[dict, torch.Tensor, torch.Tensor]:
         """The transformer's layout inputs for a prompt with these per-token tags (the pipeline's layout step, with
-        the keyframes' anchors), built once per tags and device."""
+        the keyframes' anchors), and its video and audio row indices on the host (for the timestep plans), built once
+        per tags and device."""
         if (text_tags, device) in self._layouts:
             return self._layouts[text_tags, device]
         pipeline, g = self.pipeline, self.geometry
@@ -338,14 +341,15 @@ class MiniMaxH3Policy(DiffusionPolicy):
             g.audio_channels, pipeline.audio_tag, pipeline.video_tag, g.anchors,
         )  # fmt: skip
         float64 = torch.float64 if device.type in ("cpu", "cuda") else torch.float32  # (the rope casts to float32)
-        self._layouts[text_tags, device] = layout = {
+        layout = {
             "position_ids": position_ids.to(device, float64),
             "token_tags": tags.to(device),
             "video_indices": video.to(device),
             "audio_indices": audio.to(device),
             "text_indices": text.to(device),
         }
-        return layout
+        self._layouts[text_tags, device] = layout, video, audio
+        return layout, video, audio
 
     def _condition_rows(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """(B, K·rows, C_v): the keyframes' latents noised to the anchors' ``t`` (0.999) with the row's anchor noise,
@@ -377,10 +381,10 @@ class MiniMaxH3Policy(DiffusionPolicy):
 
         def forward(key: tuple, rows: list[int]) -> torch.Tensor:
             text_tags, (video_time, audio_time) = key
-            layout, length = self._packed_layout(text_tags, latents.device), len(text_tags)
+            (layout, video_rows, audio_rows), length = self._packed_layout(text_tags, latents.device), len(text_tags)
             plan = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"].cpu(), layout["audio_indices"].cpu(), given, 0, length, video_time,
-                audio_time, max(video_time, pipeline.keyframe_noise_aug), 1.0,
+                video_rows, audio_rows, given, 0, length, video_time, audio_time,
+                max(video_time, pipeline.keyframe_noise_aug), 1.0,
             )  # fmt: skip
             index = torch.tensor(rows, device=latents.device)
             video_out, audio_out = model(
