@@ -179,6 +179,9 @@ def test_minimax_h3_keyframes_train_on_policy(tiny_model_dir, tmp_path):
     trainer = DanceGRPOTrainer(tiny_model_dir("minimax-h3"), "brightness", args=args, train_dataset=dataset)
     policy = trainer.policy
     assert policy.geometry.anchors == ("first", "last") and policy.pipeline_tag == "image-to-video"
+    from trl_dance.trainer.evaluation import policy_with
+
+    assert policy_with(policy, num_inference_steps=3).geometry.anchors == ("first", "last")  # (evaluation's sampler)
     trainer._generate_and_score([dict(dataset[i]) for i in (0, 1) for _ in range(4)])
     assert max_ratio_deviation(trainer) < 1e-5
     assert_given_prefix_is_held(trainer, policy.geometry.anchor_size)

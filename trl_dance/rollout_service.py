@@ -152,6 +152,7 @@ class RolloutWorker:
         difference."""
         with self._lock:
             policy = make_policy(self.pipeline, SamplerSettings(**info["settings"]))
+            policy.use_condition_columns(info.get("condition_columns", []))  # (the trainer's optional columns)
             if self._lora is None:
                 add_lora(policy.denoiser, LoraConfig(**info["lora"]))
                 # float32 as the trainer keeps it (DiffusionTrainer): on a bf16 base peft makes the LoRA bf16, and the

@@ -70,9 +70,11 @@ def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defa
 
 def policy_with(policy: DiffusionPolicy, **changes: Any) -> DiffusionPolicy:
     """``policy`` with some SamplerSettings ``changes``: a second policy on the same pipeline (it holds no weights of
-    its own) and the same runtime object (offloading, context-parallel gradient scale), or ``policy`` itself when
-    nothing changes."""
+    its own), the same runtime object (offloading, context-parallel gradient scale) and condition columns, or
+    ``policy`` itself when nothing changes."""
     settings = dataclasses.replace(policy.settings, **changes)
     if settings == policy.settings:
         return policy
-    return make_policy(policy.pipeline, settings, runtime=policy.runtime)
+    other = make_policy(policy.pipeline, settings, runtime=policy.runtime)
+    other.use_condition_columns(list(policy.condition_columns))  # (the optional columns the run conditions on)
+    return other

@@ -668,6 +668,7 @@ class RolloutTrainer(DiffusionTrainer):
     def _worker_handshake(self) -> dict[str, Any]:
         return {
             "settings": dataclasses.asdict(self.policy.settings),
+            "condition_columns": list(self.policy.condition_columns),  # (optional ones change the policy's layout)
             "lora": lora_description(self.policy.denoiser.peft_config["default"]),
             "mixed_precision": self.args.mixed_precision,
             **sampling_identity(self.policy),
