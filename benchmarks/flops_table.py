@@ -1,7 +1,8 @@
 """Closed-form denoiser FLOPs of the real architectures at the sizes users train (computed on the meta device from the
 shipped configurations: nothing is allocated or run; see trl_dance/flops.py).
 
-    python benchmarks/flops_table.py            # markdown table: TFLOPs of one forward per sample, and its split
+    python benchmarks/flops_table.py            # markdown tables: TFLOPs of one forward per sample, and its split;
+                                                # the masked-text families with their padding and with it trimmed
 
 One forward per sample without CFG (CFG doubles it); a full fine-tuning step costs ≈ 3 forwards (the backward computes
 the weight and the input gradients), a LoRA step ≈ 2 (frozen weights get no gradient), activation checkpointing one
@@ -57,7 +58,40 @@ def table() -> tuple[str, list[dict]]:
     return "\n".join([head, *rows]), records
 
 
+# Masked-text families (DiffusionPolicy.padded_text): the pipelines' padded lengths against a 64-token prompt (a
+# trimmed batch's length: its longest prompt rounded up to 8; DanceGRPO's and Flow-GRPO's prompt sets average 20-40
+# tokens), no quoted text for HunyuanVideo 1.5's ByT5 stream. (model, size label, image tokens, padded, trimmed).
+TRIMMED = [
+    ("qwen-image", "1024²", 64 * 64, {"text": 512}, {"text": 64}),
+    ("hunyuan-video", "480×832×33", 9 * 30 * 52, {"text": 256}, {"text": 64}),
+    (
+        "hunyuan-video15", "480×832×33", 9 * 30 * 52,
+        {"mllm": 1000, "byt5": 256, "text": 1256}, {"mllm": 64, "byt5": 0, "text": 64},
+    ),
+]  # fmt: skip
+
+
+def trimmed_text_table() -> tuple[str, list[dict]]:
+    rows, records = [], []
+    for name, label, image, padded, trimmed in TRIMMED:
+        with torch.device("meta"):
+            pipeline = random_weight_pipeline(name)
+        ops = denoiser_ops(pipeline.transformer, policy_class(pipeline).flop_layout)
+        flops = [
+            sum(op.flops({"image": image, "vision": 0, SAMPLE: 1, **text}, 1) for op in ops) / 1e12
+            for text in (padded, trimmed)
+        ]
+        records.append({"model": name, "size": label, "padded_tflops": flops[0], "trimmed_tflops": flops[1]})
+        rows.append(
+            f"| {name} | {label} | {image:,} + {padded['text']} → {trimmed['text']} | {flops[0]:.1f} → {flops[1]:.1f} | "
+            f"{flops[1] / flops[0]:.2f}× |"
+        )
+    head = "| model | size | tokens (padded → trimmed text) | TFLOPs per forward | ratio |\n|---|---|---|---|---|"
+    return "\n".join([head, *rows]), records
+
+
 if __name__ == "__main__":
     text, records = table()
-    print(text)
-    print(json.dumps(records))
+    trimmed, trimmed_records = trimmed_text_table()
+    print(text + "\n\n" + trimmed)
+    print(json.dumps(records + trimmed_records))

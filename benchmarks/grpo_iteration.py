@@ -47,6 +47,19 @@ def progress(message: str) -> None:
 
 
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
+# Real sizes: prompts as long in tokens as RL prompt sets' (40-60 tokens), since the masked-text families trim their
+# text to a batch's longest prompt. Random-weight pipelines read prompts with the tiny offline tokenizers, about one
+# token per character: these are 40-48 of them.
+LONG_PROMPTS = [
+    "a ginger cat asleep on a sunlit windowsill, film photo",
+    "a golden retriever running through waves at sunset",
+    "a small red house on a rocky island in a grey sea",
+    "a blue sky over a field of sunflowers, bees, midday",
+    "an old oak tree alone on a green hill, stormy sky",
+    "a vintage turquoise car on a cobbled street, sunny",
+    "a wooden sailing ship on a rough ocean at dawn, oil",
+    "a sunset over a mountain lake, a canoe, pine trees",
+]
 
 
 class _StepClock(TrainerCallback):
@@ -74,12 +87,13 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     """Train ``args.max_steps`` rounds (one update each); time the rounds after ``warmup`` (rollout and training
     apart) and, with ``floor``, their compute floor."""
     peft = lora_config(options.lora_rank)
-    rows = {"prompt": PROMPTS}
+    rows = {"prompt": PROMPTS if is_tiny(options.model) else LONG_PROMPTS}
     if options.model in IMAGE_CONDITIONED_MODELS:  # editing / image-to-video: a source image per prompt
         rows["image"] = tiny_condition_images(len(PROMPTS))
     if options.model in LAST_FRAME_MODELS:
         rows["last_image"] = tiny_condition_images(2 * len(PROMPTS))[len(PROMPTS) :]
     trainer = DanceGRPOTrainer(model, "brightness", args=args, train_dataset=Dataset.from_dict(rows), peft_config=peft)
+    trainer.policy.runtime.trim_text = not options.padded_text
     device = trainer.accelerator.device
     recorder = CallRecorder(trainer) if floor else None
     clock = _StepClock(device, trainer)
@@ -173,6 +187,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--attention-backend", default=None, help="the config's attention_backend (diffusers')")
     parser.add_argument("--cudnn-attention", action="store_true", help="the config's cudnn_attention")
     parser.add_argument("--rollout-backprop", action="store_true", help="recompute-free GRPO (the config's)")
+    parser.add_argument(
+        "--padded-text", action="store_true",
+        help="masked-text families: keep the text padded to max_sequence_length (the cost before trimming)",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", metavar="DIR", default=None,
         help="profile the last timed round (kernel classes per phase; its trace written to DIR, then removed)",

@@ -132,6 +132,15 @@ CONFIGURATIONS: dict[str, dict[str, list[str]]] = {
         "grpo-hunyuan15-33f-lora64-gc-compile": _real(
             "grpo_iteration.py", *_HUNYUAN15_33F, "--torch-compile", *_VIDEO_LARGE
         ),
+        # Masked text trimmed to a batch's longest prompt (40-48 tokens here) against the pipelines' padding (Qwen-Image:
+        # 512 tokens beside 4,096 image tokens; HunyuanVideo 1.5: 1,000 + 256 beside 14,040 video tokens).
+        "grpo-qwen-image-lora64-gc-compile": _real("grpo_iteration.py", "qwen-image", 64, "--torch-compile", *_LARGE),
+        "grpo-qwen-image-lora64-gc-compile-padded": _real(
+            "grpo_iteration.py", "qwen-image", 64, "--torch-compile", "--padded-text", *_LARGE
+        ),
+        "grpo-hunyuan15-33f-lora64-gc-compile-padded": _real(
+            "grpo_iteration.py", *_HUNYUAN15_33F, "--torch-compile", "--padded-text", *_VIDEO_LARGE
+        ),
         # LTX-2 at the pipeline's guidance (CFG 3 / 7, STG, modality isolation, rescale: four forwards a step).
         "grpo-ltx2-33f-lora64-gc": _real(
             "grpo_iteration.py", "ltx2", 64, "--frames", "33", "--guidance-scale", "3", *_VIDEO_LARGE

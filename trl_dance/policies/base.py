@@ -23,7 +23,7 @@ from ..sde import SDEStepOutput
 from .layout import SpatialLatents
 from .placement import FrozenModules
 from .process import DiffusionProcess, FlowProcess, TimestepUnits
-from .prompts import warn_long_prompts
+from .prompts import TEXT_LENGTH_MULTIPLE, cat_padded, trim_padded_text, warn_long_prompts
 from .runtime import PolicyRuntime, scale_gradient
 from .settings import SamplerSettings
 
@@ -93,6 +93,15 @@ class DiffusionPolicy(FrozenModules, ABC):
     pipeline_defaults: dict = {}
     """Arguments of the pipeline's ``__call__`` the policy reproduces besides the config's own fields, with the
     pipeline's defaults (LTX-2's guidance terms): ``settings.pipeline_kwargs`` overrides them by name."""
+
+    padded_text: dict[str, str] = {}
+    """Text embeddings the family pads with a mask, by key, to their (B, L) masks' keys (Qwen-Image:
+    ``{"prompt_embeds": "prompt_embeds_mask"}``). :meth:`encode_prompts` cuts the padding beyond the call's longest
+    prompt (rounded up to :data:`TEXT_LENGTH_MULTIPLE` tokens), so the denoiser's text stream and attention skip it
+    (Qwen-Image at 1024²: 512 padded text tokens beside 4,096 image tokens), and CFG pads its two branches to the
+    longer one. Only for denoisers whose outputs on valid tokens do not depend on the padding's length (they mask it
+    out of attention; text positions count from the first token); off under context parallelism
+    (``runtime.trim_text``), whose plans split the padded length."""
 
     optional_condition_columns: tuple[str, ...] = ()
     """Dataset columns the family conditions on when a dataset has them (Qwen-Image 2.1's optional condition
@@ -176,9 +185,21 @@ class DiffusionPolicy(FrozenModules, ABC):
             raise ValueError(f"{type(self).__name__} conditions on the dataset columns {missing}; none were given")
         if not self._warned_long_prompts:
             self._warned_long_prompts = warn_long_prompts(self.pipeline, prompts, self.settings.max_sequence_length)
+        return self._trimmed(self._encode_prompts(prompts, **columns))
+
+    def _encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+        """:meth:`encode_prompts` before the text padding is trimmed: :meth:`_encode` and :meth:`_encode_columns`
+        (a family that reads a prompt with its images overrides this)."""
         with self._text_encoders_on_device():
             cond = self._encode(prompts)
         return {**cond, **self._encode_columns(**{name: columns[name] for name in self.condition_columns})}
+
+    def _trimmed(self, cond: Conditioning) -> Conditioning:
+        """``cond`` with the :attr:`padded_text` entries' padding trimmed (see there); read on the host, once per
+        encoding, outside the denoising loop."""
+        if not self.runtime.trim_text:
+            return cond
+        return trim_padded_text(cond, self.padded_text, TEXT_LENGTH_MULTIPLE)
 
     def _encode_columns(self, **columns: list) -> Conditioning:
         """Conditioning from :attr:`condition_columns` (none by default); shared by both CFG branches."""
@@ -195,8 +216,8 @@ class DiffusionPolicy(FrozenModules, ABC):
             raise NotImplementedError(f"{type(self).__name__} does not use classifier-free guidance")
         with self._text_encoders_on_device():
             if self.settings.negative_prompt is None:
-                return self._encode([""], negative=True)
-            return self._encode([self.settings.negative_prompt])
+                return self._trimmed(self._encode([""], negative=True))
+            return self._trimmed(self._encode([self.settings.negative_prompt]))
 
     def _negative_cond(self, batch: int, cond: Conditioning) -> Conditioning:
         """The unconditional branch's conditioning of a batch of ``batch`` samples with conditioning ``cond`` (keys
@@ -309,8 +330,11 @@ class DiffusionPolicy(FrozenModules, ABC):
         first. Per-sample extras the negative lacks (e.g. SDXL micro-conditioning) are shared by both branches; a
         per-sample negative's own entries (``negative_*``, editing) are not model inputs."""
         negative = self._negative_cond(latents.shape[0], cond)
+        padded = {*self.padded_text, *self.padded_text.values()}  # trimmed to each branch's own longest prompt
         both = {
-            key: torch.cat([negative.get(key, value), value])
+            key: cat_padded([negative.get(key, value), value])
+            if key in padded
+            else torch.cat([negative.get(key, value), value])
             for key, value in cond.items()
             if not key.startswith("negative_")
         }

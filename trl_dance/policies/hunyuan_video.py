@@ -31,6 +31,7 @@ class HunyuanVideoPolicy(DiffusionPolicy):
     supports_cfg = False
     layout_class = VideoLatents
     masks_text = True
+    padded_text = {"prompt_embeds": "prompt_attention_mask"}  # (the transformer masks the rest; text has no RoPE)
     default_num_frames = 129
     """The pipeline's default frame count (5 s at 24 fps), used when ``settings.num_frames`` is None."""
     flop_layout = FlopLayout(

@@ -42,10 +42,10 @@ class HunyuanVideo15Policy(DiffusionPolicy):
     this policy does not reproduce (other classes, ``guidance_rescale``, a step window) are refused.
 
     Text: the Qwen2.5-VL hidden states three layers from the top after the pipeline's 108-token system-prompt crop,
-    padded to ``max_sequence_length`` (the pipeline pads to 1000; the transformer moves padding behind the valid
-    tokens and masks it, so the length changes nothing), and ByT5 embeddings of quoted text (zeros and an empty mask
-    when a prompt has none). The pipeline's 729 image-embedding slots, all masked in text-to-video, and the ByT5 padding
-    beyond the batch's longest quoted text are left out of the sequence (the same outputs, less work). The VAE decodes
+    and ByT5 embeddings of quoted text (zeros and an empty mask when a prompt has none), each trimmed to a batch's
+    longest (:attr:`~DiffusionPolicy.padded_text`; the pipeline pads to 1000 and 256 tokens; the transformer moves
+    padding behind the valid tokens and masks it, so its length changes nothing). The pipeline's 729 image-embedding
+    slots, all masked in text-to-video, are left out of the sequence too (the same outputs, less work). The VAE decodes
     one video at a time, and so does its encoder: its mid-block attention breaks on batches of several in diffusers 0.42.1. No
     context-parallel plan ships for this transformer.
     """
@@ -53,6 +53,7 @@ class HunyuanVideo15Policy(DiffusionPolicy):
     pipeline: HunyuanVideo15Pipeline
     layout_class = _OneVideoAtATime
     masks_text = True
+    padded_text = {"prompt_embeds": "prompt_embeds_mask", "prompt_embeds_2": "prompt_embeds_mask_2"}
     default_num_frames = 121
     flop_layout = FlopLayout(
         streams=(
@@ -155,10 +156,6 @@ class HunyuanVideo15Policy(DiffusionPolicy):
     def _forward(self, model, latents, timestep, cond) -> torch.Tensor:
         dtype = self.denoiser.dtype
         condition, image_embeds = self._condition(latents, cond)
-        # Beyond the batch's longest quoted text every ByT5 token is masked padding (all 256 for prompts without
-        # quoted text), which the transformer would only move aside and mask. Reading the length is a host sync, as
-        # are this transformer's own reads of its masks in every forward.
-        glyphs = int(cond["prompt_embeds_mask_2"].sum(dim=1).max())
         end = cond.get("timestep_r")
         return model(
             hidden_states=torch.cat([latents, condition], dim=1).to(dtype),
@@ -166,8 +163,8 @@ class HunyuanVideo15Policy(DiffusionPolicy):
             timestep_r=None if end is None else end.to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_embeds_mask"],
-            encoder_hidden_states_2=cond["prompt_embeds_2"][:, :glyphs].to(dtype),
-            encoder_attention_mask_2=cond["prompt_embeds_mask_2"][:, :glyphs],
+            encoder_hidden_states_2=cond["prompt_embeds_2"].to(dtype),
+            encoder_attention_mask_2=cond["prompt_embeds_mask_2"],
             image_embeds=image_embeds.to(dtype),
             return_dict=False,
         )[0]

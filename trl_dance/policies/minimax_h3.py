@@ -264,14 +264,13 @@ class MiniMaxH3Policy(DiffusionPolicy):
             rows.append(padded_prompt(embeds, None, length) | {"prompt_length": torch.tensor([len(tokens)])})
         return {key: torch.cat([row[key] for row in rows]).to(self.device) for key in rows[0]}
 
-    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+    def _encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
         """``t2va``: each prompt alone (:meth:`_encode`). ``fl2va``: each prompt with its keyframes, through the
         pipeline's own blocks (the keyframes put onto the canvas; a label and a vision block per keyframe before the
         prompt, read by Qwen3-VL, its rows tagged video; the keyframes' VAE latents), stored padded with their token
         tags and the keyframes' latents (B, K·C·h·w)."""
         if not self.geometry.anchors:
-            return super().encode_prompts(prompts, **columns)
-        super().encode_prompts(prompts, **columns)  # (checks the columns)
+            return super()._encode_prompts(prompts, **columns)
         with self._text_encoders_on_device():
             rows = [
                 self._encode_keyframes(

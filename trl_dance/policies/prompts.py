@@ -1,9 +1,10 @@
-"""Prompt checks shared by every family."""
+"""Prompt checks and text-padding helpers shared by every family."""
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from diffusers import DiffusionPipeline
 
 logger = logging.getLogger(__name__)
@@ -32,4 +33,33 @@ def warn_long_prompts(pipeline: DiffusionPipeline, prompts: list[str], max_seque
     return False
 
 
-__all__ = ["warn_long_prompts"]
+TEXT_LENGTH_MULTIPLE = 8
+"""Trimmed text lengths are rounded up to a multiple of this many tokens: aligned GEMM shapes (16-byte rows of bf16),
+and a few distinct lengths per run for ``torch.compile``."""
+
+
+def trim_padded_text(cond: dict[str, torch.Tensor], pairs: dict[str, str], multiple: int) -> dict[str, torch.Tensor]:
+    """``cond`` with each embeddings entry of ``pairs`` (key → its (B, L) mask's key) and its mask cut to the columns
+    up to the batch's last valid token, rounded up to ``multiple`` (at most L): (B, L', ...) with L' ≤ L. Columns where
+    any prompt of the batch has a valid token are kept, so padding on either side is safe (left padding keeps L).
+    Reads the masks on the host."""
+    trimmed = dict(cond)
+    for key, mask_key in pairs.items():
+        if key not in cond:
+            continue
+        mask = cond[mask_key]
+        valid = torch.nonzero(mask.bool().any(dim=0))
+        length = int(valid.max()) + 1 if len(valid) else 0
+        length = min(-(-length // multiple) * multiple, mask.shape[1])
+        trimmed[key], trimmed[mask_key] = cond[key][:, :length], mask[:, :length]
+    return trimmed
+
+
+def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` along the batch of text embeddings (B_i, L_i, ...) or masks (B_i, L_i) trimmed to different
+    lengths, each zero-padded to the longest (a mask's zeros: padding)."""
+    length = max(tensor.shape[1] for tensor in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, length - t.shape[1])) for t in tensors])
+
+
+__all__ = ["TEXT_LENGTH_MULTIPLE", "cat_padded", "trim_padded_text", "warn_long_prompts"]

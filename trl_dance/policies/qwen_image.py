@@ -31,12 +31,13 @@ class QwenImagePolicy(DiffusionPolicy):
     ``guidance_scale`` is the pipeline's ``true_cfg_scale``: CFG through both branches against the negative prompt
     (the pipeline's default negative is a prompt too; ``negative_prompt=None`` here means the empty prompt, which
     the pipeline needs spelled out as ``negative_prompt=""``), with the branch combination rescaled to the
-    conditional prediction's norm per token. Prompt embeddings are padded to ``max_sequence_length`` with a mask
-    (the transformer masks them out of attention; text positions do not depend on the padding), so conditioning of
-    different batches stacks.
+    conditional prediction's norm per token. Prompt embeddings are encoded with a mask and trimmed to a batch's longest
+    prompt (:attr:`~DiffusionPolicy.padded_text`: the transformer masks padding out of attention and text positions
+    count from the first token, so its length changes nothing).
     """
 
     masks_text = True
+    padded_text = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
     layout_class = OneFrameLatents
     timestep_units = "sigma"  # the transformer takes σ (the pipeline's timestep / 1000)
     flop_layout = FlopLayout(
@@ -133,8 +134,8 @@ class QwenImageEditPolicy(QwenImagePolicy):
         return self.pipeline.image_processor.resize(image, height, width), (height, width)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
-        cond = super().encode_prompts(prompts, **columns)  # checks the columns; the sources' latents
+    def _encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+        cond = super()._encode_prompts(prompts, **columns)  # the sources' latents
         with self._text_encoders_on_device():
             texts = [
                 self._read_with_images(prompt, self._images(image)) for prompt, image in zip(prompts, columns["image"])

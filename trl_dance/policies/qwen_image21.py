@@ -101,12 +101,12 @@ class QwenImage21Policy(DiffusionPolicy):
     def pipeline_tag(self) -> str:
         return "image-to-image" if self.condition_columns else "text-to-image"
 
-    def encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
+    def _encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
         """Text-to-image: the prompts encoded together (:meth:`_encode`). Image-conditioned (an ``image`` column):
         each prompt read with its condition image (and its negative's, with CFG), and the image's VAE latents."""
+        cond = super()._encode_prompts(prompts, **columns)  # (text-to-image: all of it; else the images' latents)
         if not self.condition_columns:
-            return super().encode_prompts(prompts, **columns)
-        cond = super().encode_prompts(prompts, **columns)  # (checks the column; the images' latents)
+            return cond
         with self._text_encoders_on_device():
             rows = [self._read_with_image(prompt, image) for prompt, image in zip(prompts, columns["image"])]
         return cond | {key: torch.cat([row[key] for row in rows]) for key in rows[0]}

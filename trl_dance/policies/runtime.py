@@ -25,6 +25,8 @@ class PolicyRuntime:
         unclamped_decode: images decode without the final clamp to [0, 1] (inside ``unclamped_decode()``).
         stream_log_probs: steps return per-stream log-probabilities (B, S) of the policy's ``streams`` (rewards routed
             per modality), not (B,).
+        trim_text: encodings cut their masked text padding (the policy's ``padded_text``); off under context
+            parallelism, whose plans split the padded length.
     """
 
     offload_text_encoders: bool = False
@@ -33,6 +35,7 @@ class PolicyRuntime:
     sampling_depth: int = 0
     unclamped_decode: bool = False
     stream_log_probs: bool = False
+    trim_text: bool = True
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -258,8 +258,9 @@ class DiffusionTrainer(_BaseTrainer):
                 args.context_parallel_type,
                 self.accelerator.device,
             )
-            # The group's gradients are summed, not averaged.
+            # The group's gradients are summed, not averaged; the plans split text at its padded length.
             policy.runtime.gradient_scale = args.context_parallel_size
+            policy.runtime.trim_text = False
         # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
         denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
         apply_speed_options(
