@@ -269,15 +269,15 @@ def test_bad_input_fails_at_construction(tiny_model_dir, tmp_path):
 
 # Gains over seeds 42, 1, 2 with the papers' defaults (DPM-Solver++ on the pipeline grid, batch std; NFT 5 of 6
 # levels, AWM 2 stratified, DGPO the 3 highest-noise); the FLUX rows make several optimizer updates per round (NFT 5,
-# AWM 4, DGPO 3): NFT FLUX 0.141-0.155, SD3 0.140-0.148, Wan 0.159-0.186 kB, AWM 0.091-0.098, DGPO 0.117-0.150 (sample
-# std <= 0.009); each margin is at most the smallest gain / 2.3.
+# AWM 4, DGPO 3): NFT FLUX 0.141-0.155, SD3 0.140-0.148, AWM 0.091-0.098, DGPO 0.117-0.150 in 30 rounds; Wan 0.114 /
+# 0.120 / 0.151 kB in 20 (0.159-0.186 in 30) (sample std <= 0.009); each margin is at most the smallest gain / 2.3.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "reward", "loss_type", "updates", "margin"),
     [
         ("flux", "brightness", "nft", 5, 0.05),
         ("sd3", "brightness", "nft", 1, 0.05),
-        ("wan", "jpeg_compressibility", "nft", 1, 0.05),
+        ("wan", "jpeg_compressibility", "nft", 1, 0.045),  # 20 rounds
         ("flux", "brightness", "awm", 4, 0.04),
         ("flux", "brightness", "dgpo", 3, 0.05),
     ],
@@ -286,7 +286,8 @@ def test_reward_rises_with_ode_rollouts_and_no_cfg(tiny_model_dir, tmp_path, kin
     """Learning: DiffusionNFT, AWM and DGPO with their defaults on deterministic rollouts without CFG raise the reward
     beyond its sample std, with one or several optimizer updates per round (the random Wan VAE barely lets latents
     move the brightness; the frames' JPEG compressibility it does)."""
-    values = {"generation_batch_size": 32, "per_device_train_batch_size": 16, "max_steps": 30 * updates}
+    rounds = 20 if kind == "wan" else 30
+    values = {"generation_batch_size": 32, "per_device_train_batch_size": 16, "max_steps": rounds * updates}
     values["timestep_fraction"] = None  # the loss type's own
     values |= {"guidance_scale": 3.5 if kind == "flux" else 1.0, "loss_type": loss_type, "seed": LEARNING_SEED}
     micro_batches = nft_config(tmp_path, **family_overrides(kind), **values, gradient_accumulation_steps=None)

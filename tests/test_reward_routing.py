@@ -153,8 +153,9 @@ def test_routing_refusals(tiny_model_dir, tmp_path):
 
 
 # LTX-2 image-to-video, routed, 12 rounds at lr 3e-2 (LoRA also on the audio output projection, the audio stream's
-# own last layer): the soundtrack's loudness rises +3.6e-4 / +4.3e-4 / +4.2e-4 (seeds 42 / 1 / 2; first-round sample
-# std 8.4-9.3e-5) and the videos' brightness +0.069 / +0.072 / +0.048 (std 0.013-0.014). On text-to-video, unrouted
+# own last layer), 3 of 5 steps trained: the soundtrack's loudness rises +3.1e-4 / +5.0e-4 / +4.2e-4 (seeds 42 / 1 / 2;
+# first-round sample std 8.4-9.3e-5) and the videos' brightness +0.059 / +0.068 / +0.065 (std 0.013-0.014). With all
+# 5 steps: +3.6e-4 / +4.3e-4 / +4.2e-4 and +0.069 / +0.072 / +0.048, in 1.4x the time; with 2: seed 1 gained 1.0e-4. On text-to-video, unrouted
 # (both rewards on both streams, the weighted sum), seed 42: loudness +1.6e-4 against +5.0e-4 routed (brightness
 # +0.023 / +0.027): on its scale (1e-4 against brightness's 3e-3) the audio reward is hidden in the sum. Margins: the
 # smallest gains / 2.3. (16 videos a round halve the time but loudness then gains +2.5e-4 / +3.6e-4, seeds 42 / 1:
@@ -167,7 +168,8 @@ def test_routed_audio_and_video_rewards_rise_on_image_to_video(tiny_model_dir, t
         tmp_path,
         generation_batch_size=32,
         per_device_train_batch_size=16,
-        gradient_accumulation_steps=10,
+        gradient_accumulation_steps=6,
+        timestep_fraction=0.6,
         max_steps=12,
         guidance_scale=1.0,
         pipeline_kwargs={**UNGUIDED, "image_crf": 0},
@@ -185,6 +187,6 @@ def test_routed_audio_and_video_rewards_rise_on_image_to_video(tiny_model_dir, t
     )  # fmt: skip
     trainer.train()
     rounds = [h for h in trainer.state.log_history if "rewards/loudness/mean" in h]
-    for reward, margin in (("loudness", 1.5e-4), ("brightness", 0.02)):
+    for reward, margin in (("loudness", 1.3e-4), ("brightness", 0.02)):
         first, last = (sum(h[f"rewards/{reward}/mean"] for h in part) / 3 for part in (rounds[:3], rounds[-3:]))
         assert_learned(reward, first, last, rounds[0][f"rewards/{reward}/std"], margin)

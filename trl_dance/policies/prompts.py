@@ -51,7 +51,8 @@ def trim_padded_text(cond: dict[str, torch.Tensor], pairs: dict[str, str], multi
         valid = torch.nonzero(mask.bool().any(dim=0))
         length = int(valid.max()) + 1 if len(valid) else 0
         length = min(-(-length // multiple) * multiple, mask.shape[1])
-        trimmed[key], trimmed[mask_key] = cond[key][:, :length], mask[:, :length]
+        # (copies: the padding's memory is freed, and the denoiser reads contiguous rows)
+        trimmed[key], trimmed[mask_key] = cond[key][:, :length].contiguous(), mask[:, :length].contiguous()
     return trimmed
 
 
