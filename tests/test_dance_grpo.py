@@ -111,7 +111,10 @@ def test_cfg_loss_has_gradient_through_both_branches(tiny_model_dir, tmp_path, k
 
 
 LTX2_VIDEO_UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0}
-LTX2_TWO_STEPS = {"timestep_fraction": 0.4, "gradient_accumulation_steps": 4}  # 2 of 5 steps: 32 x 2 / 16 micro-batches
+LTX2_TWO_STEPS = {
+    "timestep_fraction": 0.4,
+    "gradient_accumulation_steps": 4,
+}  # 2 of 5 steps: 32 x 2 / 16 micro-batches
 
 
 # Mean of the first 3 -> last 3 rollouts; margins and the spread of the gains over seeds (42, 1, 2) and torch thread
