@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh dev,deepspeed
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -n auto "$@"
+# worksteal: an idle worker takes queued tests from the busy one (the slow learning runs otherwise leave a tail).
+exec .venv/bin/python -m pytest -n auto --dist worksteal "$@"
