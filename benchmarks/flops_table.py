@@ -33,14 +33,19 @@ MODELS = {
 }
 
 
+def _ops(name: str) -> tuple[list, float]:
+    """The denoiser operations of the shipped configuration ``name`` (built on the meta device) and its parameters
+    in billions."""
+    with torch.device("meta"):
+        pipeline = random_weight_pipeline(name)
+    ops = denoiser_ops(pipeline.transformer, policy_class(pipeline).flop_layout)
+    return ops, sum(p.numel() for p in pipeline.transformer.parameters()) / 1e9
+
+
 def table() -> tuple[str, list[dict]]:
     rows, records = [], []
     for name, (sizes, text) in MODELS.items():
-        with torch.device("meta"):
-            pipeline = random_weight_pipeline(name)
-        layout = policy_class(pipeline).flop_layout
-        ops = denoiser_ops(pipeline.transformer, layout)
-        params = sum(p.numel() for p in pipeline.transformer.parameters()) / 1e9
+        ops, params = _ops(name)
         for _, label, image in sizes:
             tokens = {"image": image, "text": text, SAMPLE: 1}
             linear = sum(op.flops(tokens, 1) for op in ops if op.kind != "attention") / 1e12
@@ -74,9 +79,7 @@ TRIMMED = [
 def trimmed_text_table() -> tuple[str, list[dict]]:
     rows, records = [], []
     for name, label, image, padded, trimmed in TRIMMED:
-        with torch.device("meta"):
-            pipeline = random_weight_pipeline(name)
-        ops = denoiser_ops(pipeline.transformer, policy_class(pipeline).flop_layout)
+        ops, _ = _ops(name)
         flops = [
             sum(op.flops({"image": image, "vision": 0, SAMPLE: 1, **text}, 1) for op in ops) / 1e12
             for text in (padded, trimmed)

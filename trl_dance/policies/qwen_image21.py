@@ -104,11 +104,12 @@ class QwenImage21Policy(DiffusionPolicy):
     def _encode_prompts(self, prompts: list[str], **columns: list) -> Conditioning:
         """Text-to-image: the prompts encoded together (:meth:`_encode`). Image-conditioned (an ``image`` column):
         each prompt read with its condition image (and its negative's, with CFG), and the image's VAE latents."""
-        cond = super()._encode_prompts(prompts, **columns)  # (text-to-image: all of it; else the images' latents)
         if not self.condition_columns:
-            return cond
+            return super()._encode_prompts(prompts, **columns)
+        # (not the text read alone as well: each row's read with its image gives every entry that would)
         with self._text_encoders_on_device():
             rows = [self._read_with_image(prompt, image) for prompt, image in zip(prompts, columns["image"])]
+        cond = self._encode_columns(image=columns["image"])  # the images' latents
         return cond | {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
     def _sized(self, image) -> tuple[PIL.Image.Image, tuple[int, int]]:
