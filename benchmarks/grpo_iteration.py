@@ -257,7 +257,9 @@ def _benchmark(options) -> dict:
                 **CONFIG_OVERRIDES.get(options.model, {}),
             )
 
-        warmup = 1
+        # A compiled run's first calls with gradients run eager (the FLOP counter's probe) and the next ones compile:
+        # in the training phase of the first round, but with rollout_backprop in the rollout of the second.
+        warmup = 2 if options.torch_compile and options.rollout_backprop else 1
         ours = timed_run(
             model, config(None, options.train_batch, micro_steps, warmup + options.rounds), options, warmup,
             floor=not options.no_floor,

@@ -101,3 +101,67 @@ def test_auto_attention_backend_and_compile_resolve_per_device(tiny_model_dir, t
     assert resolve_torch_compile(None, cuda, None) and not resolve_torch_compile(None, cpu, None)
     assert not resolve_torch_compile(None, cuda, "FSDP") and not resolve_torch_compile(False, cuda, None)
     assert resolve_torch_compile(True, cpu, None)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_compiled_blocks_stay_whole_through_training(tiny_model_dir, tmp_path, monkeypatch, kind):
+    """Compiled blocks run whole in every phase: the FLOP counter's first call with gradients (which hooks every
+    op) runs eager, so no block is traced with its hooks, which dynamo keeps as graph breaks for the whole run once the
+    hooks are gone (it does not guard on hooks: a tiny FLUX's round ran 532 graphs instead of 32). Each denoiser call
+    then runs one graph per block (twice with gradients: activation checkpointing's recomputation), and the FLOPs
+    logged are the eager run's. SD3, whose blocks diffusers does not declare, is compiled block by block too."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.utils import counters
+    from transformers import TrainerCallback
+
+    from trl_dance.trainer import speed
+
+    graph_calls = [0]
+
+    def counting(graph, example_inputs, **kwargs):
+        compiled = lookup_backend("aot_eager")(graph, example_inputs, **kwargs)
+
+        def run(*args):
+            graph_calls[0] += 1
+            return compiled(*args)
+
+        return run
+
+    compile_regions = speed.compile_regions
+    monkeypatch.setattr(speed, "compile_regions", lambda model, backend, mode: compile_regions(model, counting, mode))
+    torch._dynamo.reset()  # no graphs from earlier tests of this process
+    counters.clear()
+    guidance = {"guidance_scale": 4.0} if kind == "sd3" else {}
+    overrides = {"max_steps": 2, "activation_checkpointing": True, **guidance}
+    compiled = _trainer(
+        tiny_model_dir, tmp_path, kind, torch_compile=True, torch_compile_backend="aot_eager", **overrides
+    )
+    eager = _trainer(tiny_model_dir, tmp_path, kind, **overrides)
+    blocks = [m for m in compiled.policy.denoiser.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert len(blocks) >= 2 and compiled.policy.denoiser._compiled_call_impl is None  # block by block
+
+    calls = []  # per round: (graph calls, denoiser calls, of which with gradients)
+    compiled.policy.denoiser.register_forward_pre_hook(lambda *_: calls[-1].__setitem__(1, calls[-1][1] + 1))
+    compiled.policy.denoiser.register_forward_pre_hook(
+        lambda *_: calls[-1].__setitem__(2, calls[-1][2] + torch.is_grad_enabled())
+    )
+
+    class Rounds(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            calls.append([-graph_calls[0], 0, 0])
+
+        def on_step_end(self, args, state, control, **kwargs):
+            calls[-1][0] += graph_calls[0]
+
+    compiled.add_callback(Rounds())
+    compiled.train()
+    eager.train()
+    assert not counters["graph_break"], list(counters["graph_break"])
+    graphs, denoiser_calls, with_grad = calls[-1]  # the second round: compiled from its start
+    assert with_grad > 0 and graphs == len(blocks) * (denoiser_calls + with_grad)
+    logged = [
+        [log["perf/denoiser_tflops"] for log in t.state.log_history if "perf/denoiser_tflops" in log]
+        for t in (compiled, eager)
+    ]
+    assert logged[0] == pytest.approx(logged[1])

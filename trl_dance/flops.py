@@ -18,6 +18,7 @@ that one call), together with the blocks that activation checkpointing recompute
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -133,6 +134,15 @@ def denoiser_tokens(inputs: Mapping[str, object], config) -> dict[str, int]:
     return tokens
 
 
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a call's output: a tensor, or tuples, lists and dicts (``ModelOutput``) of them (Z-Image
+    returns a list per sample)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return [tensor for value in values for tensor in _tensors(value)]
+
+
 def _inner_dim(attention: torch.nn.Module) -> int:
     """Heads × head dimension of an attention module (its query width)."""
     if isinstance(getattr(attention, "inner_dim", None), int):
@@ -233,7 +243,9 @@ class _Counted:
         self._signature = inspect.signature(model.forward)
         self._cache: dict[tuple, CallFlops] = {}
         self._probe_handles: list = []
+        self._stance = None  # torch.compiler.set_stance while watched code runs eager
         self.pending: list[tuple] | None = None  # calls made while probing: (phase, (tokens, batch, lora_on, grad))
+        self.probed: dict[str, float] = defaultdict(float)  # their FLOPs once the probe has ended, by phase
 
     def shape(self, tokens: Callable, args: tuple, kwargs: dict) -> tuple[dict[str, int], int, bool]:
         """The per-sample stream tokens, the batch and whether the LoRA adapter is on, of a call."""
@@ -261,14 +273,22 @@ class _Counted:
         return result
 
     def probe(self) -> None:
-        """Watch the calls from now to :meth:`finish_probe` through their backward: an op has a backward if its output receives a gradient,
-        costing (as autograd computes it) one product for its weight's gradient if the weight trains, one for its
-        input's if the input requires a gradient, and for attention 2.5 forwards (torch's count: QKᵀ is recomputed);
-        an op that runs again after the forward has returned is rerun by activation checkpointing (whose early stop
-        skips the products whose outputs the backward does not need). The calls' FLOPs wait for the end of the probe."""
+        """Watch the calls from now until the backward through each of them has run (or to :meth:`finish_probe`):
+        an op has a backward if its output receives a gradient, costing (as autograd computes it) one product for its
+        weight's gradient if the weight trains, one for its input's if the input requires a gradient, and for
+        attention 2.5 forwards (torch's count: QKᵀ is recomputed); an op that runs again after the forward has
+        returned is rerun by activation checkpointing (whose early stop skips the products whose outputs the backward
+        does not need). The calls' FLOPs wait for the end of the probe.
+
+        Watched calls and the backward through them run eager (``torch.compiler.set_stance("force_eager")``):
+        dynamo traces a module's hooks into its compiled graph, as graph breaks at every watched op, and does not
+        guard on hooks, so a block compiled while they were attached would stay in pieces for the whole run once they
+        are gone (a tiny FLUX's compiled GRPO round: 532 graph calls instead of 32)."""
         self.backward, self.recomputed = {}, set()
         self._cache.clear()
-        state = {"forward": True}  # called from the root's pre-hook: the first probed call is starting
+        # Called from the root's pre-hook: the first call is starting. Watched calls with gradients count up.
+        state = {"forward": True, "queued": False, "calls": 0}
+        outstanding: set[int] = set()  # watched calls whose backward has not begun
         inputs_live: set[str] = set()
         handles = []
 
@@ -304,26 +324,71 @@ class _Counted:
                 return 2.5 * (op.name in inputs_live)
             return op.trains + (op.name in inputs_live)
 
+        def backward_started(call: int, grad) -> None:
+            # The backward through watched call ``call`` has begun: eager until that backward pass (checkpointing's
+            # recomputation included) has run; the probe ends after the last watched call's.
+            if call in outstanding:
+                outstanding.discard(call)
+                self._eager(True)
+                if not state["queued"]:
+                    state["queued"] = True
+                    torch.autograd.Variable._execution_engine.queue_callback(backward_done)
+
+        def backward_done() -> None:
+            state["queued"] = False
+            self._eager(False)
+            if not outstanding:
+                self.end_probe()
+
+        @torch.compiler.disable
+        def enter(module, args):
+            state["forward"] = True
+            self._eager(True)
+
+        @torch.compiler.disable
+        def leave(module, args, output):
+            state["forward"] = False
+            self._eager(False)
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                call = state["calls"] = state["calls"] + 1
+                outstanding.add(call)
+                for tensor in tensors:
+                    tensor.register_hook(functools.partial(backward_started, call))
+
         for op in self.ops:
             handles.append(op.module.register_forward_pre_hook(before(op), with_kwargs=True))
             handles.append(op.module.register_forward_hook(after(op)))
-        enter = torch.compiler.disable(lambda *_: state.update(forward=True))
-        leave = torch.compiler.disable(lambda *_: state.update(forward=False))
         handles += [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave)]
         self._probe_handles, self.pending = handles, []
+        self._eager(True)  # (this call's pre-hooks were read before ``enter`` was added)
 
-    def finish_probe(self) -> dict[str, float]:
-        """End the probe (its calls' backwards have run): the FLOPs of the calls made during it, by phase."""
+    def _eager(self, on: bool) -> None:
+        """Run compiled code eager (``on``) or as before."""
+        if on and self._stance is None:
+            self._stance = torch.compiler.set_stance("force_eager")
+        elif not on and self._stance is not None:
+            self._stance.__exit__(None, None, None)  # the stance from before
+            self._stance = None
+
+    def end_probe(self) -> None:
+        """Stop watching (idempotent): remove the hooks, compile again, and count the calls made while watching."""
         if self.pending is None:
-            return {}
+            return
         for handle in self._probe_handles:
             handle.remove()
+        self._eager(False)
         calls, self.pending, self._probe_handles = self.pending, None, []
         self._cache.clear()
-        by_phase: dict[str, float] = defaultdict(float)
         for phase, call in calls:
-            by_phase[phase] += self.flops(*call).total
-        return by_phase
+            self.probed[phase] += self.flops(*call).total
+
+    def finish_probe(self) -> dict[str, float]:
+        """End the probe if it is still on (its calls' backwards have run): the FLOPs of the calls made during it, by
+        phase, not yet taken."""
+        self.end_probe()
+        probed, self.probed = dict(self.probed), defaultdict(float)
+        return probed
 
 
 # torch's FlopCounterMode has no formula for the CPU flash-attention kernel that scaled_dot_product_attention runs on
