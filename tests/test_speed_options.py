@@ -165,3 +165,29 @@ def test_compiled_blocks_stay_whole_through_training(tiny_model_dir, tmp_path, m
         for t in (compiled, eager)
     ]
     assert logged[0] == pytest.approx(logged[1])
+
+
+def test_compile_regions_leaves_the_root_eager():
+    """Without declared repeated blocks: the longest child list of one class is compiled block by block, else each
+    child; never the root, whose hooks (the FLOP counter's) must stay out of compiled code."""
+    import torch
+
+    from trl_dance.trainer.speed import compile_regions
+
+    def compiled(module):
+        return getattr(module, "_compiled_call_impl", None) is not None
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 4)
+            self.mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4)])
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    model = Blocks()
+    compile_regions(model, "eager", None)
+    assert [compiled(m) for m in (model, model.embed, *model.mixed, *model.blocks)] == [False] * 5 + [True] * 2
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    compile_regions(plain, "eager", None)
+    assert not compiled(plain) and all(compiled(child) for child in plain)
+    assert torch.equal(plain(torch.ones(1, 4)), torch.nn.functional.gelu(plain[0](torch.ones(1, 4))))

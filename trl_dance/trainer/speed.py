@@ -21,7 +21,7 @@ class SpeedArguments:
     Speed options, on every trainer's config (with transformers' `torch_compile`, `torch_compile_backend` and
     `torch_compile_mode`, which here compile the denoiser *regionally*: each repeated transformer block once, with
     diffusers' `compile_repeated_blocks`, in place so that rollouts, old/reference and training forwards all run it;
-    families without repeated blocks compile the whole denoiser in place). `torch_compile` defaults to None here:
+    a family that declares no repeated blocks has its longest list of blocks compiled one by one). `torch_compile` defaults to None here:
     on for a CUDA device whose parameters are not sharded (FSDP, ZeRO-3), off elsewhere; `False` turns it off.
 
     Parameters:
@@ -71,19 +71,20 @@ class SpeedArguments:
 
 def compile_regions(model: torch.nn.Module, backend: str | None, mode: str | None) -> None:
     """Compile ``model`` in place, region by region: each of its ``_repeated_blocks`` (diffusers' regional
-    compilation), else each block of its longest list of same-class blocks (SD3's joint blocks, which diffusers does
-    not declare), else its whole forward. Blocks keep the root's hooks (the FLOP counter's) out of compiled code."""
+    compilation), else each block of its longest child list of one class (SD3's joint blocks, which diffusers does not
+    declare), else each of its children. The root's own hooks (the FLOP counter's) thus stay out of compiled code."""
     options = {"backend": backend or "inductor", "mode": mode}
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**options)
         return
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(b) for b in m}) == 1]
+    lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList) and len({type(b) for b in m}) == 1]
     blocks = max(lists, key=len, default=[])
-    if len(blocks) > 1:
-        for block in blocks:
-            block.compile(**options)
-    else:
-        model.compile(**options)
+    if len(blocks) < 2:
+        blocks = [
+            b for child in model.children() for b in (child if isinstance(child, torch.nn.ModuleList) else [child])
+        ]
+    for block in blocks:
+        block.compile(**options)
 
 
 def uses_dispatcher(model: torch.nn.Module) -> bool:
