@@ -74,6 +74,21 @@ def test_rollout_backprop_takes_the_recomputed_update(tiny_model_dir, tmp_path, 
         assert backprop_tflops < standard_tflops
 
 
+def test_compiled_rollout_backprop_takes_the_eager_update(tiny_model_dir, tmp_path):
+    """Compiled blocks with activation checkpointing: the second round's rollout calls them with gradients on a varying
+    number of rows (2 of 5 steps drawn per sample), and the round's backward recomputes each call after calls of other
+    sizes; the same graph must serve a call's forward and its recomputation (a static graph per row count would not:
+    torch.utils.checkpoint's CheckpointError). The update is eager's."""
+    overrides = {"activation_checkpointing": True, "timestep_fraction": 0.5, "gradient_accumulation_steps": 2}
+    model_dir = tiny_model_dir("flux")
+    start, eager, _, _ = _train(model_dir, tmp_path / "a", "flux", True, rollout_backprop=True, **overrides)
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    _, fast, _, _ = _train(model_dir, tmp_path / "b", "flux", True, rollout_backprop=True, **compiled, **overrides)
+    move = max((eager[n] - start[n]).abs().max().item() for n in start)
+    off = max((fast[n] - eager[n]).abs().max().item() for n in start)
+    assert move > 1e-3 and off <= 1e-4 * move, (off, move)
+
+
 def test_rollout_backprop_refuses_what_it_cannot_take_exactly(tmp_path):
     values = tiny_grpo_config(tmp_path).to_dict() | {"rollout_backprop": True}
     values = {k: v for k, v in values.items() if k in DanceGRPOConfig.__dataclass_fields__ and not k.startswith("_")}

@@ -69,11 +69,14 @@ class SpeedArguments:
             )
 
 
-def compile_regions(model: torch.nn.Module, backend: str | None, mode: str | None) -> None:
+def compile_regions(
+    model: torch.nn.Module, backend: str | None, mode: str | None, dynamic: bool | None = None
+) -> None:
     """Compile ``model`` in place, region by region: each of its ``_repeated_blocks`` (diffusers' regional
     compilation), else each block of its longest child list of one class (SD3's joint blocks, which diffusers does not
-    declare), else each of its children. The root's own hooks (the FLOP counter's) thus stay out of compiled code."""
-    options = {"backend": backend or "inductor", "mode": mode}
+    declare), else each of its children. The root's own hooks (the FLOP counter's) thus stay out of compiled code.
+    ``dynamic``: ``torch.compile``'s."""
+    options = {"backend": backend or "inductor", "mode": mode, "dynamic": dynamic}
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**options)
         return
@@ -151,4 +154,8 @@ def apply_speed_options(
                 )
             set_model_attention_backend(model, backend)
         if compile_models:
-            compile_regions(model, args.torch_compile_backend, args.torch_compile_mode)
+            # rollout_backprop recomputes (activation checkpointing) a rollout's calls after calls with other numbers
+            # of trained rows: a static graph per row count would let a recomputation run another graph than its
+            # forward did (torch.utils.checkpoint's CheckpointError); one graph dynamic in its sizes serves both.
+            dynamic = True if getattr(args, "rollout_backprop", False) else None
+            compile_regions(model, args.torch_compile_backend, args.torch_compile_mode, dynamic)
