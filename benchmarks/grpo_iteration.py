@@ -19,6 +19,7 @@ import time
 
 import torch
 from datasets import Dataset
+from torch._dynamo.utils import counters
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,7 @@ class _StepClock(TrainerCallback):
     def __init__(self, device, trainer):
         self.device, self.trainer, self.ends, self.rollout_flops, self.train_flops = device, trainer, [], [], []
         self.train_range = None  # the profiler's "train" range of a profiled round, closed here
+        self.graphs = []  # dynamo's compiled graphs so far, at each round's end
 
     def on_step_end(self, args, state, control, **kwargs):
         synchronize(self.device)
@@ -81,6 +83,7 @@ class _StepClock(TrainerCallback):
         by_phase = self.trainer.flops.take_by_phase()
         self.rollout_flops.append(by_phase.pop("rollout", 0.0))
         self.train_flops.append(sum(by_phase.values()))
+        self.graphs.append(counters["stats"]["unique_graphs"])
 
 
 def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bool) -> dict:
@@ -127,6 +130,7 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
     trainer._generate_and_score = timed_generate
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    counters.clear()  # dynamo's: graphs compiled and graph breaks, this run's
     trainer.train()
     if profiler:
         trace = os.path.join(options.profile, f"trace_{os.getpid()}.json")
@@ -159,6 +163,12 @@ def timed_run(model: str, args: DanceGRPOConfig, options, warmup: int, floor: bo
         result["mfu_train"] = train_tflops / train / peak
     if profiler:
         result["kernels"] = kernels
+    if args.torch_compile:  # whole blocks: one graph per block class and grad mode (a few more per text length)
+        result["compiled"] = {
+            "graphs": clock.graphs[-1],
+            "graphs_compiled_in_timed_rounds": clock.graphs[-1] - clock.graphs[warmup - 1],
+            "graph_breaks": sum(counters["graph_break"].values()),
+        }
     progress(f"trained {len(starts)} rounds; replaying the recorded calls for the floor" if recorder else "trained")
     if not recorder:  # MFU from the trainer's closed-form count alone
         result["mfu"] = result["tflops_per_s"] / peak if peak else None
@@ -297,6 +307,7 @@ def _benchmark(options) -> dict:
         "mfu_rollout": ours.get("mfu_rollout"),
         "mfu_train": ours.get("mfu_train"),
         "kernels": ours.get("kernels"),
+        "compiled": ours.get("compiled"),
         "denoiser_tflops": ours["denoiser_tflops"],
         "tflops_per_s": ours["tflops_per_s"],
     }
