@@ -237,7 +237,7 @@ class _Counted:
         self.model = model
         self.ops = denoiser_ops(model, layout)
         self.trains = any(p.requires_grad for p in model.parameters())
-        self.backward: dict[str, int] | None = None  # op -> products of its backward (see _probe_backward)
+        self.backward: dict[str, int] | None = None  # op -> products of its backward (see probe)
         self.recomputed: set[str] = set()
         self.lora_layer = next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
         self._signature = inspect.signature(model.forward)

@@ -21,8 +21,9 @@ class SpeedArguments:
     Speed options, on every trainer's config (with transformers' `torch_compile`, `torch_compile_backend` and
     `torch_compile_mode`, which here compile the denoiser *regionally*: each repeated transformer block once, with
     diffusers' `compile_repeated_blocks`, in place so that rollouts, old/reference and training forwards all run it;
-    a family that declares no repeated blocks has its longest list of blocks compiled one by one). `torch_compile` defaults to None here:
-    on for a CUDA device whose parameters are not sharded (FSDP, ZeRO-3), off elsewhere; `False` turns it off.
+    a family that declares no repeated blocks has its longest list of blocks compiled one by one). `torch_compile`
+    defaults to None here: on for a CUDA device whose parameters are not sharded (FSDP, ZeRO-3), off elsewhere; `False`
+    turns it off.
 
     Parameters:
         attention_backend (`str` or `None`, defaults to `"auto"`): diffusers' attention backend for the denoiser
