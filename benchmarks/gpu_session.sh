@@ -21,6 +21,7 @@ if [ ${#rows[@]} -eq 0 ]; then
     rows=(
         grpo-flux-1024-lora64-gc                          # the baseline (eager, flash attention), rerun here
         grpo-flux-1024-lora64-gc-compile-cudnn            # the defaults since 2026-11-27: compiled, cuDNN attention
+                                                          # (whole compiled training blocks since 2026-11-29)
         grpo-flux-1024-lora64-gc-compile-cudnn-backprop   # and recompute-free GRPO (rollout_backprop)
         grpo-wan14b-33f-lora64-gc-compile-cudnn           # video, the same defaults
         grpo-hunyuan15-33f-lora64-gc-compile              # masked text attention: flash/efficient, compiled
@@ -64,6 +65,8 @@ for line in open(sys.argv[1]):
     print(f"{r['name']}: rollout {1e3 * r['rollout_s_per_sample']:.0f} ms/sample, train "
           f"{1e3 * r['train_s_per_item']:.0f} ms/transition, peak {r['peak_mem_mb'] / 1024:.1f} GB, MFU {pct('mfu')} "
           f"(rollout {pct('mfu_rollout')}, train {pct('mfu_train')})")
+    if r.get("compiled"):  # whole blocks: no graph break, nothing compiled once the warm-up round is over
+        print("   compiled: " + ", ".join(f"{n} {v}" for n, v in r["compiled"].items()))
     for phase, k in (r.get("kernels") or {}).items():
         shares = " ".join(f"{n} {100 * v:.0f}" for n, v in k["shares"].items())
         print(f"   {phase}: busy {100 * k['busy']:.0f} % ({shares}); top: "
