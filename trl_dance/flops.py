@@ -12,8 +12,9 @@ as in torch's :class:`~torch.utils.flop_counter.FlopCounterMode`, are not counte
 A backward costs, per op, its forward once for the weight gradient when the weight trains and once for the input
 gradient when its input requires a gradient (attention: twice when any of q, k, v does), which is what autograd
 computes: a full fine-tune's backward is ≈ 2× its forward, a LoRA's ≈ 1×. Which inputs require a gradient depends on
-where the trained parameters sit, so :class:`DenoiserFlops` records it on the first call with gradients (hooks on
-that one call), together with the blocks that activation checkpointing recomputes in the backward.
+where the trained parameters sit, so :class:`DenoiserFlops` records it from the first call with gradients (hooks,
+run eager, on the calls made until their backward has run), together with the blocks that activation checkpointing
+recomputes in the backward.
 """
 
 from __future__ import annotations
