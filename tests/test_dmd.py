@@ -95,6 +95,34 @@ def test_zero_gradient_when_student_fake_score_and_teacher_agree(tiny_model_dir,
     assert sum(p.grad.abs().sum() for p in trainer.model.parameters() if p.requires_grad) > 0
 
 
+def test_fake_score_gradient_is_exact_under_activation_checkpointing(tiny_model_dir, tmp_path):
+    """The fake score's forward and its backward both run with its tensors in place, so activation checkpointing's
+    recomputation (in the backward) sees them too: its gradient equals the one without checkpointing. (A
+    ``functional_call`` substitution ended with the forward; the recomputation then ran on the student's LoRA: 94 %
+    of the gradient's entries were wrong.)"""
+    trainer = _trainer(tiny_model_dir, tmp_path)
+    fake, policy, generator = trainer.fake_score, trainer.policy, torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a fake score away from the student's (zero-initialised) LoRA
+        for value in fake.params.values():
+            value.add_(torch.randn(value.shape, generator=generator))
+    latents = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    cond, sigma = policy.encode_prompts(PROMPTS[:2]), torch.tensor([0.3, 0.7])
+
+    def gradient(checkpointing: bool) -> torch.Tensor:
+        toggle = "enable" if checkpointing else "disable"
+        getattr(policy.denoiser, f"{toggle}_gradient_checkpointing")()
+        with fake.in_place() as model:
+            policy.predict(model, latents, cond, at=sigma).square().sum().backward()
+        grads = torch.cat([value.grad.flatten() for value in fake.params.values()])
+        fake.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    plain = gradient(False)
+    assert plain.abs().max() > 0
+    torch.testing.assert_close(gradient(True), plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
+    assert all(p.grad is None for p in trainer.model.parameters())  # the student's tensors took no part
+
+
 def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_model_dir, tmp_path):
     """The round's rollout records every one of the student's steps; the fake score is not in the Trainer's optimizer
     and makes `fake_score_updates` AdamW steps per round; the student makes one optimizer update per round; the state

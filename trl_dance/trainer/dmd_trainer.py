@@ -129,17 +129,18 @@ class DMDTrainer(RolloutTrainer):
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
         steps, sigmas, seeds = self._draw(count)
-        model, losses = self.fake_score.trained_model, []
+        losses = []
         for start in range(0, count, size):
             rows = torch.arange(start, min(start + size, count), device=device)
             x0 = clean_table[rows, steps[start : start + size].to(device)]
             sigma, noise = sigmas[start : start + size].to(device), seeded_noise(seeds[start : start + size], x0)
-            with self.compute_loss_context_manager():
-                velocity = self.policy.predict(
-                    model, self.process.add_noise(x0, noise, sigma), self._round_cond(rows), at=sigma
-                )
-            loss = flow_matching_error(velocity, noise, x0)
-            (loss.sum() / count).backward()
+            with self.fake_score.in_place() as model:
+                with self.compute_loss_context_manager():
+                    velocity = self.policy.predict(
+                        model, self.process.add_noise(x0, noise, sigma), self._round_cond(rows), at=sigma
+                    )
+                loss = flow_matching_error(velocity, noise, x0)
+                (loss.sum() / count).backward()
             losses.append(loss.detach())
         norm = self.fake_score.step(lambda t: self.accelerator.reduce(t, reduction="mean"))
         self._metrics["dmd/fake_score_loss"].append(torch.cat(losses).mean())

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
-from .old_policy import OldPolicy, _Proxy
+from .._compat import _reparametrize_module
+from .old_policy import OldPolicy
 
 
 class FakeScore(OldPolicy):
     """A float32 copy of a module's trainable tensors (the student's LoRA, or the whole denoiser) trained by its own
-    AdamW, and forwards of the module with it in their place (:class:`OldPolicy`'s ``functional_call``: peft, the
-    Trainer's optimizer, DDP and DeepSpeed never see it). It starts equal to the student, as verl-omni's
-    ``fake_score`` adapter (with a zero-initialised LoRA: the teacher, as DMD2's).
+    AdamW, and forwards of the module with it in their place (peft, the Trainer's optimizer, DDP and DeepSpeed never
+    see it): :attr:`model` without gradients (:class:`OldPolicy`'s), :meth:`in_place` for a forward and its backward.
+    It starts equal to the student, as verl-omni's ``fake_score`` adapter (with a zero-initialised LoRA: the teacher,
+    as DMD2's).
 
     Args:
         module: the denoiser whose trainable tensors are copied.
@@ -38,10 +41,14 @@ class FakeScore(OldPolicy):
         )
         self.max_grad_norm = max_grad_norm
 
-    @property
-    def trained_model(self) -> torch.nn.Module:
-        """The module with the fake score's tensors in place, differentiable in them."""
-        return _Proxy(self.module, self.params, grad=True)
+    @contextmanager
+    def in_place(self) -> Iterator[torch.nn.Module]:
+        """The module with the fake score's tensors in place of the trained ones, differentiable in them, for a forward
+        *and the backward through it* (call ``backward`` inside): activation checkpointing recomputes each block in the
+        backward from the tensors the module holds then. (A ``functional_call`` substitution ends with the forward, so
+        the recomputation ran on the student's tensors: 94 % of a tiny FLUX LoRA's fake-score gradient was wrong.)"""
+        with _reparametrize_module(self.module, self.params):
+            yield self.module
 
     def step(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One AdamW update from the accumulated gradients, first averaged over processes by ``reduce`` (one flat
