@@ -16,9 +16,10 @@ from conftest import (
 )
 from datasets import Dataset
 from peft import LoraConfig
+from PIL import Image
 
 from trl_dance import DMDConfig, DMDTrainer
-from trl_dance.losses import dmd_loss
+from trl_dance.losses import dmd_loss, gan_generator_loss
 from trl_dance.sampling import RolloutPlan, solve
 from trl_dance.sde import dance_sigmas
 
@@ -40,7 +41,15 @@ def dmd_config(output_dir, **overrides) -> DMDConfig:
 
 
 def _trainer(
-    tiny_model_dir, tmp_path, kind="flux", reward="brightness", lora_init=True, alpha=8, lora=True, **overrides
+    tiny_model_dir,
+    tmp_path,
+    kind="flux",
+    reward="brightness",
+    lora_init=True,
+    alpha=8,
+    lora=True,
+    dataset=None,
+    **overrides,
 ):
     peft = (
         LoraConfig(r=8, lora_alpha=alpha, target_modules=LORA_TARGETS, init_lora_weights=lora_init) if lora else None
@@ -49,9 +58,14 @@ def _trainer(
         tiny_model_dir(kind),
         reward,
         args=dmd_config(tmp_path, **overrides),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+        train_dataset=dataset or Dataset.from_dict({"prompt": PROMPTS[:8]}),
         peft_config=peft,
     )
+
+
+def _real_images(colour=(250, 250, 250), size=(48, 40)) -> Dataset:
+    """The prompts with a real image each: one flat colour (not the tiny VAE's size: fitted to it)."""
+    return Dataset.from_dict({"prompt": PROMPTS[:8], "image": [Image.new("RGB", size, colour)] * 8})
 
 
 def test_dmd_loss_closed_form():
@@ -121,6 +135,48 @@ def test_fake_score_gradient_is_exact_under_activation_checkpointing(tiny_model_
     assert plain.abs().max() > 0
     torch.testing.assert_close(gradient(True), plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
     assert all(p.grad is None for p in trainer.model.parameters())  # the student's tensors took no part
+
+
+def test_gan_generator_gradient_is_exact_under_activation_checkpointing(tiny_model_dir, tmp_path):
+    """DMD2's GAN term reaches the student through its gradient in x_σ, taken with the fake score in place: with
+    activation checkpointing, the student's gradient equals the direct one (no checkpointing, the loss
+    w·softplus(−D(x_σ)) differentiated through the fake score and the head to the student). The DMD term is exactly 0
+    here (zero-initialised LoRA, the fake score as it starts, the teacher's guidance the student's), so the GAN term is
+    all of it."""
+    trainer = _trainer(
+        tiny_model_dir, tmp_path, dataset=_real_images(), gan_generator_weight=0.5, activation_checkpointing=True
+    )
+    start = copy.deepcopy(trainer.fake_score.state_dict()["params"])
+    trainer._generate_and_score([row for row in trainer.train_dataset for _ in range(2)])  # builds, trains the head
+    assert trainer.gan_head.layers is not None and len(trainer.fake_score.optimizer.param_groups) == 2
+    trainer.fake_score.load_state_dict({"params": start, "optimizer": trainer.fake_score.optimizer.state_dict()})
+    inputs = trainer._microbatch(trainer._microbatches[0])
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.compute_loss(trainer.model, inputs).backward()
+    through_surrogate = [p.grad.clone() for p in trained]
+
+    denoiser, policy = trainer.policy.denoiser, trainer.policy
+    denoiser.disable_gradient_checkpointing()
+    velocity = policy.predict(trainer.model, inputs["state"], inputs["cond"], at=inputs["step"])
+    generated = trainer.process.predicted_clean(velocity, inputs["state"], inputs["step"])
+    noisy = trainer.process.add_noise(generated, inputs["noise"], inputs["sigma"])
+    with trainer.fake_score.in_place() as fake, trainer.gan_tap.capture() as features:
+        policy.predict(fake, noisy, inputs["cond"], at=inputs["sigma"])
+        direct = (0.5 * gan_generator_loss(trainer.gan_head(features[0]))).mean()
+        expected = torch.autograd.grad(direct, trained)
+    assert max(g.abs().max() for g in expected) > 0
+    for got, want in zip(through_surrogate, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(g.abs().max() for g in expected).item())
+
+
+def test_gan_resume_restores_the_head_and_its_optimizer_exactly(tiny_model_dir, tmp_path):
+    make = functools.partial(_trainer, tiny_model_dir, dataset=_real_images(), gan_generator_weight=0.5)
+    full, resumed = train_and_resume(make, tmp_path / "run")
+    for (name, value), other in zip(full.gan_head.state_dict().items(), resumed.gan_head.state_dict().values()):
+        assert torch.equal(value, other), name
+    a, b = full.fake_score.optimizer.state_dict()["state"], resumed.fake_score.optimizer.state_dict()["state"]
+    assert len(a) == len(b) == len(full.fake_score.params) + 6  # the head: a LayerNorm and two linear layers
+    assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
 
 
 def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_model_dir, tmp_path):

@@ -293,6 +293,18 @@ def dmd_loss(generated: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, fl
     return 0.5 * ((generated - (generated.detach() - gradient)) ** 2).mean(dim=dims)
 
 
+def gan_discriminator_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
+    """DMD2's classifier loss per sample, (B,): ``softplus(−D(real)) + softplus(D(fake))`` (2·ln 2 at chance; its
+    minimum 0 as the logits separate)."""
+    return F.softplus(-real_logits) + F.softplus(fake_logits)
+
+
+def gan_generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
+    """DMD2's non-saturating GAN loss of the student's samples, (B,): ``softplus(−D(x_g))``; its gradient in the logit
+    is −sigmoid(−D): a descent step raises the classifier's "real" logit of the student's samples."""
+    return F.softplus(-fake_logits)
+
+
 __all__ = [
     "spo_loss",
     "AWM_WEIGHTINGS",
@@ -306,6 +318,8 @@ __all__ = [
     "dgpo_loss",
     "dmd_loss",
     "flow_matching_error",
+    "gan_discriminator_loss",
+    "gan_generator_loss",
     "gaussian_step_kl",
     "nft_loss",
     "normalized_log_ratio",

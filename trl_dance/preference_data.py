@@ -116,6 +116,36 @@ def load_video(value: Any) -> list[Image.Image] | None:
     return None if not frames or any(frame is None for frame in frames) else frames
 
 
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB image as (3, H, W) float32 in [-1, 1]."""
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+
+
+def fitted_media(values: list[Any], height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+    """Images as (B, 3, H, W) float32 in [-1, 1], or with ``num_frames`` videos as (B, F, 3, H, W) of their first F
+    frames: each resized (bilinear) to cover ``height`` × ``width``, then centre-cropped. ValueError naming the first
+    value that is missing or too short."""
+    batch = []
+    for i, value in enumerate(values):
+        if num_frames is None:
+            frames = None if (image := load_image(value)) is None else [image]
+        else:
+            frames = load_video(value)
+        if frames is None:
+            raise ValueError(f"value {i}: the {'video' if num_frames else 'image'} {describe_missing(value)}")
+        if num_frames is not None and len(frames) < num_frames:
+            raise ValueError(f"value {i}: the video has {len(frames)} frames, fewer than num_frames={num_frames}")
+        tensors = []
+        for frame in frames[: num_frames or 1]:
+            scale = max(width / frame.width, height / frame.height)
+            size = max(width, round(frame.width * scale)), max(height, round(frame.height * scale))
+            left, top = (size[0] - width) // 2, (size[1] - height) // 2
+            frame = frame.resize(size, Image.BILINEAR).crop((left, top, left + width, top + height))
+            tensors.append(to_tensor(frame))
+        batch.append(torch.stack(tensors) if num_frames is not None else tensors[0])
+    return torch.stack(batch)
+
+
 INDEX_KEY = "__row_index__"
 
 
@@ -205,10 +235,6 @@ class PreferenceCollator:
         image = load_image(value)
         return None if image is None else [image]
 
-    def _to_tensor(self, image: Image.Image) -> torch.Tensor:
-        array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-        return torch.from_numpy(array).permute(2, 0, 1)
-
     def _transform(self, media: list[list[Image.Image]], rng: random.Random) -> tuple[list[torch.Tensor], list[int]]:
         """The frames of each of ``media`` resized (shorter side ``resolution``), cropped at one place and flipped
         together, as (3, R, R) tensors (an image) or (F, 3, R, R) (with ``num_frames``); and SDXL's micro-conditioning
@@ -227,7 +253,7 @@ class PreferenceCollator:
                 image = image.resize(size, Image.BILINEAR).crop((left, top, left + r, top + r))
                 if flip:
                     image = image.transpose(Image.FLIP_LEFT_RIGHT)
-                frame_tensors.append(self._to_tensor(image))
+                frame_tensors.append(to_tensor(image))
             tensors.append(torch.stack(frame_tensors) if self.num_frames is not None else frame_tensors[0])
         return tensors, [first.height, first.width, top, left, r, r]
 

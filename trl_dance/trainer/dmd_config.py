@@ -40,6 +40,20 @@ class DMDConfig(RolloutConfig):
         reward_tilt (`float`, defaults to `0.0`): RTDMD's reward term: the student's loss subtracts `reward_tilt` ×
             the weighted sum of the rewards of its decoded clean sample, differentiated through the VAE decoder (the
             rewards must have a differentiable `score`, as `DirectRewardTrainer`'s). 0: plain DMD.
+        gan_generator_weight (`float`, defaults to `0.0`): DMD2's GAN term: a classifier head on the fake score's
+            features at `gan_feature_block` learns to tell real images (the dataset's `dataset_image_field`) from
+            the student's samples, both re-noised to σ ~ U[`dmd_sigma_min`, `dmd_sigma_max`], and the student's loss
+            adds this weight × softplus(−D(x_g)). 0: no GAN. DMD2: 1e-3 (SD1.5), 5e-3 (SDXL), 3e-3 (ImageNet).
+        gan_discriminator_weight (`float`, defaults to `1e-2`): the weight of the classifier's loss
+            softplus(−D(real)) + softplus(D(fake)) in the fake score's loss (DMD2's); the head trains in the fake
+            score's AdamW.
+        gan_feature_block (`int` or `None`, defaults to `None`): the block whose input the head reads, in the
+            denoiser's longest list of blocks of one class (negative from the end); `None`: the middle one (DMD2 reads
+            the UNet's bottleneck).
+        dataset_image_field (`str` or `None`, defaults to `None`): with the GAN, the dataset column of real images
+            (videos for video models; paths, bytes, PIL images or `{"bytes", "path"}`, each resized to cover
+            `height` × `width` and centre-cropped), captioned by the row's prompt. `None`: `image` (`video` for video
+            models).
     """
 
     min_generations = 1  # the rewards only monitor: no group statistics enter the loss
@@ -58,6 +72,12 @@ class DMDConfig(RolloutConfig):
     dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
     dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
     reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
+    gan_generator_weight: float = field(default=0.0, metadata={"help": "DMD2's GAN term in the student's loss."})
+    gan_discriminator_weight: float = field(default=1e-2, metadata={"help": "The GAN classifier's loss weight."})
+    gan_feature_block: int | None = field(default=None, metadata={"help": "Block the GAN head reads (the middle)."})
+    dataset_image_field: str | None = field(
+        default=None, metadata={"help": "With the GAN: the real images' column (default image, or video)."}
+    )
 
     def _check_method(self) -> None:
         if self.beta > 0:
@@ -71,8 +91,11 @@ class DMDConfig(RolloutConfig):
         for name in ("fake_score_learning_rate", "teacher_guidance_scale"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.reward_tilt < math.inf:
-            raise ValueError(f"reward_tilt must be >= 0, got {self.reward_tilt}")
+        for name in ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
+            raise ValueError("gan_generator_weight > 0 needs a trained classifier: gan_discriminator_weight > 0")
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size

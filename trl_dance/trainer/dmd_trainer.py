@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from ..forward_process import per_sample
-from ..losses import dmd_loss, flow_matching_error
+from ..losses import dmd_loss, flow_matching_error, gan_discriminator_loss, gan_generator_loss
 from ..policies import DiffusionPolicy, require_flow
+from ..preference_data import fitted_media
 from ..rewards import reward_name
 from ..sampling import RolloutPlan, seeded_noise
 from .direct_reward_trainer import checked_score
 from .dmd_config import DMDConfig
 from .evaluation import policy_with
 from .fake_score import FakeScore
-from .rollout_trainer import RolloutTrainer
+from .gan_head import FeatureTap, GANHead
+from .rollout_trainer import RolloutTrainer, _columns
 
 
 class DMDTrainer(RolloutTrainer):
@@ -30,7 +33,10 @@ class DMDTrainer(RolloutTrainer):
     (:func:`~trl_dance.losses.dmd_loss`) moves x_g toward the teacher's clean prediction at x_σ = (1 − σ)·sg(x_g) + σ·ε
     and away from the fake score's. The teacher is the base (LoRA disabled; a frozen copy for full fine-tuning) with
     ``teacher_guidance_scale``. With ``reward_tilt`` > 0 (RTDMD), the loss also subtracts that weight times the rewards
-    of the decoded x_g, back-propagated through the decoder.
+    of the decoded x_g, back-propagated through the decoder. With ``gan_generator_weight`` > 0 (DMD2's GAN), a
+    classifier head on the fake score's features (:class:`~trl_dance.trainer.gan_head.GANHead`) learns, in the fake
+    score's updates, to tell the dataset's real images from the student's samples, and the student's loss adds
+    softplus(−D(x_g)).
 
     Flow-matching pipelines. The arguments are those of :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`;
     ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable).
@@ -74,6 +80,32 @@ class DMDTrainer(RolloutTrainer):
             args.max_grad_norm,
         )
         self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
+        self.gan_head = self.gan_tap = None
+        if args.gan_generator_weight > 0:
+            self._real_field = self._check_real_images(args)
+            self.gan_tap = FeatureTap(self.policy.denoiser, args.gan_feature_block)
+            self.gan_head = GANHead(seed=args.seed)
+
+    def _check_real_images(self, args: DMDConfig) -> str:
+        """The dataset column of the GAN's real images (or videos), checked."""
+        if args.context_parallel_size > 1:
+            raise ValueError(
+                "the GAN head averages its features over a sample's tokens, which context parallelism splits across "
+                "processes: train the GAN without context_parallel_size"
+            )
+        columns = _columns(self.train_dataset)
+        field = args.dataset_image_field or ("video" if self.policy.is_video and "video" in columns else "image")
+        if field not in columns:
+            raise ValueError(
+                f"gan_generator_weight > 0 needs real images: train_dataset has no column {field!r} (columns: "
+                f"{columns}); set dataset_image_field"
+            )
+        if field in self.policy.condition_columns:
+            raise ValueError(
+                f"{type(self.policy.pipeline).__name__} conditions every sample on the column {field!r}: give the GAN's "
+                "real images another column (dataset_image_field)"
+            )
+        return field
 
     def _check_policy(self, policy: DiffusionPolicy, args: DMDConfig) -> None:
         name = type(policy.pipeline).__name__
@@ -110,9 +142,15 @@ class DMDTrainer(RolloutTrainer):
         )
         return steps, sigmas, torch.randint(2**62, (count,), generator=generator).tolist()
 
+    def _consume_round(self, record, rows: list[dict[str, Any]]) -> None:
+        self._round_rows = record.rows  # (the GAN's real images are read from them when the round is planned)
+        super()._consume_round(record, rows)
+
     def _plan_round(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, advantages: torch.Tensor) -> list:
         """The fake score's updates on the round's samples, then the student's items (samples, steps, σ, seeds)."""
         self._rollout |= {"visited": rollout["visited"], "visited_clean": rollout["visited_clean"]}
+        if self.gan_head is not None:
+            self._rollout["real"] = self._real_latents(self._round_rows)
         for _ in range(self.args.fake_score_updates):
             self._update_fake_score()
         count, size = len(advantages), self.args.per_device_train_batch_size
@@ -122,29 +160,91 @@ class DMDTrainer(RolloutTrainer):
         return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
                         (s.tolist() for s in seeds.split(size))))  # fmt: skip
 
+    def _real_latents(self, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """The latents (B, ...) of each row's real image (video), fitted to the sampled size; the VAE posterior's
+        sample drawn from the trainer's checkpointed host generator."""
+        args, policy = self.args, self.policy
+        pixels = fitted_media(
+            [row[self._real_field] for row in rows],
+            args.height,
+            args.width,
+            args.num_frames if policy.is_video else None,
+        )
+        generator = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=self._cpu_generator)))
+        with torch.no_grad():
+            return policy.encode_images(pixels.to(self.accelerator.device), generator)
+
     def _update_fake_score(self) -> None:
         """One fake-score update: flow matching, at fresh σ and noise, toward each sample's clean prediction at a step
-        drawn uniformly (the student's samples, detached), over the round's samples in micro-batches."""
+        drawn uniformly (the student's samples, detached), over the round's samples in micro-batches; with the GAN,
+        plus its classifier's loss on those re-noised samples (the same forward) against the rows' real images
+        (re-noised at their own σ and noise)."""
         rollout, device, args = self._rollout, self.accelerator.device, self.args
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
         steps, sigmas, seeds = self._draw(count)
+        gan = self.gan_head is not None
+        if gan:
+            _, real_sigmas, real_seeds = self._draw(count)
         losses = []
         for start in range(0, count, size):
-            rows = torch.arange(start, min(start + size, count), device=device)
-            x0 = clean_table[rows, steps[start : start + size].to(device)]
-            sigma, noise = sigmas[start : start + size].to(device), seeded_noise(seeds[start : start + size], x0)
+            part = slice(start, min(start + size, count))
+            rows = torch.arange(part.start, part.stop, device=device)
+            x0 = clean_table[rows, steps[part].to(device)]
+            sigma, noise, cond = sigmas[part].to(device), seeded_noise(seeds[part], x0), self._round_cond(rows)
             with self.fake_score.in_place() as model:
-                with self.compute_loss_context_manager():
-                    velocity = self.policy.predict(
-                        model, self.process.add_noise(x0, noise, sigma), self._round_cond(rows), at=sigma
-                    )
+                with self.compute_loss_context_manager(), self._tapped(gan) as features:
+                    velocity = self.policy.predict(model, self.process.add_noise(x0, noise, sigma), cond, at=sigma)
                 loss = flow_matching_error(velocity, noise, x0)
+                if gan:
+                    real = rollout["real"][rows]
+                    real_sigma, real_noise = real_sigmas[part].to(device), seeded_noise(real_seeds[part], real)
+                    with self.compute_loss_context_manager(), self.gan_tap.capture() as real_features:
+                        self.policy.predict(
+                            model, self.process.add_noise(real, real_noise, real_sigma), cond, at=real_sigma
+                        )
+                    real_logits, fake_logits = self._gan_logits(real_features, x0), self._gan_logits(features, x0)
+                    classifier = gan_discriminator_loss(real_logits, fake_logits)
+                    loss = loss + args.gan_discriminator_weight * classifier
+                    self._record("dmd/gan_discriminator_loss", classifier.detach())
+                    self._record("dmd/gan_real_logit", real_logits.detach())
+                    self._record("dmd/gan_fake_logit", fake_logits.detach())
                 (loss.sum() / count).backward()
             losses.append(loss.detach())
         norm = self.fake_score.step(lambda t: self.accelerator.reduce(t, reduction="mean"))
         self._metrics["dmd/fake_score_loss"].append(torch.cat(losses).mean())
         self._metrics["dmd/fake_score_grad_norm"].append(norm.detach())
+
+    def _tapped(self, on: bool):
+        """The GAN tap's capture (a list of the forwards' features) when ``on``, else a list nothing fills."""
+        return self.gan_tap.capture() if on else contextlib.nullcontext([])
+
+    def _gan_logits(self, features: list[torch.Tensor], latents: torch.Tensor) -> torch.Tensor:
+        """The GAN head's logits (B,) of one fake-score forward's captured features (the conditional branch's, under
+        CFG); the head's parameters join the fake score's optimizer when it is built."""
+        if len(features) != 1:
+            raise RuntimeError(
+                f"the GAN head reads block {self.gan_tap.index} of the trained denoiser once per fake-score call; this "
+                f"call ran it {len(features)} times (a frozen expert served it?)"
+            )
+        built = self.gan_head.layers is not None
+        logits = self.gan_head(features[0][-len(latents) :])
+        if not built:
+            self.fake_score.add_parameters(list(self.gan_head.parameters()))
+        return logits
+
+    def _generator_gan(
+        self, noisy: torch.Tensor, cond: dict[str, torch.Tensor], sigma: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fake score's prediction at x_σ (detached), DMD2's generator GAN loss (B,) and its gradient in x_σ. Both
+        the fake score's forward and the backward to x_σ run here with its tensors in place (activation checkpointing
+        recomputes in that backward); the student's loss reaches x_σ through a linear term in this gradient."""
+        leaf = noisy.detach().requires_grad_(True)
+        with self.fake_score.in_place() as model, self.gan_tap.capture() as features:
+            fake = self.policy.predict(model, leaf, cond, at=sigma)
+            loss = gan_generator_loss(self._gan_logits(features, leaf))
+            (gradient,) = torch.autograd.grad(loss.sum(), leaf)
+        return fake.detach(), loss.detach(), gradient
 
     def _microbatch(self, item: tuple) -> dict[str, Any]:
         samples, steps, sigmas, seeds = item
@@ -171,13 +271,23 @@ class DMDTrainer(RolloutTrainer):
         noisy = process.add_noise(generated.detach(), inputs["noise"], sigma)
         with torch.no_grad():
             real = self.reference_prediction(model, noisy, cond, sigma, self._teacher_policy)
-            fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
+        if self.gan_head is not None:
+            fake, gan_loss, gan_gradient = self._generator_gan(noisy, cond, sigma)
+        else:
+            with torch.no_grad():
+                fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
         real_clean = noisy.float() - per_sample(sigma, real.float()) * real.float()
         fake_clean = noisy.float() - per_sample(sigma, fake.float()) * fake.float()
         per_item = dmd_loss(generated, real_clean, fake_clean)
         dims = tuple(range(1, noisy.ndim))
         self._record("dmd/generator_loss", per_item)
         self._record("dmd/real_fake_distance", (fake_clean - real_clean).abs().mean(dim=dims))
+        if self.gan_head is not None:
+            # softplus(−D(x_σ)) in value; in gradient, its gradient in x_σ through x_σ = (1 − σ)·x_g + σ·ε.
+            moved = process.add_noise(generated, inputs["noise"], sigma)
+            linear = ((moved - moved.detach()).float() * gan_gradient).flatten(1).sum(dim=1)
+            self._record("dmd/gan_generator_loss", gan_loss)
+            per_item = per_item + self.args.gan_generator_weight * (gan_loss + linear)
         if self.args.reward_tilt > 0:
             images = policy.decode(policy.final_latents(generated, cond))
             reward = sum(
@@ -199,14 +309,27 @@ class DMDTrainer(RolloutTrainer):
             f"{self._sample_size()}",
             "DMD": f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
-            + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else ""),
+            + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
+            + (
+                f", GAN (generator {args.gan_generator_weight}, classifier {args.gan_discriminator_weight}, block "
+                f"{self.gan_tap.index})"
+                if self.gan_head is not None
+                else ""
+            ),
         }
 
     def _resume_state(self) -> dict[str, Any]:
-        return super()._resume_state() | {"fake_score": self.fake_score.state_dict()}
+        state = super()._resume_state() | {"fake_score": self.fake_score.state_dict()}
+        if self.gan_head is not None and self.gan_head.layers is not None:
+            state["gan_head"] = {name: value.cpu() for name, value in self.gan_head.state_dict().items()}
+        return state
 
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
         super()._restore_resume_state(state)
+        if "gan_head" in state and self.gan_head is not None:  # built first: its tensors are in the saved optimizer
+            self.gan_head.build(state["gan_head"]["layers.1.weight"].shape[1], self.accelerator.device)
+            self.gan_head.load_state_dict(state["gan_head"])
+            self.fake_score.add_parameters(list(self.gan_head.parameters()))
         self.fake_score.load_state_dict(state["fake_score"])
 
 

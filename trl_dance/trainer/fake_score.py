@@ -40,6 +40,13 @@ class FakeScore(OldPolicy):
             list(self.params.values()), lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay
         )
         self.max_grad_norm = max_grad_norm
+        self.extra: list[torch.Tensor] = []  # trained beside it (DMD2's GAN head), in the same AdamW
+
+    def add_parameters(self, params: list[torch.Tensor]) -> None:
+        """Train ``params`` with the fake score: in its AdamW (a new group, the same settings), its gradient average
+        over processes and its gradient clip (saved by their owner; the optimizer state travels here)."""
+        self.extra += params
+        self.optimizer.add_param_group({"params": params})
 
     @contextmanager
     def in_place(self) -> Iterator[torch.nn.Module]:
@@ -53,7 +60,7 @@ class FakeScore(OldPolicy):
     def step(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One AdamW update from the accumulated gradients, first averaged over processes by ``reduce`` (one flat
         all-reduce); returns the gradient norm before clipping (0-dim)."""
-        params = list(self.params.values())
+        params = [*self.params.values(), *self.extra]
         flat = reduce(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]))
         for p, grad in zip(params, flat.split([p.numel() for p in params])):
             p.grad = grad.view_as(p)

@@ -81,14 +81,20 @@ def compile_regions(
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**options)
         return
-    lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList) and len({type(b) for b in m}) == 1]
-    blocks = max(lists, key=len, default=[])
+    blocks = block_list(model)
     if len(blocks) < 2:
         blocks = [
             b for child in model.children() for b in (child if isinstance(child, torch.nn.ModuleList) else [child])
         ]
     for block in blocks:
         block.compile(**options)
+
+
+def block_list(model: torch.nn.Module) -> torch.nn.ModuleList | list:
+    """The longest child list of ``model`` whose blocks are of one class (FLUX's single-stream blocks, SD3's joint
+    blocks, Wan's blocks); ``[]`` if none."""
+    lists = [m for m in model.children() if isinstance(m, torch.nn.ModuleList) and len({type(b) for b in m}) == 1]
+    return max(lists, key=len, default=[])
 
 
 def uses_dispatcher(model: torch.nn.Module) -> bool:
