@@ -11,6 +11,7 @@ from conftest import (
     LEARNING_SEED,
     LORA_TARGETS,
     PROMPTS,
+    TINY_VIDEO_FRAMES,
     tiny_online_values,
     train_and_assert_reward_rose,
     train_and_resume,
@@ -187,9 +188,26 @@ def test_gan_classifier_learns_the_real_images_from_the_students_samples(tiny_mo
     assert loss < 2 * math.log(2) - 0.06 and gap > 0.14
 
 
+def test_gan_reads_real_videos_for_a_video_family(tiny_model_dir, tmp_path):
+    """Wan: the real column is `video` (frames fitted to the sampled size, the first `num_frames`), the head reads a
+    WanTransformerBlock's tokens, and a round trains with finite classifier and generator losses."""
+    frames = [Image.new("RGB", (40, 48), (250, 250, 250))] * (TINY_VIDEO_FRAMES + 2)
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:8], "video": [frames] * 8})
+    trainer = _trainer(
+        tiny_model_dir, tmp_path, kind="wan", dataset=dataset, gan_generator_weight=0.1, max_steps=1,
+        num_frames=TINY_VIDEO_FRAMES, activation_checkpointing=True,
+    )  # fmt: skip
+    trainer.train()
+    assert type(trainer.gan_tap.block).__name__ == "WanTransformerBlock" and trainer.gan_head.layers is not None
+    (log,) = [row for row in trainer.state.log_history if "dmd/gan_generator_loss" in row]
+    assert math.isfinite(log["dmd/gan_discriminator_loss"]) and math.isfinite(log["dmd/gan_generator_loss"])
+
+
 def test_bad_gan_input_fails_at_construction(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="no column 'image'"):
         _trainer(tiny_model_dir, tmp_path, gan_generator_weight=0.1)
+    with pytest.raises(ValueError, match="soundtrack together"):
+        _trainer(tiny_model_dir, tmp_path, kind="ltx2", dataset=_real_images(), gan_generator_weight=0.1)
     with pytest.raises(ValueError, match="gan_feature_block=7 is out of range"):
         _trainer(tiny_model_dir, tmp_path, dataset=_real_images(), gan_generator_weight=0.1, gan_feature_block=7)
     with pytest.raises(ValueError, match="gan_discriminator_weight > 0"):

@@ -93,6 +93,11 @@ class DMDTrainer(RolloutTrainer):
                 "the GAN head averages its features over a sample's tokens, which context parallelism splits across "
                 "processes: train the GAN without context_parallel_size"
             )
+        if "audio" in (self.policy.streams or {}):
+            raise ValueError(
+                f"{type(self.policy.pipeline).__name__} denoises a video and its soundtrack together: the GAN's real "
+                "videos would need their audio latents too, which trl-dance does not encode yet"
+            )
         columns = _columns(self.train_dataset)
         field = args.dataset_image_field or ("video" if self.policy.is_video and "video" in columns else "image")
         if field not in columns:
