@@ -59,6 +59,30 @@ def vp_coefficients(alpha_bar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return alpha_bar.sqrt(), (1 - alpha_bar).sqrt()
 
 
+def renoise_interval(
+    x_s: torch.Tensor, noise: torch.Tensor, sigma_s: torch.Tensor, sigma_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RTDMD's sub-interval re-noising (ALGORITHMS-NEXT §2.17.2) of a rectified-flow sample ``x_s`` at σ_s to σ_t > σ_s:
+    ``x_t = a·x_s + σ_ts·n`` with a = (1 − σ_t)/(1 − σ_s) and σ_ts = √(σ_t² − a²σ_s²), so that x_t is distributed as
+    the forward process at σ_t of x_s's clean sample; and the velocity of that path at fixed (x_s, n),
+    ``u* = dx_t/dσ_t = −x_s/(1 − σ_s) + (σ_t + (1 − σ_t)·σ_s²/(1 − σ_s)²)/σ_ts · n`` (the "ambient" target of a score
+    trained on noisy data). At σ_s = 0: x_t = (1 − σ_t)·x0 + σ_t·n and u* = n − x0, flow matching's.
+
+    Args:
+        x_s, noise: (B, ...); sigma_s (B,) in [0, 1), sigma_t (B,) in (σ_s, 1].
+    Returns:
+        (x_t, u*) (B, ...) float32 and σ_ts (B,) float32.
+    """
+    x_s, noise = x_s.float(), noise.float()
+    sigma_s, sigma_t = sigma_s.float(), sigma_t.float()
+    a = (1 - sigma_t) / (1 - sigma_s)
+    sigma_ts = (sigma_t**2 - (a * sigma_s) ** 2).clamp_min(0).sqrt()
+    x_t = per_sample(a, x_s) * x_s + per_sample(sigma_ts, x_s) * noise
+    growth = (sigma_t + (1 - sigma_t) * sigma_s**2 / (1 - sigma_s) ** 2) / sigma_ts
+    target = -x_s / per_sample(1 - sigma_s, x_s) + per_sample(growth, x_s) * noise
+    return x_t, target, sigma_ts
+
+
 def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
     """``x_σ' = x_σ + (σ' − σ)·v`` with (B,) σ, σ': toward less noise when σ' < σ (denoising), toward more when σ' > σ
     (inversion). The exact velocity ε − x0 moves along :func:`add_noise`'s line."""

@@ -164,6 +164,26 @@ def flow_matching_error(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.T
     return ((velocity.float() - (noise.float() - x0.float())) ** 2).mean(dim=dims)
 
 
+def ambient_velocity_error(
+    velocity: torch.Tensor, target: torch.Tensor, sigma_ts: torch.Tensor, cap: float = 10.0
+) -> torch.Tensor:
+    """RTDMD's fake-score loss on noisy data, (B,): ``min(1, cap·σ_ts²)·mean((v − u*)²)`` (its clamp(1/σ_ts², ≤ cap) on
+    the σ_ts-scaled residual): u* (:func:`~trl_dance.forward_process.renoise_interval`) grows like 1/σ_ts as σ_t
+    nears σ_s, and the weight keeps that sub-interval's loss bounded."""
+    dims = tuple(range(1, target.ndim))
+    weight = (cap * sigma_ts.float() ** 2).clamp_max(1.0)
+    return weight * ((velocity.float() - target.float()) ** 2).mean(dim=dims)
+
+
+def consistency_loss(anchor: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """RTDMD's consistency term per sample, (B,): ``mean((h′₁ − h)·(h′₂ − h))`` with h′₁, h′₂ two independent draws
+    (detached here): an unbiased estimate of ‖E[h′] − h‖² per element (the product of two independent errors has the
+    squared mean error as its expectation); its gradient in h is (2h − h′₁ − h′₂)/D."""
+    dims = tuple(range(1, anchor.ndim))
+    anchor = anchor.float()
+    return ((first.detach().float() - anchor) * (second.detach().float() - anchor)).mean(dim=dims)
+
+
 AWM_WEIGHTINGS = ("ghuber", "sigma", "uniform")
 
 
@@ -308,6 +328,7 @@ def gan_generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "spo_loss",
     "AWM_WEIGHTINGS",
+    "ambient_velocity_error",
     "art_guidance",
     "art_loss",
     "art_tilt_scale",
@@ -315,6 +336,7 @@ __all__ = [
     "awm_surrogate",
     "clipped_fraction",
     "clipped_surrogate",
+    "consistency_loss",
     "dgpo_loss",
     "dmd_loss",
     "flow_matching_error",

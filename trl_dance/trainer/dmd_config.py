@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .rollout_config import RolloutConfig
 
@@ -40,6 +41,18 @@ class DMDConfig(RolloutConfig):
         reward_tilt (`float`, defaults to `0.0`): RTDMD's reward term: the student's loss subtracts `reward_tilt` ×
             the weighted sum of the rewards of its decoded clean sample, differentiated through the VAE decoder (the
             rewards must have a differentiable `score`, as `DirectRewardTrainer`'s). 0: plain DMD.
+        loss_type (`str`, defaults to `"dmd"`): `"dmd"` (DMD2: the student is judged at its clean sample x_g) or
+            `"ac_dmd"` (RTDMD's stage 1, AC-DMD: the student takes its CPS transition from the recorded state to the
+            next step's σ_s; that x_s is re-noised to σ_t ∈ (σ_s, `dmd_sigma_max`] along the sub-interval, and the
+            teacher and the fake score each take one CPS step back to σ_s with the same noise; the fake score learns
+            the ambient velocity of that re-noising, plus `consistency_weight` × its consistency term). The student
+            then samples with CPS transitions (`cps_eta`), as RTDMD's does. At the last step (σ_s = 0) the two losses
+            are the same.
+        cps_eta (`float`, defaults to `0.9`): with `"ac_dmd"`, the CPS transitions' noise angle a (std = σ'·sin(aπ/2);
+            RTDMD's η 0.9), in the student's sampler and in the teacher's and fake score's steps.
+        consistency_weight (`float`, defaults to `0.01`): AC-DMD's consistency term in the fake score's loss
+            (RTDMD's 0.01): the fake score's clean prediction at x_t against its predictions after two independent
+            CPS moves of up to 0.2 in σ. 0: none (two fewer fake-score forwards per micro-batch).
         gan_generator_weight (`float`, defaults to `0.0`): DMD2's GAN term: a classifier head on the fake score's
             features at `gan_feature_block` learns to tell real images (the dataset's `dataset_image_field`) from
             the student's samples, both re-noised to σ ~ U[`dmd_sigma_min`, `dmd_sigma_max`], and the student's loss
@@ -72,6 +85,9 @@ class DMDConfig(RolloutConfig):
     dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
     dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
     reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
+    loss_type: str = field(default="dmd", metadata={"help": "'dmd' (DMD2) or 'ac_dmd' (RTDMD's stage 1)."})
+    consistency_weight: float = field(default=0.01, metadata={"help": "AC-DMD's consistency term weight."})
+    cps_eta: float = field(default=0.9, metadata={"help": "AC-DMD: the CPS transitions' noise angle."})
     gan_generator_weight: float = field(default=0.0, metadata={"help": "DMD2's GAN term in the student's loss."})
     gan_discriminator_weight: float = field(default=1e-2, metadata={"help": "The GAN classifier's loss weight."})
     gan_feature_block: int | None = field(default=None, metadata={"help": "Block the GAN head reads (the middle)."})
@@ -91,11 +107,18 @@ class DMDConfig(RolloutConfig):
         for name in ("fake_score_learning_rate", "teacher_guidance_scale"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight"):
+        if self.loss_type not in ("dmd", "ac_dmd"):
+            raise ValueError(f"loss_type must be 'dmd' or 'ac_dmd', got {self.loss_type!r}")
+        if not 0 < self.cps_eta <= 1:
+            raise ValueError(f"cps_eta must be in (0, 1], got {self.cps_eta}")
+        for name in ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight", "consistency_weight"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
             raise ValueError("gan_generator_weight > 0 needs a trained classifier: gan_discriminator_weight > 0")
+
+    def sde_settings(self) -> dict[str, Any]:
+        return {"sde_type": "cps", "eta": self.cps_eta} if self.loss_type == "ac_dmd" else {}
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size

@@ -7,12 +7,20 @@ from typing import Any
 
 import torch
 
-from ..forward_process import per_sample
-from ..losses import dmd_loss, flow_matching_error, gan_discriminator_loss, gan_generator_loss
+from ..forward_process import per_sample, renoise_interval
+from ..losses import (
+    ambient_velocity_error,
+    consistency_loss,
+    dmd_loss,
+    flow_matching_error,
+    gan_discriminator_loss,
+    gan_generator_loss,
+)
 from ..policies import DiffusionPolicy, require_flow
 from ..preference_data import fitted_media
 from ..rewards import reward_name
-from ..sampling import RolloutPlan, seeded_noise
+from ..sampling import RolloutPlan, mix_seed, seeded_noise
+from ..sde import flow_sde_step
 from .direct_reward_trainer import checked_score
 from .dmd_config import DMDConfig
 from .evaluation import policy_with
@@ -80,6 +88,11 @@ class DMDTrainer(RolloutTrainer):
             args.max_grad_norm,
         )
         self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
+        if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < args.dmd_sigma_max:
+            raise ValueError(
+                f"AC-DMD re-noises each step's next level σ_s up to σ_t in (σ_s, dmd_sigma_max]: dmd_sigma_max "
+                f"({args.dmd_sigma_max}) must exceed the grid's second level ({self.process.sigma_values[1]:.4f})"
+            )
         self.gan_head = self.gan_tap = None
         if args.gan_generator_weight > 0:
             self._real_field = self._check_real_images(args)
@@ -136,7 +149,23 @@ class DMDTrainer(RolloutTrainer):
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         steps = self.policy.num_steps
+        if self.args.loss_type == "ac_dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
+            return RolloutPlan(steps, recorded_steps=tuple(range(steps)))
         return RolloutPlan.deterministic(steps, recorded_steps=tuple(range(steps)))
+
+    def _cps(self, velocity: torch.Tensor, latents: torch.Tensor, sigma, sigma_next, noise: torch.Tensor):
+        """AC-DMD's CPS transition (``cps_eta``) from σ to σ' < σ with the given standard normal ``noise`` (B, ...),
+        float32 (σ' = 0: the clean prediction)."""
+        return flow_sde_step(
+            velocity, latents, sigma, sigma_next, sde_type="cps", eta=self.args.cps_eta, noise=noise,
+            compute_log_prob=False,
+        ).prev_sample  # fmt: skip
+
+    def _above(self, sigma: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        """σ (B,) drawn in [σ_min, σ_max] mapped affinely onto [max(σ_min, floor), σ_max]: AC-DMD's σ_t above σ_s
+        (the identity where σ_s <= σ_min)."""
+        low, high, args = floor.clamp_min(self.args.dmd_sigma_min), self.args.dmd_sigma_max, self.args
+        return low + (sigma - args.dmd_sigma_min) / (high - args.dmd_sigma_min) * (high - low)
 
     def _draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Per sample: a step index (of the recorded ones), a noise level in [σ_min, σ_max] and a noise seed (host)."""
@@ -188,7 +217,7 @@ class DMDTrainer(RolloutTrainer):
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
         steps, sigmas, seeds = self._draw(count)
-        gan = self.gan_head is not None
+        gan, ac = self.gan_head is not None, args.loss_type == "ac_dmd"
         if gan:
             _, real_sigmas, real_seeds = self._draw(count)
         losses = []
@@ -197,10 +226,31 @@ class DMDTrainer(RolloutTrainer):
             rows = torch.arange(part.start, part.stop, device=device)
             x0 = clean_table[rows, steps[part].to(device)]
             sigma, noise, cond = sigmas[part].to(device), seeded_noise(seeds[part], x0), self._round_cond(rows)
+            if ac:  # the student's sample at the next level, σ_s, re-noised along (σ_s, σ_t]
+                step = steps[part].to(device)
+                state, level, sigma_s = (
+                    rollout["visited"][rows, step],
+                    self.process.sigma(step),
+                    self.process.sigma(step + 1),
+                )
+                x_s = self._cps(
+                    (state.float() - x0) / per_sample(level, x0), state, level, sigma_s, _noise(seeds[part], x0, 1)
+                )
+                sigma = self._above(sigma, sigma_s)
+                noisy, target, sigma_ts = renoise_interval(x_s, noise, sigma_s, sigma)
+            else:
+                noisy = self.process.add_noise(x0, noise, sigma)
             with self.fake_score.in_place() as model:
                 with self.compute_loss_context_manager(), self._tapped(gan) as features:
-                    velocity = self.policy.predict(model, self.process.add_noise(x0, noise, sigma), cond, at=sigma)
-                loss = flow_matching_error(velocity, noise, x0)
+                    velocity = self.policy.predict(model, noisy, cond, at=sigma)
+                if ac:
+                    loss = ambient_velocity_error(velocity, target, sigma_ts)
+                    if args.consistency_weight > 0:
+                        consistency = self._consistency(model, noisy, velocity, sigma, cond, seeds[part])
+                        loss = loss + args.consistency_weight * consistency
+                        self._record("dmd/consistency_loss", consistency.detach())
+                else:
+                    loss = flow_matching_error(velocity, noise, x0)
                 if gan:
                     real = rollout["real"][rows]
                     real_sigma, real_noise = real_sigmas[part].to(device), seeded_noise(real_seeds[part], real)
@@ -219,6 +269,23 @@ class DMDTrainer(RolloutTrainer):
         norm = self.fake_score.step(lambda t: self.accelerator.reduce(t, reduction="mean"))
         self._metrics["dmd/fake_score_loss"].append(torch.cat(losses).mean())
         self._metrics["dmd/fake_score_grad_norm"].append(norm.detach())
+
+    def _consistency(
+        self, model, noisy: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, cond, seeds: list[int]
+    ) -> torch.Tensor:
+        """RTDMD's consistency term (B,): the fake score's clean prediction h at x_t against h′ after each of two
+        independent CPS moves of its own (detached) down to σ′ = σ_t − 0.2·u, u ~ U(0, 1) (RTDMD: up to 200 of 1,000
+        timesteps)."""
+        anchor = noisy - per_sample(sigma, velocity) * velocity.float()
+        u = torch.special.ndtr(_noise(seeds, sigma[:, None], 2)[:, 0]).to(sigma)  # uniform: Φ of a standard normal
+        lower = (sigma - 0.2 * u).clamp_min(0)
+        after = []
+        for stream in (3, 4):
+            moved = self._cps(velocity.detach(), noisy, sigma, lower, _noise(seeds, noisy, stream))
+            with torch.no_grad(), self.compute_loss_context_manager():
+                v = self.policy.predict(model, moved, cond, at=lower)
+            after.append(moved - per_sample(lower, v) * v.float())
+        return consistency_loss(anchor, *after)
 
     def _tapped(self, on: bool):
         """The GAN tap's capture (a list of the forwards' features) when ``on``, else a list nothing fills."""
@@ -261,6 +328,7 @@ class DMDTrainer(RolloutTrainer):
             "step": steps,
             "sigma": sigmas.to(device),
             "noise": seeded_noise(seeds, state),
+            "seeds": seeds,
             "cond": self._round_cond(rows),
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
         }
@@ -272,8 +340,29 @@ class DMDTrainer(RolloutTrainer):
         policy, process = self.policy, self.process
         state, step, sigma, cond = inputs["state"], inputs["step"], inputs["sigma"], inputs["cond"]
         velocity = policy.predict(model, state, cond, at=step)
-        generated = process.predicted_clean(velocity, state, step)  # x_g, with the student's gradient
-        noisy = process.add_noise(generated.detach(), inputs["noise"], sigma)
+        generated = process.predicted_clean(velocity, state, step)  # x̂0, with the student's gradient
+        noise = inputs["noise"]
+        if self.args.loss_type == "ac_dmd":  # judged at σ_s after its CPS transition; re-noised to σ_t ∈ (σ_s, σ_max]
+            sigma_s, seeds = process.sigma(step + 1), inputs["seeds"]
+            judged = self._cps(velocity, state, process.sigma(step), sigma_s, _noise(seeds, state, 1))
+            sigma = self._above(sigma, sigma_s)
+            judge_noise = _noise(seeds, state, 5)
+
+            def renoise(x: torch.Tensor) -> torch.Tensor:
+                return renoise_interval(x, noise, sigma_s, sigma)[0]
+
+            def back(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # one CPS step to σ_s, noise shared
+                return self._cps(v, x, sigma, sigma_s, judge_noise)
+        else:  # DMD2: judged at its clean sample x_g, re-noised to σ
+            judged = generated
+
+            def renoise(x: torch.Tensor) -> torch.Tensor:
+                return process.add_noise(x, noise, sigma)
+
+            def back(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # the clean prediction
+                return x.float() - per_sample(sigma, v.float()) * v.float()
+
+        noisy = renoise(judged.detach())
         with torch.no_grad():
             real = self.reference_prediction(model, noisy, cond, sigma, self._teacher_policy)
         if self.gan_head is not None:
@@ -281,15 +370,14 @@ class DMDTrainer(RolloutTrainer):
         else:
             with torch.no_grad():
                 fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
-        real_clean = noisy.float() - per_sample(sigma, real.float()) * real.float()
-        fake_clean = noisy.float() - per_sample(sigma, fake.float()) * fake.float()
-        per_item = dmd_loss(generated, real_clean, fake_clean)
+        real_target, fake_target = back(real, noisy), back(fake, noisy)
+        per_item = dmd_loss(judged, real_target, fake_target)
         dims = tuple(range(1, noisy.ndim))
         self._record("dmd/generator_loss", per_item)
-        self._record("dmd/real_fake_distance", (fake_clean - real_clean).abs().mean(dim=dims))
+        self._record("dmd/real_fake_distance", (fake_target - real_target).abs().mean(dim=dims))
         if self.gan_head is not None:
-            # softplus(−D(x_σ)) in value; in gradient, its gradient in x_σ through x_σ = (1 − σ)·x_g + σ·ε.
-            moved = process.add_noise(generated, inputs["noise"], sigma)
+            # softplus(−D(x_σ)) in value; in gradient, its gradient in x_σ through x_σ's dependence on the judged sample.
+            moved = renoise(judged)
             linear = ((moved - moved.detach()).float() * gan_gradient).flatten(1).sum(dim=1)
             self._record("dmd/gan_generator_loss", gan_loss)
             per_item = per_item + self.args.gan_generator_weight * (gan_loss + linear)
@@ -336,6 +424,12 @@ class DMDTrainer(RolloutTrainer):
             self.gan_head.load_state_dict(state["gan_head"])
             self.fake_score.add_parameters(list(self.gan_head.parameters()))
         self.fake_score.load_state_dict(state["fake_score"])
+
+
+def _noise(seeds: list[int], like: torch.Tensor, stream: int) -> torch.Tensor:
+    """Standard normal noise shaped as ``like``, row i from stream ``stream`` of item seed ``seeds[i]`` (AC-DMD's
+    other draws: the student's transition 1, the consistency moves' levels 2 and noises 3, 4, the judges' step 5)."""
+    return seeded_noise([mix_seed(seed, stream) for seed in seeds], like)
 
 
 __all__ = ["DMDTrainer"]
