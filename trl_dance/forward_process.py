@@ -78,7 +78,8 @@ def renoise_interval(
     a = (1 - sigma_t) / (1 - sigma_s)
     sigma_ts = (sigma_t**2 - (a * sigma_s) ** 2).clamp_min(0).sqrt()
     x_t = per_sample(a, x_s) * x_s + per_sample(sigma_ts, x_s) * noise
-    growth = (sigma_t + (1 - sigma_t) * sigma_s**2 / (1 - sigma_s) ** 2) / sigma_ts
+    # (σ_t = σ_s exactly, a draw of probability ~2⁻²⁴, would divide by 0; the loss weights u* by σ_ts² anyway)
+    growth = (sigma_t + (1 - sigma_t) * sigma_s**2 / (1 - sigma_s) ** 2) / sigma_ts.clamp_min(1e-6)
     target = -x_s / per_sample(1 - sigma_s, x_s) + per_sample(growth, x_s) * noise
     return x_t, target, sigma_ts
 
