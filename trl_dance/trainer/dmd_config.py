@@ -85,7 +85,9 @@ class DMDConfig(RolloutConfig):
     dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
     dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
     reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
-    loss_type: str = field(default="dmd", metadata={"help": "'dmd' (DMD2) or 'ac_dmd' (RTDMD's stage 1)."})
+    loss_type: str = field(
+        default="dmd", metadata={"help": "'dmd' (DMD2) or 'ac_dmd' (RTDMD's stage 1).", "choices": ["dmd", "ac_dmd"]}
+    )
     consistency_weight: float = field(default=0.01, metadata={"help": "AC-DMD's consistency term weight."})
     cps_eta: float = field(default=0.9, metadata={"help": "AC-DMD: the CPS transitions' noise angle."})
     gan_generator_weight: float = field(default=0.0, metadata={"help": "DMD2's GAN term in the student's loss."})
