@@ -276,6 +276,27 @@ def test_gan_reads_real_videos_for_a_video_family(tiny_model_dir, tmp_path):
     assert math.isfinite(log["dmd/gan_discriminator_loss"]) and math.isfinite(log["dmd/gan_generator_loss"])
 
 
+def test_compiled_ac_dmd_with_the_gan_equals_eager(tiny_model_dir, tmp_path):
+    """Compiled blocks (dynamo with the aot_eager backend: the same graphs and guards as inductor) with the fake score's
+    tensors substituted in place and the GAN's tapped block eager: after a round of AC-DMD with the GAN and
+    activation checkpointing, the student and the fake score equal the eager run's bit for bit, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for extra in ({}, {"torch_compile": True, "torch_compile_backend": "aot_eager"}):
+        torch._dynamo.reset()
+        counters.clear()
+        trainer = _trainer(
+            tiny_model_dir, tmp_path / str(len(runs)), dataset=_real_images(), gan_generator_weight=0.1,
+            loss_type="ac_dmd", activation_checkpointing=True, max_steps=1, **extra,
+        )  # fmt: skip
+        trainer.train()
+        runs.append([*trainer.fake_score.params.values(), *trainer.gan_head.parameters(), *trainer.model.parameters()])
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    for eager, compiled in zip(*runs):
+        assert torch.equal(eager, compiled)
+
+
 def test_bad_gan_input_fails_at_construction(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="no column 'image'"):
         _trainer(tiny_model_dir, tmp_path, gan_generator_weight=0.1)
