@@ -44,7 +44,9 @@ class DMDTrainer(RolloutTrainer):
     of the decoded x_g, back-propagated through the decoder. With ``gan_generator_weight`` > 0 (DMD2's GAN), a
     classifier head on the fake score's features (:class:`~trl_dance.trainer.gan_head.GANHead`) learns, in the fake
     score's updates, to tell the dataset's real images from the student's samples, and the student's loss adds
-    softplus(−D(x_g)).
+    softplus(−D(x_g)). With ``loss_type="ac_dmd"`` (RTDMD's stage 1) the student samples with CPS transitions and is
+    judged one level down: its CPS step x_s from the recorded state, re-noised along (σ_s, σ_t], against the teacher's
+    and the fake score's CPS steps back to σ_s; the fake score learns that re-noising's velocity and a consistency term.
 
     Flow-matching pipelines. The arguments are those of :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`;
     ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable).
@@ -210,9 +212,10 @@ class DMDTrainer(RolloutTrainer):
 
     def _update_fake_score(self) -> None:
         """One fake-score update: flow matching, at fresh σ and noise, toward each sample's clean prediction at a step
-        drawn uniformly (the student's samples, detached), over the round's samples in micro-batches; with the GAN,
-        plus its classifier's loss on those re-noised samples (the same forward) against the rows' real images
-        (re-noised at their own σ and noise)."""
+        drawn uniformly (the student's samples, detached), over the round's samples in micro-batches (AC-DMD: the
+        velocity of the sub-interval re-noising of the student's CPS step from that state, plus the consistency term);
+        with the GAN, plus its classifier's loss on those re-noised samples (the same forward) against the rows' real
+        images (re-noised at their own σ and noise)."""
         rollout, device, args = self._rollout, self.accelerator.device, self.args
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
@@ -258,7 +261,10 @@ class DMDTrainer(RolloutTrainer):
                         self.policy.predict(
                             model, self.process.add_noise(real, real_noise, real_sigma), cond, at=real_sigma
                         )
-                    real_logits, fake_logits = self._gan_logits(real_features, x0), self._gan_logits(features, x0)
+                    real_logits, fake_logits = (
+                        self._gan_logits(real_features, len(x0)),
+                        self._gan_logits(features, len(x0)),
+                    )
                     classifier = gan_discriminator_loss(real_logits, fake_logits)
                     loss = loss + args.gan_discriminator_weight * classifier
                     self._record("dmd/gan_discriminator_loss", classifier.detach())
@@ -291,16 +297,16 @@ class DMDTrainer(RolloutTrainer):
         """The GAN tap's capture (a list of the forwards' features) when ``on``, else a list nothing fills."""
         return self.gan_tap.capture() if on else contextlib.nullcontext([])
 
-    def _gan_logits(self, features: list[torch.Tensor], latents: torch.Tensor) -> torch.Tensor:
-        """The GAN head's logits (B,) of one fake-score forward's captured features (the conditional branch's, under
-        CFG); the head's parameters join the fake score's optimizer when it is built."""
+    def _gan_logits(self, features: list[torch.Tensor], batch: int) -> torch.Tensor:
+        """The GAN head's logits (``batch``,) of one fake-score forward's captured features (the conditional branch's,
+        under CFG); the head's parameters join the fake score's optimizer when it is built."""
         if len(features) != 1:
             raise RuntimeError(
                 f"the GAN head reads block {self.gan_tap.index} of the trained denoiser once per fake-score call; this "
                 f"call ran it {len(features)} times (a frozen expert served it?)"
             )
         built = self.gan_head.layers is not None
-        logits = self.gan_head(features[0][-len(latents) :])
+        logits = self.gan_head(features[0][-batch:])
         if not built:
             self.fake_score.add_parameters(list(self.gan_head.parameters()))
         return logits
@@ -314,7 +320,7 @@ class DMDTrainer(RolloutTrainer):
         leaf = noisy.detach().requires_grad_(True)
         with self.fake_score.in_place() as model, self.gan_tap.capture() as features:
             fake = self.policy.predict(model, leaf, cond, at=sigma)
-            loss = gan_generator_loss(self._gan_logits(features, leaf))
+            loss = gan_generator_loss(self._gan_logits(features, len(leaf)))
             (gradient,) = torch.autograd.grad(loss.sum(), leaf)
         return fake.detach(), loss.detach(), gradient
 
@@ -403,6 +409,11 @@ class DMDTrainer(RolloutTrainer):
             "DMD": f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
             + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
+            + (
+                f", AC-DMD (CPS η {args.cps_eta}, consistency {args.consistency_weight})"
+                if args.loss_type == "ac_dmd"
+                else ""
+            )
             + (
                 f", GAN (generator {args.gan_generator_weight}, classifier {args.gan_discriminator_weight}, block "
                 f"{self.gan_tap.index})"
