@@ -20,7 +20,7 @@ from ..preference_data import INDEX_KEY, IndexedRows
 from ..sampling import mix_seed
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .dataset_config import DatasetTrainingConfig
-from .diffusion_trainer import DiffusionTrainer, load_pipeline
+from .diffusion_trainer import DiffusionTrainer, denoiser_like, load_pipeline
 from .evaluation import evaluation_policy, pipeline_call_defaults
 
 logger = logging.getLogger(__name__)
@@ -121,14 +121,9 @@ class DatasetTrainer(DiffusionTrainer):
         """The reference denoiser from ``ref_model`` (a pipeline, its Hub id or folder, or a denoiser), or None."""
         if ref_model is None:
             return None
-        if isinstance(ref_model, (str, DiffusionPipeline)):
-            ref_model = getattr(load_pipeline(ref_model, args), policy.denoiser_name, None)
-        if type(ref_model) is not type(policy.denoiser):
-            raise ValueError(
-                f"ref_model must be a {type(policy.denoiser).__name__} (or a pipeline holding one as "
-                f"{policy.denoiser_name!r}) like the trained model's; got {type(ref_model).__name__}"
-            )
-        return ref_model
+        if isinstance(ref_model, str):
+            ref_model = load_pipeline(ref_model, args)
+        return denoiser_like(ref_model, policy, "ref_model")
 
     def get_train_dataloader(self):
         if not isinstance(self.train_dataset, Dataset):

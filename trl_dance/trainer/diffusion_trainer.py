@@ -86,12 +86,7 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
         return _with_merged_loras(model, args)
     if not isinstance(model, str):
         raise TypeError(f"model must be a Hub id, a local path or a diffusers pipeline, got {type(model).__name__}")
-    kwargs = dict(args.model_init_kwargs or {})
-    if "torch_dtype" in kwargs:  # the former name, which diffusers and transformers now warn about
-        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
-    dtype = kwargs.get("dtype")
-    if isinstance(dtype, str) and dtype != "auto":
-        kwargs["dtype"] = getattr(torch, dtype)
+    kwargs = _init_kwargs(args)
     loader = DiffusionPipeline
     if pipeline_class is not None:
         loader = getattr(diffusers, pipeline_class, None)
@@ -117,6 +112,48 @@ def load_pipeline(model: str | DiffusionPipeline, args, pipeline_class: str | No
         ) from err
     pipeline.set_progress_bar_config(disable=True)
     return _with_merged_loras(pipeline, args)
+
+
+def _init_kwargs(args) -> dict[str, Any]:
+    """``args.model_init_kwargs`` for ``from_pretrained``: ``torch_dtype`` renamed ``dtype``, a dtype name resolved."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if "torch_dtype" in kwargs:  # the former name, which diffusers and transformers now warn about
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    return kwargs
+
+
+def denoiser_like(model, policy, what: str) -> torch.nn.Module:
+    """The denoiser of ``model`` (a pipeline, or a denoiser) if it is of the policy's denoiser class, else a ValueError
+    naming ``what`` (the argument it came from)."""
+    if isinstance(model, (DiffusionPipeline, ModularPipeline)):
+        model = getattr(model, policy.denoiser_name, None)
+    if type(model) is not type(policy.denoiser):
+        raise ValueError(
+            f"{what} must be a {type(policy.denoiser).__name__} (or a pipeline holding one as "
+            f"{policy.denoiser_name!r}) like the trained model's; got {type(model).__name__}"
+        )
+    return model
+
+
+def load_denoiser(model, policy, args, what: str) -> torch.nn.Module:
+    """A second denoiser of the policy's class (a teacher): as given (a denoiser or a pipeline), or from a Hub id or
+    pipeline folder, of which only the denoiser's subfolder loads (``args.model_init_kwargs``; ``merge_lora`` is the
+    trained model's and is not applied)."""
+    if isinstance(model, str):
+        cls, subfolder = type(policy.denoiser), policy.denoiser_name
+        try:
+            found = cls.load_config(model, subfolder=subfolder).get("_class_name")
+            if found != cls.__name__:
+                raise ValueError(
+                    f"{what} must be a {cls.__name__} like the trained model's; {model!r} holds a {found} as {subfolder!r}"
+                )
+            model = cls.from_pretrained(model, subfolder=subfolder, **_init_kwargs(args))
+        except OSError as err:
+            raise OSError(f"{what}: cannot load the {subfolder!r} of {model!r}: {err}") from err
+    return denoiser_like(model, policy, what)
 
 
 def _with_merged_loras(pipeline: DiffusionPipeline, args) -> DiffusionPipeline:

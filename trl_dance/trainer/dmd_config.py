@@ -29,6 +29,11 @@ class DMDConfig(RolloutConfig):
     one update.
 
     Parameters:
+        teacher_model_name_or_path (`str` or `None`, defaults to `None`): a teacher from another checkpoint (a Hub id
+            or pipeline folder of the same family, of which only the denoiser loads; TRL's GKD name): the student is
+            the trained model, and the teacher and the fake score start from this checkpoint (RTDMD's FLUX.2 [klein]:
+            the distilled student, the base teacher). `None`: the trained model's base is the teacher. The
+            `DMDTrainer(teacher_model=...)` argument takes a denoiser or pipeline instance too.
         teacher_guidance_scale (`float`, defaults to `4.0`): the teacher's CFG scale (FLUX: its guidance-embedding
             value), applied in the teacher's forwards only; the student and the fake score use `guidance_scale` (1:
             none, DMD's students are CFG-free).
@@ -79,6 +84,9 @@ class DMDConfig(RolloutConfig):
     guidance_scale: float = field(default=1.0, metadata={"help": "The student's guidance (1: CFG-free)."})
     scale_rewards: str = field(default="none", metadata={"help": "Advantages (monitoring only)."})
 
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A teacher from another checkpoint (default: the trained model's base)."}
+    )
     teacher_guidance_scale: float = field(default=4.0, metadata={"help": "The teacher's CFG scale."})
     fake_score_updates: int = field(default=2, metadata={"help": "Fake-score updates per student update."})
     fake_score_learning_rate: float = field(default=2e-5, metadata={"help": "The fake score's learning rate."})

@@ -6,8 +6,10 @@ import contextlib
 from typing import Any
 
 import torch
+from diffusers import DiffusionPipeline
 
 from ..forward_process import per_sample, renoise_interval
+from ..lora import add_lora
 from ..losses import (
     ambient_velocity_error,
     consistency_loss,
@@ -21,6 +23,7 @@ from ..preference_data import fitted_media
 from ..rewards import reward_name
 from ..sampling import RolloutPlan, mix_seed, seeded_noise
 from ..sde import flow_sde_step
+from .diffusion_trainer import load_denoiser
 from .direct_reward_trainer import checked_score
 from .dmd_config import DMDConfig
 from .evaluation import policy_with
@@ -49,7 +52,10 @@ class DMDTrainer(RolloutTrainer):
     and the fake score's CPS steps back to σ_s; the fake score learns that re-noising's velocity and a consistency term.
 
     Flow-matching pipelines. The arguments are those of :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`;
-    ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable).
+    ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable); and
+    ``teacher_model`` (TRL's GKD name): a teacher from another checkpoint — a denoiser of the same class, a pipeline
+    holding one, or its Hub id or folder (default ``args.teacher_model_name_or_path``; None: the trained model's
+    base); the fake score then starts as that teacher.
     """
 
     _tag_names = ["trl", "trl-dance", "dmd", "distillation", "diffusers"]
@@ -66,7 +72,8 @@ class DMDTrainer(RolloutTrainer):
     supports_async_rounds = False
     _synchronous_reason = "DMDTrainer trains the student and its fake score on the student's current samples"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, teacher_model: str | DiffusionPipeline | torch.nn.Module | None = None, **kwargs):
+        self._teacher_source = teacher_model  # (read while the base class builds the reference)
         super().__init__(*args, **kwargs)
         args = self.args
         if self.parameter_sharding is not None:
@@ -81,13 +88,16 @@ class DMDTrainer(RolloutTrainer):
                     f"reward_tilt back-propagates the rewards through the decoded sample; {plain} only return floats. "
                     "Use rewards with a differentiable score(prompts, images) -> Tensor (the model rewards, brightness)"
                 )
+        # The fake score runs on the teacher and starts as it (DMD2's); with the base as teacher, as the student.
+        teacher = self.ref_model if self._separate_teacher else None
         self.fake_score = FakeScore(
-            self.policy.denoiser,
+            self.policy.denoiser if teacher is None else teacher,
             args.fake_score_learning_rate,
             args.weight_decay,
             (args.adam_beta1, args.adam_beta2),
             args.adam_epsilon,
             args.max_grad_norm,
+            initial=None if teacher is None else self._teacher_tensors(teacher),
         )
         self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
         if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < args.dmd_sigma_max:
@@ -98,8 +108,40 @@ class DMDTrainer(RolloutTrainer):
         self.gan_head = self.gan_tap = None
         if args.gan_generator_weight > 0:
             self._real_field = self._check_real_images(args)
-            self.gan_tap = FeatureTap(self.policy.denoiser, args.gan_feature_block)
+            self.gan_tap = FeatureTap(self.fake_score.module, args.gan_feature_block)
             self.gan_head = GANHead(seed=args.seed)
+
+    def _reference_model(self, policy: DiffusionPolicy, args: DMDConfig, peft_config) -> torch.nn.Module | None:
+        """A teacher from another checkpoint (``teacher_model``, or ``args.teacher_model_name_or_path``), or None. With
+        a LoRA, it gets the student's adapter layout, zeroed (its own forwards are its base's), for the fake score's
+        tensors to take their place."""
+        source = self._teacher_source if self._teacher_source is not None else args.teacher_model_name_or_path
+        self._separate_teacher = source is not None
+        if source is None:
+            return None
+        teacher = load_denoiser(source, policy, args, "teacher_model")
+        if teacher is policy.denoiser:
+            raise ValueError("teacher_model is the trained denoiser itself: leave it unset to distil from its base")
+        if peft_config is not None:
+            add_lora(teacher, peft_config)
+            with torch.no_grad():
+                for name, param in teacher.named_parameters():
+                    if ".lora_B." in name:
+                        param.zero_()
+        return teacher
+
+    def _teacher_tensors(self, teacher: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The teacher's tensors at the trained tensors' names (the fake score's start): a ValueError if the two
+        architectures differ."""
+        params = dict(teacher.named_parameters())
+        trained = {name: p for name, p in self.policy.denoiser.named_parameters() if p.requires_grad}
+        wrong = [n for n, p in trained.items() if n not in params or params[n].shape != p.shape]
+        if wrong:
+            raise ValueError(
+                f"teacher_model's {type(teacher).__name__} differs from the trained one's configuration: "
+                f"{len(wrong)} trained tensors have no counterpart of the same shape in it (first: {wrong[0]!r})"
+            )
+        return {name: params[name] for name in trained}
 
     def _check_real_images(self, args: DMDConfig) -> str:
         """The dataset column of the GAN's real images (or videos), checked."""
@@ -406,7 +448,8 @@ class DMDTrainer(RolloutTrainer):
         return super()._model_card_details() | {
             "sampling": f"{args.num_inference_steps} deterministic steps, guidance {args.guidance_scale}, "
             f"{self._sample_size()}",
-            "DMD": f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
+            "DMD": (f"teacher {self._teacher_name()}, " if self._separate_teacher else "")
+            + f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
             + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
             + (
@@ -421,6 +464,10 @@ class DMDTrainer(RolloutTrainer):
                 else ""
             ),
         }
+
+    def _teacher_name(self) -> str:
+        source = self._teacher_source if self._teacher_source is not None else self.args.teacher_model_name_or_path
+        return source if isinstance(source, str) else type(source).__name__
 
     def _resume_state(self) -> dict[str, Any]:
         state = super()._resume_state() | {"fake_score": self.fake_score.state_dict()}

@@ -19,9 +19,11 @@ class FakeScore(OldPolicy):
     as DMD2's).
 
     Args:
-        module: the denoiser whose trainable tensors are copied.
+        module: the denoiser whose trainable tensors are copied (and the fake score's forwards run).
         learning_rate, weight_decay, betas, eps: its AdamW's.
         max_grad_norm: clip of its gradient norm (0: none).
+        initial: the tensors to start from instead, by the module's parameter names (a separate teacher's: the fake
+            score then runs on the teacher, as DMD2 initialises it).
     """
 
     def __init__(
@@ -32,8 +34,9 @@ class FakeScore(OldPolicy):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         max_grad_norm: float = 0.0,
+        initial: dict[str, torch.Tensor] | None = None,
     ):
-        super().__init__(module)
+        super().__init__(module, initial)
         for value in self.params.values():
             value.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(

@@ -15,9 +15,11 @@ class OldPolicy:
     flip ``requires_grad`` on every switch), and the optimizer, DDP and DeepSpeed never see it.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, initial: dict[str, torch.Tensor] | None = None):
         self.module = module
-        self.params = {name: p.detach().float().clone() for name, p in module.named_parameters() if p.requires_grad}
+        if initial is None:  # the module's trainable tensors
+            initial = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        self.params = {name: p.detach().float().clone() for name, p in initial.items()}
         if not self.params:
             raise ValueError("the module has no trainable parameters to keep an old copy of")
 

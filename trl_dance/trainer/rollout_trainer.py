@@ -189,6 +189,7 @@ class RolloutTrainer(DiffusionTrainer):
             args,
             peft_config,
             need_reference=self._needs_reference(args),  # full fine-tuning then keeps a frozen copy
+            ref_model=self._reference_model(policy, args, peft_config),
             data_collator=_identity,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
@@ -285,6 +286,12 @@ class RolloutTrainer(DiffusionTrainer):
     def _needs_reference(args: RolloutConfig) -> bool:
         """Whether the loss calls the reference model (the KL term)."""
         return args.beta > 0
+
+    def _reference_model(
+        self, policy: DiffusionPolicy, args: RolloutConfig, peft_config: LoraConfig | None
+    ) -> torch.nn.Module | None:
+        """A reference denoiser other than the trained one's base (None: the LoRA disabled, or a frozen copy)."""
+        return None
 
     def _rollout_model(self) -> torch.nn.Module:
         """The denoiser the rounds' rollouts call (the trained one, wrapped)."""
