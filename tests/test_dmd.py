@@ -27,6 +27,7 @@ from trl_dance.preference_data import fitted_media
 from trl_dance.sampling import RolloutPlan, solve
 from trl_dance.sde import dance_sigmas
 from trl_dance.testing import save_tiny_pipeline
+from trl_dance.testing.flux import tiny_flux2_klein_pipeline
 
 ROWS = [{"prompt": p} for p in PROMPTS[:8] for _ in range(2)]
 
@@ -403,6 +404,11 @@ def test_bad_dmd_input_fails_at_construction(tiny_model_dir, tmp_path):
         dmd_config(tmp_path, fake_score_updates=0)
     with pytest.raises(ValueError, match="dmd_sigma_min < dmd_sigma_max"):
         dmd_config(tmp_path, dmd_sigma_min=0.5, dmd_sigma_max=0.4)
+    distilled = str(tmp_path / "klein-distilled")
+    tiny_flux2_klein_pipeline(0, is_distilled=True).save_pretrained(distilled)
+    with pytest.raises(ValueError, match="teacher_guidance_scale=4.0 has no effect on Flux2KleinPipeline"):
+        DMDTrainer(distilled, "brightness", args=dmd_config(tmp_path, teacher_guidance_scale=4.0, guidance_scale=1.0),
+                   train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}))  # fmt: skip
     with pytest.raises(ValueError, match="only return floats"):
         _trainer(tiny_model_dir, tmp_path, reward=lambda prompts, images, **_: [0.0] * len(prompts), reward_tilt=1.0)
 

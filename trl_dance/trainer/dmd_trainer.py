@@ -100,6 +100,15 @@ class DMDTrainer(RolloutTrainer):
             initial=None if teacher is None else self._teacher_tensors(teacher),
         )
         self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
+        denoiser_config = self.policy.denoiser.config
+        if args.teacher_guidance_scale > 1 and not (
+            self._teacher_policy.use_cfg or denoiser_config.get("guidance_embeds", False)
+        ):
+            raise ValueError(
+                f"teacher_guidance_scale={args.teacher_guidance_scale} has no effect on "
+                f"{type(self.policy.pipeline).__name__}: it runs no CFG (a step-distilled checkpoint) and has no "
+                "guidance embedding; set teacher_guidance_scale to 1"
+            )
         if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < args.dmd_sigma_max:
             raise ValueError(
                 f"AC-DMD re-noises each step's next level σ_s up to σ_t in (σ_s, dmd_sigma_max]: dmd_sigma_max "
