@@ -1,6 +1,6 @@
 """Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo"),
-DiffusionNFT ("nft") or DMD ("dmd", whose fake score and its optimizer are compared too, and across the two
-processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+DiffusionNFT ("nft") or DMD ("dmd", with DMD2's GAN head: the fake score, the head and their optimizer are compared
+too, and across the two processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
 checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
 JSON."""
 
@@ -11,6 +11,7 @@ import sys
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from PIL import Image
 
 from trl_dance import (
     DanceGRPOConfig,
@@ -90,8 +91,12 @@ def run(folder, max_steps, resume=None):
             per_device_train_batch_size=4,
             guidance_scale=3.5,
             teacher_guidance_scale=4.5,
+            gan_generator_weight=0.1,  # with DMD2's GAN head (built at the first fake update) on real images
         )
-        trainer = DMDTrainer(model_dir, "brightness", args=args, train_dataset=dataset, peft_config=lora)
+        images = Dataset.from_dict(
+            {"prompt": dataset["prompt"], "image": [Image.new("RGB", (40, 48), (16 * i, 250, 90)) for i in range(8)]}
+        )
+        trainer = DMDTrainer(model_dir, "brightness", args=args, train_dataset=images, peft_config=lora)
         trainer.train(resume_from_checkpoint=resume)
         return trainer
     args = DanceGRPOConfig(
@@ -119,8 +124,10 @@ different = [name for (name, a), b in both if a.requires_grad and not torch.equa
 if kind == "dmd":
     fake = resumed.fake_score.params
     different += [f"fake_score.{name}" for name, a in full.fake_score.params.items() if not torch.equal(a, fake[name])]
-    flat = torch.cat([value.flatten() for value in fake.values()])
-    ranks = resumed.accelerator.gather(flat[None])  # (2, n): the fake score must be the same on both processes
+    head = dict(resumed.gan_head.named_parameters())
+    different += [f"gan_head.{name}" for name, a in full.gan_head.named_parameters() if not torch.equal(a, head[name])]
+    flat = torch.cat([value.flatten() for value in [*fake.values(), *head.values()]])
+    ranks = resumed.accelerator.gather(flat[None])  # (2, n): the fake score and head the same on both processes
     different += ["fake_score across processes"] if not torch.equal(ranks[0], ranks[1]) else []
 if resumed.accelerator.is_main_process:
     with open(result_path, "w") as handle:
