@@ -492,6 +492,25 @@ def test_reward_tilt_raises_the_reward(tiny_model_dir, tmp_path):
     train_and_assert_reward_rose(trainer, "brightness", 0.012)
 
 
+def test_reward_tilt_hinge_has_no_reward_gradient_above_its_margin(tiny_model_dir, tmp_path):
+    """RTDMD's hinge `reward_tilt` × relu(margin − reward): with every reward above the margin the student's gradient is
+    plain DMD's; with every reward below it, the linear tilt's (relu(m − r) = m − r), which differs."""
+    trainer = _trainer(tiny_model_dir, tmp_path, reward_tilt=1.0)
+    trainer._generate_and_score(ROWS)
+    inputs = trainer._microbatch(trainer._microbatches[0])
+
+    def gradient(tilt: float, margin: float | None) -> torch.Tensor:
+        trainer.args.reward_tilt, trainer.args.reward_tilt_margin = tilt, margin
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, inputs).backward()
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
+
+    plain, linear = gradient(0.0, None), gradient(1.0, None)  # (brightness is in [0, 1])
+    assert (linear - plain).abs().max() > 1e-3 * linear.abs().max()
+    torch.testing.assert_close(gradient(1.0, -10.0), plain)
+    torch.testing.assert_close(gradient(1.0, 10.0), linear)
+
+
 def test_a_distilled_student_trains_on_with_its_lora_merged(tiny_model_dir, tmp_path):
     """RTDMD's second stage starts from the distilled student: `merge_lora` fuses a saved student LoRA into the base,
     after which the policy (a fresh LoRA, zero-initialised) samples exactly as the pipeline with the student's LoRA

@@ -46,6 +46,9 @@ class DMDConfig(RolloutConfig):
         reward_tilt (`float`, defaults to `0.0`): RTDMD's reward term: the student's loss subtracts `reward_tilt` ×
             the weighted sum of the rewards of its decoded clean sample, differentiated through the VAE decoder (the
             rewards must have a differentiable `score`, as `DirectRewardTrainer`'s). 0: plain DMD.
+        reward_tilt_margin (`float` or `None`, defaults to `None`): RTDMD's hinge: the reward term becomes
+            `reward_tilt` × relu(margin − reward), so a sample whose weighted reward is above the margin gets no reward
+            gradient (RTDMD: 3, on PickScore + CLIPScore + HPSv2 at weight 1 each). `None`: the linear term.
         loss_type (`str`, defaults to `"dmd"`): `"dmd"` (DMD2: the student is judged at its clean sample x_g) or
             `"ac_dmd"` (RTDMD's stage 1, AC-DMD: the student takes its CPS transition from the recorded state to the
             next step's σ_s; that x_s is re-noised to σ_t ∈ (σ_s, `dmd_sigma_max`] along the sub-interval, and the
@@ -93,6 +96,9 @@ class DMDConfig(RolloutConfig):
     dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
     dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
     reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
+    reward_tilt_margin: float | None = field(
+        default=None, metadata={"help": "RTDMD's hinge relu(margin - reward) for the reward term (None: linear)."}
+    )
     loss_type: str = field(
         default="dmd", metadata={"help": "'dmd' (DMD2) or 'ac_dmd' (RTDMD's stage 1).", "choices": ["dmd", "ac_dmd"]}
     )
@@ -119,6 +125,8 @@ class DMDConfig(RolloutConfig):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.loss_type not in ("dmd", "ac_dmd"):
             raise ValueError(f"loss_type must be 'dmd' or 'ac_dmd', got {self.loss_type!r}")
+        if self.reward_tilt_margin is not None and not math.isfinite(self.reward_tilt_margin):
+            raise ValueError(f"reward_tilt_margin must be finite, got {self.reward_tilt_margin}")
         if not 0 < self.cps_eta <= 1:
             raise ValueError(f"cps_eta must be in (0, 1], got {self.cps_eta}")
         for name in ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight", "consistency_weight"):

@@ -445,7 +445,9 @@ class DMDTrainer(RolloutTrainer):
                 for func, weight in zip(self.reward_funcs, self.reward_weights)
             )
             self._record("dmd/tilt_reward", reward.detach())
-            per_item = per_item - self.args.reward_tilt * reward
+            margin = self.args.reward_tilt_margin
+            tilt = -reward if margin is None else torch.relu(margin - reward)  # RTDMD's hinge: none above the margin
+            per_item = per_item + self.args.reward_tilt * tilt
         loss = per_item.mean()
         return (loss, velocity) if return_outputs else loss
 
@@ -461,6 +463,11 @@ class DMDTrainer(RolloutTrainer):
             + f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
             + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
+            + (
+                f" (hinge at {args.reward_tilt_margin})"
+                if args.reward_tilt and args.reward_tilt_margin is not None
+                else ""
+            )
             + (
                 f", AC-DMD (CPS η {args.cps_eta}, consistency {args.consistency_weight})"
                 if args.loss_type == "ac_dmd"
