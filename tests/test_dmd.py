@@ -2,6 +2,7 @@
 fake score's own optimizer, exact resume, bad input, distillation toward the teacher and RTDMD's reward tilt."""
 
 import copy
+import dataclasses
 import functools
 import math
 
@@ -367,6 +368,34 @@ def test_a_teacher_from_another_checkpoint_starts_the_fake_score(tiny_model_dir,
     assert instance.ref_model is saved
     with pytest.raises(ValueError, match="teacher_model must be a FluxTransformer2DModel"):
         _trainer(tiny_model_dir, tmp_path / "sd3", teacher_model_name_or_path=tiny_model_dir("sd3"))
+
+
+def test_a_base_teacher_runs_its_cfg_for_a_step_distilled_student(tmp_path):
+    """RTDMD's FLUX.2 [klein] cold start: the student's pipeline is step-distilled (no CFG), the teacher the base
+    checkpoint; the teacher's steps run through the trained pipeline with the base's own settings, so its guidance 4
+    is true CFG: its prediction equals the base pipeline's own policy's."""
+    from trl_dance.policies import SamplerSettings, make_policy
+    from trl_dance.trainer.diffusion_trainer import load_pipeline
+
+    student, base = str(tmp_path / "distilled"), str(tmp_path / "base")
+    tiny_flux2_klein_pipeline(0, is_distilled=True).save_pretrained(student)
+    tiny_flux2_klein_pipeline(0, is_distilled=False).save_pretrained(base)
+    args = dmd_config(
+        tmp_path / "run", guidance_scale=1.0, teacher_guidance_scale=4.0, teacher_model_name_or_path=base
+    )
+    trainer = DMDTrainer(student, "brightness", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}))
+    assert trainer._teacher_policy.use_cfg and not trainer.policy.use_cfg
+    assert trainer.policy.pipeline.config["is_distilled"]  # (the trained pipeline itself is left as it was)
+    own = make_policy(load_pipeline(base, args), SamplerSettings.from_config(args))
+    own = make_policy(own.pipeline, dataclasses.replace(own.settings, guidance_scale=4.0))
+    latents = own.initial_noise([torch.Generator().manual_seed(i) for i in range(2)])
+    sigma = torch.tensor([0.4, 0.8])
+    with torch.no_grad():
+        theirs = own.predict(own.denoiser, latents, own.encode_prompts(PROMPTS[:2]), at=sigma)
+        ours = trainer.reference_prediction(
+            trainer.model, latents, trainer._teacher_policy.encode_prompts(PROMPTS[:2]), sigma, trainer._teacher_policy
+        )
+    torch.testing.assert_close(ours, theirs)
 
 
 def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_model_dir, tmp_path):

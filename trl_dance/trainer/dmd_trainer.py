@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.configuration_utils import FrozenDict
 
 from ..forward_process import per_sample, renoise_interval
 from ..lora import add_lora
@@ -99,7 +101,9 @@ class DMDTrainer(RolloutTrainer):
             args.max_grad_norm,
             initial=None if teacher is None else self._teacher_tensors(teacher),
         )
-        self._teacher_policy = policy_with(self.policy, guidance_scale=args.teacher_guidance_scale)
+        self._teacher_policy = policy_with(
+            self.policy, self._teacher_pipeline(), guidance_scale=args.teacher_guidance_scale
+        )
         denoiser_config = self.policy.denoiser.config
         if args.teacher_guidance_scale > 1 and not (
             self._teacher_policy.use_cfg or denoiser_config.get("guidance_embeds", False)
@@ -138,6 +142,28 @@ class DMDTrainer(RolloutTrainer):
                     if ".lora_B." in name:
                         param.zero_()
         return teacher
+
+    def _teacher_pipeline(self) -> DiffusionPipeline:
+        """The pipeline the teacher's steps run through: the trained model's, with a teacher checkpoint's own pipeline
+        settings where they differ (FLUX.2 [klein]'s ``is_distilled``: a base teacher runs CFG where its step-distilled
+        student cannot). A view: the same components, another config."""
+        pipeline = self.policy.pipeline
+        source = self._teacher_source if self._teacher_source is not None else self.args.teacher_model_name_or_path
+        if isinstance(source, str):
+            try:
+                settings = DiffusionPipeline.load_config(source)
+            except OSError:  # a denoiser's folder without a pipeline index: the trained pipeline's settings
+                return pipeline
+        elif isinstance(source, DiffusionPipeline):
+            settings = dict(source.config)
+        else:
+            return pipeline
+        own = {k: v for k, v in settings.items() if not k.startswith("_") and not isinstance(v, (list, tuple))}
+        if all(pipeline.config.get(key) == value for key, value in own.items()):
+            return pipeline
+        view = copy.copy(pipeline)
+        view._internal_dict = FrozenDict({**pipeline.config, **own})
+        return view
 
     def _teacher_tensors(self, teacher: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The teacher's tensors at the trained tensors' names (the fake score's start): a ValueError if the two

@@ -68,13 +68,14 @@ def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defa
     return policy_with(policy, **(defaults | {name: value for name, value in given.items() if value is not None}))
 
 
-def policy_with(policy: DiffusionPolicy, **changes: Any) -> DiffusionPolicy:
-    """``policy`` with some SamplerSettings ``changes``: a second policy on the same pipeline (it holds no weights of
-    its own), the same runtime object (offloading, context-parallel gradient scale) and condition columns, or
-    ``policy`` itself when nothing changes."""
+def policy_with(policy: DiffusionPolicy, pipeline: DiffusionPipeline | None = None, **changes: Any) -> DiffusionPolicy:
+    """``policy`` with some SamplerSettings ``changes`` (and, if given, over a view of its ``pipeline`` with other
+    settings): a second policy on the same components (it holds no weights of its own), the same runtime object
+    (offloading, context-parallel gradient scale) and condition columns, or ``policy`` itself when nothing changes."""
     settings = dataclasses.replace(policy.settings, **changes)
-    if settings == policy.settings:
+    pipeline = policy.pipeline if pipeline is None else pipeline
+    if settings == policy.settings and pipeline is policy.pipeline:
         return policy
-    other = make_policy(policy.pipeline, settings, runtime=policy.runtime)
+    other = make_policy(pipeline, settings, runtime=policy.runtime)
     other.use_condition_columns(list(policy.condition_columns))  # (the optional columns the run conditions on)
     return other
