@@ -16,7 +16,7 @@ class FakeScore(OldPolicy):
     AdamW, and forwards of the module with it in their place (peft, the Trainer's optimizer, DDP and DeepSpeed never
     see it): :attr:`model` without gradients (:class:`OldPolicy`'s), :meth:`in_place` for a forward and its backward.
     It starts equal to the student, as verl-omni's ``fake_score`` adapter (with a zero-initialised LoRA: the teacher,
-    as DMD2's).
+    as DMD2's), or to ``initial``.
 
     Args:
         module: the denoiser whose trainable tensors are copied (and the fake score's forwards run).

@@ -34,7 +34,7 @@ class FeatureTap:
         self.block = blocks[self.index]
         self.block._compiled_call_impl = None  # eager (see above); a no-op when it was not compiled
         self._captured: list[torch.Tensor] | None = None
-        self._handle = self.block.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.block.register_forward_pre_hook(self._hook, with_kwargs=True)  # for the trainer's lifetime
 
     def _hook(self, module, args, kwargs) -> None:
         if self._captured is not None:
@@ -50,9 +50,6 @@ class FeatureTap:
             yield captured
         finally:
             self._captured = None
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 class GANHead(torch.nn.Module):
