@@ -442,7 +442,7 @@ def test_bad_dmd_input_fails_at_construction(tiny_model_dir, tmp_path):
         _trainer(tiny_model_dir, tmp_path, reward=lambda prompts, images, **_: [0.0] * len(prompts), reward_tilt=1.0)
 
 
-def _moment_distance(trainer, plan: RolloutPlan | None = None) -> float:
+def _moment_distance(trainer) -> float:
     """How far the student's 2-step samples are from the teacher's: per prompt, the per-element mean and standard
     deviation over 8 noises of its final latents against those of the teacher's 8-step Euler ODE (the base, the
     teacher's guidance, the shift-3 grid), squared differences averaged. Distribution matching targets exactly these
@@ -454,7 +454,7 @@ def _moment_distance(trainer, plan: RolloutPlan | None = None) -> float:
     start = trainer.policy.initial_noise(generators)
     with torch.no_grad():
         student = trainer.sample(rows, generators, model=trainer.model, cond=cond, initial_noise=start,
-                                 plan=plan or RolloutPlan.deterministic(2))["final_latents"]  # fmt: skip
+                                 plan=RolloutPlan.deterministic(2))["final_latents"]  # fmt: skip
         layers = [] if trainer.ref_model is not None else trainer._reference_toggle(trainer.model)[1]
         for layer in layers:
             layer.enable_adapters(False)
