@@ -75,7 +75,7 @@ class DMDTrainer(RolloutTrainer):
     _synchronous_reason = "DMDTrainer trains the student and its fake score on the student's current samples"
 
     def __init__(self, *args, teacher_model: str | DiffusionPipeline | torch.nn.Module | None = None, **kwargs):
-        self._teacher_source = teacher_model  # (read while the base class builds the reference)
+        self._teacher_source = teacher_model  # (resolved while the base class builds the reference)
         super().__init__(*args, **kwargs)
         args = self.args
         if self.parameter_sharding is not None:
@@ -91,7 +91,7 @@ class DMDTrainer(RolloutTrainer):
                     "Use rewards with a differentiable score(prompts, images) -> Tensor (the model rewards, brightness)"
                 )
         # The fake score runs on the teacher and starts as it (DMD2's); with the base as teacher, as the student.
-        teacher = self.ref_model if self._separate_teacher else None
+        teacher = self.ref_model if self._teacher_source is not None else None
         self.fake_score = FakeScore(
             self.policy.denoiser if teacher is None else teacher,
             args.fake_score_learning_rate,
@@ -128,8 +128,9 @@ class DMDTrainer(RolloutTrainer):
         """A teacher from another checkpoint (``teacher_model``, or ``args.teacher_model_name_or_path``), or None. With
         a LoRA, it gets the student's adapter layout, zeroed (its own forwards are its base's), for the fake score's
         tensors to take their place."""
-        source = self._teacher_source if self._teacher_source is not None else args.teacher_model_name_or_path
-        self._separate_teacher = source is not None
+        if self._teacher_source is None:  # the constructor's argument first, then the config's
+            self._teacher_source = args.teacher_model_name_or_path
+        source = self._teacher_source
         if source is None:
             return None
         teacher = load_denoiser(source, policy, args, "teacher_model")
@@ -148,7 +149,7 @@ class DMDTrainer(RolloutTrainer):
         settings where they differ (FLUX.2 [klein]'s ``is_distilled``: a base teacher runs CFG where its step-distilled
         student cannot). A view: the same components, another config."""
         pipeline = self.policy.pipeline
-        source = self._teacher_source if self._teacher_source is not None else self.args.teacher_model_name_or_path
+        source = self._teacher_source
         if isinstance(source, str):
             try:
                 settings = DiffusionPipeline.load_config(source)
@@ -243,7 +244,8 @@ class DMDTrainer(RolloutTrainer):
     def _above(self, sigma: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         """σ (B,) drawn in [σ_min, σ_max] mapped affinely onto [max(σ_min, floor), σ_max]: AC-DMD's σ_t above σ_s
         (the identity where σ_s <= σ_min)."""
-        low, high, args = floor.clamp_min(self.args.dmd_sigma_min), self.args.dmd_sigma_max, self.args
+        args = self.args
+        low, high = floor.clamp_min(args.dmd_sigma_min), args.dmd_sigma_max
         return low + (sigma - args.dmd_sigma_min) / (high - args.dmd_sigma_min) * (high - low)
 
     def _draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -485,7 +487,7 @@ class DMDTrainer(RolloutTrainer):
         return super()._model_card_details() | {
             "sampling": f"{args.num_inference_steps} deterministic steps, guidance {args.guidance_scale}, "
             f"{self._sample_size()}",
-            "DMD": (f"teacher {self._teacher_name()}, " if self._separate_teacher else "")
+            "DMD": (f"teacher {self._teacher_name()}, " if self._teacher_source is not None else "")
             + f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
             + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
@@ -508,7 +510,7 @@ class DMDTrainer(RolloutTrainer):
         }
 
     def _teacher_name(self) -> str:
-        source = self._teacher_source if self._teacher_source is not None else self.args.teacher_model_name_or_path
+        source = self._teacher_source
         return source if isinstance(source, str) else type(source).__name__
 
     def _resume_state(self) -> dict[str, Any]:
