@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LORA_TARGETS, PROMPTS, family_overrides, tiny_grpo_config
+from conftest import LORA_TARGETS, PROMPTS, family_overrides, tiny_grpo_config, tiny_online_values
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -218,3 +218,50 @@ def test_full_denoiser_state_dict_is_saved_in_shards_that_from_pretrained_reads(
     assert len(shards) > 1 and os.path.isfile(tmp_path / "full" / "diffusion_pytorch_model.safetensors.index.json")
     loaded = SD3Transformer2DModel.from_pretrained(str(tmp_path / "full")).state_dict()
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_bf16_distillation_trains_its_fp32_student_fake_score_and_gan_head(tiny_model_dir, tmp_path):
+    """DMD in the configuration its recipes run: a bf16 pipeline, AC-DMD with the GAN head, activation checkpointing and
+    a teacher from another checkpoint (loaded in bf16 too). One round at lr 1e-5 moves every entry of the student's LoRA,
+    of the fake score (a float32 copy, two updates) and of the GAN head (float32 on top of autocast), where bf16 tensors
+    would round most of these updates away; the bases stay bf16."""
+    from PIL import Image
+
+    from trl_dance import DMDConfig, DMDTrainer
+    from trl_dance.testing import save_tiny_pipeline
+
+    teacher = save_tiny_pipeline("flux", str(tmp_path / "teacher"), seed=1)
+    args = DMDConfig(
+        **tiny_online_values(tmp_path / "run")
+        | {
+            "bf16": True,
+            "model_init_kwargs": {"dtype": "bfloat16"},
+            "loss_type": "ac_dmd",
+            "gan_generator_weight": 0.5,
+            "activation_checkpointing": True,
+            "teacher_model_name_or_path": teacher,
+            "teacher_guidance_scale": 3.5,
+            "guidance_scale": 3.5,
+            "num_inference_steps": 2,
+            "learning_rate": 1e-5,
+            "fake_score_learning_rate": 1e-5,
+            "fake_score_updates": 2,
+            "max_steps": 1,
+        }
+    )
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:8], "image": [Image.new("RGB", (48, 40), (250, 250, 250))] * 8})
+    lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    trainer = DMDTrainer(tiny_model_dir("flux"), "brightness", args=args, train_dataset=dataset, peft_config=lora)
+    student = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+    fake = trainer.fake_score.params
+    assert all(p.dtype == torch.float32 for p in [*student.values(), *fake.values()])
+    bases = [trainer.ref_model, trainer.model]
+    assert all(p.dtype == torch.bfloat16 for m in bases for name, p in m.named_parameters() if "lora_" not in name)
+    before = {name: p.detach().clone() for name, p in [*student.items(), *(("fake." + n, p) for n, p in fake.items())]}
+    trainer.train()
+    head = list(trainer.gan_head.parameters())
+    assert trainer.state.global_step == 1 and head and all(p.dtype == torch.float32 for p in head)
+    for what, tensors in (("student", student), ("fake score", {"fake." + n: p for n, p in fake.items()})):
+        moved = torch.cat([(p.detach() != before[name]).flatten() for name, p in tensors.items()])
+        print(f"{what}: {moved.float().mean().item():.4f} of {moved.numel()} entries moved")
+        assert moved.float().mean() > 0.999, what
