@@ -1,6 +1,6 @@
 """Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo"),
-DiffusionNFT ("nft") or DMD ("dmd", with DMD2's GAN head: the fake score, the head and their optimizer are compared
-too, and across the two processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+DiffusionNFT ("nft") or DMD ("dmd": AC-DMD with DMD2's GAN head and the teacher from another checkpoint, argv[5]; the
+fake score, the head and their optimizer are compared too, and across the two processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
 checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
 JSON."""
 
@@ -26,6 +26,7 @@ from trl_dance import (
 from trl_dance.testing import tiny_preference_dataset
 
 model_dir, output_dir, result_path, kind = sys.argv[1:5]
+teacher = sys.argv[5] if kind == "dmd" else None
 torch.set_num_threads(1)
 # 8 prompts, 4 per round: 2 rounds per epoch. Each process: 4 samples x 5 steps = one micro-batch per round.
 dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(8)]})
@@ -92,6 +93,8 @@ def run(folder, max_steps, resume=None):
             guidance_scale=3.5,
             teacher_guidance_scale=4.5,
             gan_generator_weight=0.1,  # with DMD2's GAN head (built at the first fake update) on real images
+            loss_type="ac_dmd",
+            teacher_model_name_or_path=teacher,
         )
         images = Dataset.from_dict(
             {"prompt": dataset["prompt"], "image": [Image.new("RGB", (40, 48), (16 * i, 250, 90)) for i in range(8)]}

@@ -364,8 +364,17 @@ def test_a_teacher_from_another_checkpoint_starts_the_fake_score(tiny_model_dir,
     assert (ours - theirs).abs().max() > 1e-2
     trainer.compute_loss(trainer.model, inputs).backward()
     assert all(p.grad.abs().max() == 0 for p in trainer.model.parameters() if p.requires_grad)
+    # Its adapter's A (the fake score's start) is the student's initial A, drawn from the seed whatever the global
+    # generator held before (unseeded, two runs of one seed started their fake scores apart).
+    lora_a = {n: p for n, p in teacher.named_parameters() if ".lora_A." in n}
+    assert lora_a and all(torch.equal(p, trainer.fake_score.params[n]) for n, p in lora_a.items())
+    torch.manual_seed(12345)
     instance = _trainer(tiny_model_dir, tmp_path / "instance", teacher_model=saved)
     assert instance.ref_model is saved
+    student = dict(instance.model.named_parameters())
+    assert all(
+        torch.equal(p, lora_a[n]) and torch.equal(p, student[n]) for n, p in saved.named_parameters() if n in lora_a
+    )
     with pytest.raises(ValueError, match="teacher_model must be a FluxTransformer2DModel"):
         _trainer(tiny_model_dir, tmp_path / "sd3", teacher_model_name_or_path=tiny_model_dir("sd3"))
 

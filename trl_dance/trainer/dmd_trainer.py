@@ -126,8 +126,8 @@ class DMDTrainer(RolloutTrainer):
 
     def _reference_model(self, policy: DiffusionPolicy, args: DMDConfig, peft_config) -> torch.nn.Module | None:
         """A teacher from another checkpoint (``teacher_model``, or ``args.teacher_model_name_or_path``), or None. With
-        a LoRA, it gets the student's adapter layout, zeroed (its own forwards are its base's), for the fake score's
-        tensors to take their place."""
+        a LoRA, it gets the student's adapter layout with B zeroed (its own forwards are its base's), for the fake
+        score's tensors to take their place; A is drawn as the student's is, from ``args.seed``."""
         if self._teacher_source is None:  # the constructor's argument first, then the config's
             self._teacher_source = args.teacher_model_name_or_path
         source = self._teacher_source
@@ -137,7 +137,12 @@ class DMDTrainer(RolloutTrainer):
         if teacher is policy.denoiser:
             raise ValueError("teacher_model is the trained denoiser itself: leave it unset to distil from its base")
         if peft_config is not None:
-            add_lora(teacher, peft_config)
+            # Seeded: the adapter's random A becomes the fake score's start, and this runs before the Trainer seeds
+            # (unseeded, two runs of one seed differed, and ranks whose generators differ would start apart).
+            cuda = sorted({p.device.index for p in teacher.parameters() if p.device.type == "cuda"})
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(args.seed)
+                add_lora(teacher, peft_config)
             with torch.no_grad():
                 for name, param in teacher.named_parameters():
                     if ".lora_B." in name:
