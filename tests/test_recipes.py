@@ -29,6 +29,22 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
     return result
 
 
+def _real_image_rows(tmp_path) -> list[str]:
+    """``--prompts_file`` (a .jsonl of the tiny prompts, each with an image path relative to the repository, where the
+    recipes run) and ``--gan_generator_weight``."""
+    import json
+
+    with open(os.path.join(ROOT, "recipes", "data", "tiny_prompts.txt")) as handle:
+        prompts = [line.strip() for line in handle if line.strip()]
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as handle:
+        for i, prompt in enumerate(prompts):
+            path = tmp_path / f"real{i}.png"
+            Image.new("RGB", (40, 48), (240, 200 - 10 * (i % 8), 30)).save(path)
+            handle.write(json.dumps({"prompt": prompt, "image": os.path.relpath(path, ROOT)}) + "\n")
+    return ["--prompts_file", str(rows), "--gan_generator_weight", "0.1"]
+
+
 @pytest.mark.parametrize(
     ("script", "config", "kind"),
     [
@@ -55,15 +71,19 @@ def _run_recipe(script: str, config: str, *arguments: str) -> subprocess.Complet
     ],
 )
 def test_tiny_recipe_runs_from_yaml_with_cli_overrides(tiny_model_dir, tmp_path, script, config, kind):
-    """The README's main job, shortened: the real script, the shipped YAML, command-line overrides."""
+    """The README's main job, shortened: the real script, the shipped YAML, command-line overrides. DMD runs with its
+    GAN head on a .jsonl of prompts and image paths relative to the working directory (its documented form)."""
     output_dir = tmp_path / "out"
+    extra = _real_image_rows(tmp_path) if script == "dmd" else []
     result = _run_recipe(
         script,
         config,
         "--model_name_or_path", tiny_model_dir(kind), "--output_dir", str(output_dir), "--max_steps", "3",
-        "--num_sample_images", "2",
+        "--num_sample_images", "2", *extra,
     )  # fmt: skip
     assert "reward: first step" in result.stdout
+    if script == "dmd":
+        assert "'dmd/gan_discriminator_loss'" in result.stdout, result.stdout[-2000:]
     for name in ("pytorch_lora_weights.safetensors", "reward_curve.png", "samples.png"):
         assert (output_dir / name).exists(), name
     strip = 4 if kind in ("wan", "hunyuan-video", "hunyuan-video15", "minimax-h3") else 1  # videos: 4-frame strips
