@@ -6,6 +6,8 @@ from typing import Any
 
 from .rollout_config import RolloutConfig
 
+LOSS_TYPES = ["dmd", "ac_dmd", "rtdmd"]
+
 
 @dataclass
 class DMDConfig(RolloutConfig):
@@ -24,9 +26,9 @@ class DMDConfig(RolloutConfig):
     student update, teacher CFG 4, σ ~ U[0.02, 0.98]). Generation, reward and model fields:
     [`~trl_dance.trainer.rollout_config.RolloutConfig`]; the rewards only monitor unless `reward_tilt` > 0.
 
-    Units. One training item per sample per round: the sample's state at one of its steps drawn uniformly. A round has
-    `generation_batch_size / processes / per_device_train_batch_size` micro-batches, all accumulated into the student's
-    one update.
+    Units. One training item per sample per round: the sample's state at one of its steps drawn uniformly (`"rtdmd"`:
+    its last step, plus one item per PPO step). A round has `items / processes / per_device_train_batch_size`
+    micro-batches, all accumulated into the student's one update.
 
     Parameters:
         teacher_model_name_or_path (`str` or `None`, defaults to `None`): a teacher from another checkpoint (a Hub id
@@ -49,13 +51,22 @@ class DMDConfig(RolloutConfig):
         reward_tilt_margin (`float` or `None`, defaults to `None`): RTDMD's hinge: the reward term becomes
             `reward_tilt` × relu(margin − reward), so a sample whose weighted reward is above the margin gets no reward
             gradient (RTDMD: 3, on PickScore + CLIPScore + HPSv2 at weight 1 each). `None`: the linear term.
-        loss_type (`str`, defaults to `"dmd"`): `"dmd"` (DMD2: the student is judged at its clean sample x_g) or
+        loss_type (`str`, defaults to `"dmd"`): `"dmd"` (DMD2: the student is judged at its clean sample x_g),
             `"ac_dmd"` (RTDMD's stage 1, AC-DMD: the student takes its CPS transition from the recorded state to the
             next step's σ_s; that x_s is re-noised to σ_t ∈ (σ_s, `dmd_sigma_max`] along the sub-interval, and the
             teacher and the fake score each take one CPS step back to σ_s with the same noise; the fake score learns
-            the ambient velocity of that re-noising, plus `consistency_weight` × its consistency term). The student
-            then samples with CPS transitions (`cps_eta`), as RTDMD's does. At the last step (σ_s = 0) the two losses
-            are the same.
+            the ambient velocity of that re-noising, plus `consistency_weight` × its consistency term) or `"rtdmd"`
+            (RTDMD's stage 2, its hybrid policy gradient: PPO on `policy_gradient_steps` of the stochastic CPS steps
+            with group advantages of the rewards, plus, at the deterministic last step, `distribution_matching_weight`
+            × DMD's loss and the reward tilt; the fake score trains as AC-DMD's at that step). With `"ac_dmd"` and
+            `"rtdmd"` the student samples with CPS transitions (`cps_eta`), as RTDMD's does. At the last step (σ_s =
+            0) the DMD losses are the same.
+        distribution_matching_weight (`float`, defaults to `1.0`): the weight of DMD's generator loss in the student's
+            loss (RTDMD's stage 2: 1e-3 beside its policy gradient).
+        policy_gradient_steps (`int`, defaults to `2`): with `"rtdmd"`, the stochastic steps (of the first N − 1)
+            trained by PPO each round, drawn per round from (`seed`, round), the same for every sample and process
+            (RTDMD's "SubGRPO": 2 of the 3 of a 4-step student).
+        epsilon (`float`, defaults to `1e-5`): with `"rtdmd"`, PPO's clip range (TRL's name; RTDMD's 1e-5).
         cps_eta (`float`, defaults to `0.9`): with `"ac_dmd"`, the CPS transitions' noise angle a (std = σ'·sin(aπ/2);
             RTDMD's η 0.9), in the student's sampler and in the teacher's and fake score's steps.
         consistency_weight (`float`, defaults to `0.01`): AC-DMD's consistency term in the fake score's loss
@@ -100,8 +111,15 @@ class DMDConfig(RolloutConfig):
         default=None, metadata={"help": "RTDMD's hinge relu(margin - reward) for the reward term (None: linear)."}
     )
     loss_type: str = field(
-        default="dmd", metadata={"help": "'dmd' (DMD2) or 'ac_dmd' (RTDMD's stage 1).", "choices": ["dmd", "ac_dmd"]}
+        default="dmd",
+        metadata={
+            "help": "'dmd' (DMD2), 'ac_dmd' (RTDMD's stage 1) or 'rtdmd' (its stage 2: PPO + DMD at the last step).",
+            "choices": LOSS_TYPES,
+        },
     )
+    distribution_matching_weight: float = field(default=1.0, metadata={"help": "DMD's generator loss weight."})
+    policy_gradient_steps: int = field(default=2, metadata={"help": "rtdmd: CPS steps trained by PPO per round."})
+    epsilon: float = field(default=1e-5, metadata={"help": "rtdmd: PPO clip range."})
     consistency_weight: float = field(default=0.01, metadata={"help": "AC-DMD's consistency term weight."})
     cps_eta: float = field(default=0.9, metadata={"help": "AC-DMD: the CPS transitions' noise angle."})
     gan_generator_weight: float = field(default=0.0, metadata={"help": "DMD2's GAN term in the student's loss."})
@@ -123,21 +141,38 @@ class DMDConfig(RolloutConfig):
         for name in ("fake_score_learning_rate", "teacher_guidance_scale"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.loss_type not in ("dmd", "ac_dmd"):
-            raise ValueError(f"loss_type must be 'dmd' or 'ac_dmd', got {self.loss_type!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type == "rtdmd":
+            if self.num_generations < 2 and self.scale_rewards != "per_prompt":
+                raise ValueError(
+                    f"loss_type='rtdmd' trains by group advantages: num_generations must be >= 2 (or scale_rewards="
+                    f"'per_prompt'), got {self.num_generations}"
+                )
+            if not 1 <= self.policy_gradient_steps <= self.num_inference_steps - 1:
+                raise ValueError(
+                    f"policy_gradient_steps must be in [1, {self.num_inference_steps - 1}] (the stochastic steps: the "
+                    f"last, onto σ = 0, is deterministic), got {self.policy_gradient_steps}"
+                )
+            if not 0 < self.epsilon < 1:
+                raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
         if self.reward_tilt_margin is not None and not math.isfinite(self.reward_tilt_margin):
             raise ValueError(f"reward_tilt_margin must be finite, got {self.reward_tilt_margin}")
         if not 0 < self.cps_eta <= 1:
             raise ValueError(f"cps_eta must be in (0, 1], got {self.cps_eta}")
-        for name in ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight", "consistency_weight"):
+        weights = ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight", "consistency_weight")
+        for name in (*weights, "distribution_matching_weight"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
             raise ValueError("gan_generator_weight > 0 needs a trained classifier: gan_discriminator_weight > 0")
 
     def sde_settings(self) -> dict[str, Any]:
-        return {"sde_type": "cps", "eta": self.cps_eta} if self.loss_type == "ac_dmd" else {}
+        return {"sde_type": "cps", "eta": self.cps_eta} if self.loss_type != "dmd" else {}
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size
+        if self.loss_type == "rtdmd":
+            k = self.policy_gradient_steps
+            return samples * (k + 1), f"{samples} samples × ({k} PPO steps + the last) = {samples * (k + 1)} items"
         return samples, f"{samples} samples (one state each)"

@@ -14,6 +14,8 @@ from ..forward_process import per_sample, renoise_interval
 from ..lora import add_lora
 from ..losses import (
     ambient_velocity_error,
+    clipped_fraction,
+    clipped_surrogate,
     consistency_loss,
     dmd_loss,
     flow_matching_error,
@@ -223,7 +225,9 @@ class DMDTrainer(RolloutTrainer):
     def _needs_reference(args: DMDConfig) -> bool:
         return True  # the teacher
 
-    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str], weights=None):
+        if self.args.loss_type == "rtdmd":  # RTDMD's stage 2: its policy gradient's
+            return super()._advantages(all_rewards, total, prompts, weights)
         return torch.zeros_like(total)  # the rewards monitor (or tilt through their gradient): no group statistics
 
     def _signal_items(self, advantages: torch.Tensor) -> None:
@@ -234,7 +238,7 @@ class DMDTrainer(RolloutTrainer):
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
         steps = self.policy.num_steps
-        if self.args.loss_type == "ac_dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
+        if self.args.loss_type != "dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
             return RolloutPlan(steps, recorded_steps=tuple(range(steps)))
         return RolloutPlan.deterministic(steps, recorded_steps=tuple(range(steps)))
 
@@ -254,9 +258,12 @@ class DMDTrainer(RolloutTrainer):
         return low + (sigma - args.dmd_sigma_min) / (high - args.dmd_sigma_min) * (high - low)
 
     def _draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per sample: a step index (of the recorded ones), a noise level in [σ_min, σ_max] and a noise seed (host)."""
+        """Per sample: a step index (of the recorded ones; ``"rtdmd"``: the last), a noise level in [σ_min, σ_max] and a
+        noise seed (host)."""
         args, generator = self.args, self._cpu_generator
         steps = torch.randint(self.policy.num_steps, (count,), generator=generator)
+        if args.loss_type == "rtdmd":
+            steps = torch.full_like(steps, self.policy.num_steps - 1)
         sigmas = args.dmd_sigma_min + (args.dmd_sigma_max - args.dmd_sigma_min) * torch.rand(
             count, generator=generator
         )
@@ -274,11 +281,38 @@ class DMDTrainer(RolloutTrainer):
         for _ in range(self.args.fake_score_updates):
             self._update_fake_score()
         count, size = len(advantages), self.args.per_device_train_batch_size
+        if self.args.loss_type == "rtdmd":
+            return self._hybrid_items(rollout, count, size)
         order = torch.randperm(count, generator=self._cpu_generator)
         steps, sigmas, seeds = self._draw(count)
         seeds = torch.tensor(seeds)[order]
         return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
                         (s.tolist() for s in seeds.split(size))))  # fmt: skip
+
+    def _hybrid_items(self, rollout: dict[str, torch.Tensor], count: int, size: int) -> list:
+        """RTDMD's stage-2 items: each sample at its last step (DMD and the tilt) and at each of the round's PPO steps,
+        shuffled into micro-batches, each ordered PPO items first (its loss splits the rows by a host count)."""
+        self._rollout["log_probs"] = rollout["log_probs"]
+        chosen = self._policy_gradient_steps()
+        last = self.policy.num_steps - 1
+        steps, sigmas, seeds = self._draw(count)  # (the last step's σ and seed; PPO items ignore theirs)
+        k = len(chosen)
+        samples = torch.arange(count).repeat(k + 1)
+        steps = torch.cat([steps, chosen.repeat_interleave(count)])
+        order = torch.randperm(len(samples), generator=self._cpu_generator)
+        items = []
+        for part in order.split(size):
+            part = part[torch.argsort((steps[part] == last).long(), stable=True)]  # PPO items first
+            rows = samples[part]
+            items.append((rows, steps[part], sigmas[rows], [seeds[i] for i in rows.tolist()]))
+        return items
+
+    def _policy_gradient_steps(self) -> torch.Tensor:
+        """RTDMD's "SubGRPO": ``policy_gradient_steps`` of the N − 1 stochastic steps (host, sorted), drawn from
+        (seed, round): the same for every sample and process."""
+        generator = torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, 0x57D))
+        draw = torch.randperm(self.policy.num_steps - 1, generator=generator)
+        return draw[: self.args.policy_gradient_steps].sort().values
 
     def _real_latents(self, rows: list[dict[str, Any]]) -> torch.Tensor:
         """The latents (B, ...) of each row's real image (video), fitted to the sampled size; the VAE posterior's
@@ -304,7 +338,7 @@ class DMDTrainer(RolloutTrainer):
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
         steps, sigmas, seeds = self._draw(count)
-        gan, ac = self.gan_head is not None, args.loss_type == "ac_dmd"
+        gan, ac = self.gan_head is not None, args.loss_type != "dmd"  # (rtdmd: AC-DMD's at the last step)
         if gan:
             _, real_sigmas, real_seeds = self._draw(count)
         losses = []
@@ -411,9 +445,10 @@ class DMDTrainer(RolloutTrainer):
     def _microbatch(self, item: tuple) -> dict[str, Any]:
         samples, steps, sigmas, seeds = item
         rollout, device = self._rollout, self.accelerator.device
+        host_steps = steps
         rows, steps = samples.to(device), steps.to(device)
         state = rollout["visited"][rows, steps]
-        return {
+        inputs = {
             "state": state,
             "step": steps,
             "sigma": sigmas.to(device),
@@ -422,14 +457,54 @@ class DMDTrainer(RolloutTrainer):
             "cond": self._round_cond(rows),
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
         }
+        if self.args.loss_type == "rtdmd":  # the PPO items (first): their transition, rollout log-prob, advantage
+            n = int((host_steps < self.policy.num_steps - 1).sum())
+            ppo_rows, ppo_steps = rows[:n], steps[:n]
+            inputs |= {
+                "ppo_count": n,
+                "next_state": rollout["visited"][ppo_rows, ppo_steps + 1],
+                "old_log_prob": rollout["log_probs"][ppo_rows, ppo_steps],
+                "advantages": rollout["advantages"][ppo_rows],
+            }
+        return inputs
 
     # ----------------------------------------------------------------------------------------------------------
     # Loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        velocity = self.policy.predict(model, inputs["state"], inputs["cond"], at=inputs["step"])
+        if self.args.loss_type != "rtdmd":
+            loss = self._student_loss(model, velocity, inputs).mean()
+            return (loss, velocity) if return_outputs else loss
+        # RTDMD's stage 2: the PPO items' clipped surrogate, the last-step items' DMD loss and tilt, over all items.
+        n, terms = inputs["ppo_count"], []
+        if n:
+            terms.append(self._policy_gradient_loss(velocity[:n], inputs))
+        if n < len(velocity):
+            terms.append(self._student_loss(model, velocity[n:], _rows(inputs, slice(n, None))))
+        loss = torch.cat(terms).sum() / len(velocity)
+        return (loss, velocity) if return_outputs else loss
+
+    def _policy_gradient_loss(self, velocity: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """RTDMD's PPO term (n,) of the micro-batch's first n items: the clipped surrogate of the CPS step's exact
+        Gaussian log-probability ratio to the rollout's, with the sample's group advantage."""
+        n, args = len(velocity), self.args
+        step_index = inputs["step"][:n]
+        step = self.policy.step(velocity, inputs["state"][:n], step_index, prev_sample=inputs["next_state"])
+        log_ratio = step.log_prob - inputs["old_log_prob"]
+        ratio, advantages = torch.exp(log_ratio), inputs["advantages"]
+        per_item = clipped_surrogate(ratio, advantages, args.epsilon)
+        with torch.no_grad():
+            self._record("clip_ratio/region_mean", clipped_fraction(ratio, advantages, args.epsilon))
+            self._record("ratio/mean", ratio)
+            self._record("dmd/policy_gradient_loss", per_item)
+        return per_item
+
+    def _student_loss(self, model, velocity: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """DMD's student loss (B,) of the items whose prediction is ``velocity``: the generator loss (weighted), GAN
+        and reward tilt where set."""
         policy, process = self.policy, self.process
         state, step, sigma, cond = inputs["state"], inputs["step"], inputs["sigma"], inputs["cond"]
-        velocity = policy.predict(model, state, cond, at=step)
         generated = process.predicted_clean(velocity, state, step)  # x̂0, with the student's gradient
         noise = inputs["noise"]
         if self.args.loss_type == "ac_dmd":  # judged at σ_s after its CPS transition; re-noised to σ_t ∈ (σ_s, σ_max]
@@ -461,9 +536,10 @@ class DMDTrainer(RolloutTrainer):
             with torch.no_grad():
                 fake = policy.predict(self.fake_score.model, noisy, cond, at=sigma)
         real_target, fake_target = back(real, noisy), back(fake, noisy)
-        per_item = dmd_loss(judged, real_target, fake_target)
+        generator = dmd_loss(judged, real_target, fake_target)
+        per_item = self.args.distribution_matching_weight * generator
         dims = tuple(range(1, noisy.ndim))
-        self._record("dmd/generator_loss", per_item)
+        self._record("dmd/generator_loss", generator)
         self._record("dmd/real_fake_distance", (fake_target - real_target).abs().mean(dim=dims))
         if self.gan_head is not None:
             # softplus(−D(x_σ)) in value; in gradient, its gradient in x_σ through x_σ's dependence on the judged sample.
@@ -481,8 +557,7 @@ class DMDTrainer(RolloutTrainer):
             margin = self.args.reward_tilt_margin
             tilt = -reward if margin is None else torch.relu(margin - reward)  # RTDMD's hinge: none above the margin
             per_item = per_item + self.args.reward_tilt * tilt
-        loss = per_item.mean()
-        return (loss, velocity) if return_outputs else loss
+        return per_item
 
     # ----------------------------------------------------------------------------------------------------------
     # Model card and checkpoints: the fake score and its optimizer travel with them
@@ -504,6 +579,12 @@ class DMDTrainer(RolloutTrainer):
             + (
                 f", AC-DMD (CPS η {args.cps_eta}, consistency {args.consistency_weight})"
                 if args.loss_type == "ac_dmd"
+                else ""
+            )
+            + (
+                f", RTDMD's stage 2 (PPO on {args.policy_gradient_steps} of the CPS steps at η {args.cps_eta}, clip "
+                f"{args.epsilon}; DMD weight {args.distribution_matching_weight} at the last step)"
+                if args.loss_type == "rtdmd"
                 else ""
             )
             + (
@@ -531,6 +612,14 @@ class DMDTrainer(RolloutTrainer):
             self.gan_head.load_state_dict(state["gan_head"])
             self.fake_score.add_parameters(list(self.gan_head.parameters()))
         self.fake_score.load_state_dict(state["fake_score"])
+
+
+def _rows(inputs: dict[str, Any], part: slice) -> dict[str, Any]:
+    """The student-loss inputs of the items ``part`` of a micro-batch (tensors, lists and the conditioning sliced)."""
+    keys = ("state", "step", "sigma", "noise", "seeds", "prompts")
+    return {key: inputs[key][part] for key in keys} | {
+        "cond": {key: value[part] for key, value in inputs["cond"].items()}
+    }
 
 
 def _noise(seeds: list[int], like: torch.Tensor, stream: int) -> torch.Tensor:
