@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from .evaluation import policy_with
 from .fake_score import FakeScore
 from .gan_head import FeatureTap, GANHead
 from .rollout_trainer import RolloutTrainer, _columns
+
+logger = logging.getLogger(__name__)
 
 
 class DMDTrainer(RolloutTrainer):
@@ -92,6 +95,13 @@ class DMDTrainer(RolloutTrainer):
                     f"reward_tilt back-propagates the rewards through the decoded sample; {plain} only return floats. "
                     "Use rewards with a differentiable score(prompts, images) -> Tensor (the model rewards, brightness)"
                 )
+        if args.merge_lora and self._teacher_source is None:
+            logger.warning(
+                "merge_lora with no teacher_model_name_or_path: the teacher is the base with %s merged (the student "
+                "this run starts from), not the original model; RTDMD's stage 2 judges against the original: set "
+                "teacher_model_name_or_path to it",
+                args.merge_lora,
+            )
         # The fake score runs on the teacher and starts as it (DMD2's); with the base as teacher, as the student.
         teacher = self.ref_model if self._teacher_source is not None else None
         self.fake_score = FakeScore(
