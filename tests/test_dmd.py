@@ -460,9 +460,9 @@ def _rtdmd(tiny_model_dir, tmp_path, **overrides) -> DMDTrainer:
 
 def test_rtdmd_trains_each_sample_on_the_rounds_ppo_steps_and_its_last_step_on_policy(tiny_model_dir, tmp_path):
     """RTDMD's stage 2: each sample is an item at its deterministic last step (DMD) and at each of the round's PPO
-    steps, which are the same for every sample and drawn from (seed, round); the PPO items' recomputed CPS
-    log-probabilities equal the rollout's (ratio 1 on-policy), and at zero advantages with no DMD weight the gradient is
-    exactly 0, while the advantages alone give one."""
+    steps, which are the same for every sample and drawn from (seed, round), in micro-batches of one kind; the PPO
+    items' recomputed CPS log-probabilities equal the rollout's (ratio 1 on-policy), and a PPO micro-batch's gradient
+    is exactly 0 at zero advantages (whatever the DMD weight), not with the round's."""
     trainer = _rtdmd(tiny_model_dir, tmp_path, policy_gradient_steps=1)
     rows = [{"prompt": p} for p in PROMPTS[:4] for _ in range(4)]
     trainer._generate_and_score(rows)
@@ -477,22 +477,18 @@ def test_rtdmd_trains_each_sample_on_the_rounds_ppo_steps_and_its_last_step_on_p
         and (steps == 2).sum() == 16
         and sorted(samples.tolist()) == sorted(list(range(16)) * 2)
     )
-    for item in items:  # PPO items first
-        ppo = (item[1] < 2).long()
-        assert torch.equal(ppo, ppo.sort(descending=True).values)
+    assert all(len(set((item[1] == 2).tolist())) == 1 for item in items)  # micro-batches of one kind
     trainer._generation_round -= 1
     assert trainer._policy_gradient_steps().tolist() == sorted(chosen)  # (seed, round) decide
-    for item in items:
-        inputs = trainer._microbatch(item)
-        n = inputs["ppo_count"]
-        cond = {key: value[:n] for key, value in inputs["cond"].items()}
+    ppo = [trainer._microbatch(item) for item in items if item[1][0] < 2]
+    assert len(ppo) == 2
+    for inputs in ppo:
         with torch.no_grad():
-            v = trainer.policy.predict(trainer.model, inputs["state"][:n], cond, at=inputs["step"][:n])
-            step = trainer.policy.step(v, inputs["state"][:n], inputs["step"][:n], prev_sample=inputs["next_state"])
+            v = trainer.policy.predict(trainer.model, inputs["state"], inputs["cond"], at=inputs["step"])
+            step = trainer.policy.step(v, inputs["state"], inputs["step"], prev_sample=inputs["next_state"])
         assert (step.log_prob - inputs["old_log_prob"]).abs().max() < 1e-5
 
-    inputs = trainer._microbatch(items[0])
-    assert 0 < inputs["ppo_count"] < 8
+    inputs = ppo[0]
 
     def gradient(advantages: torch.Tensor, weight: float) -> torch.Tensor:
         trainer.args.distribution_matching_weight = weight
@@ -500,9 +496,8 @@ def test_rtdmd_trains_each_sample_on_the_rounds_ppo_steps_and_its_last_step_on_p
         trainer.compute_loss(trainer.model, inputs | {"advantages": advantages}).backward()
         return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
 
-    zero = torch.zeros_like(inputs["advantages"])
-    assert gradient(zero, 0.0).abs().max() == 0
-    assert gradient(inputs["advantages"], 0.0).abs().max() > 0 and gradient(zero, 1.0).abs().max() > 0
+    assert gradient(torch.zeros_like(inputs["advantages"]), 1.0).abs().max() == 0  # (DMD's items are apart)
+    assert gradient(inputs["advantages"], 1.0).abs().max() > 0
 
 
 def test_rtdmd_resumes_exactly(tiny_model_dir, tmp_path):
@@ -519,6 +514,8 @@ def test_bad_rtdmd_input_fails_at_construction(tmp_path):
         dmd_config(tmp_path, **values, policy_gradient_steps=3)
     with pytest.raises(ValueError, match=r"epsilon must be in \(0, 1\)"):
         dmd_config(tmp_path, **values, epsilon=0.0)
+    with pytest.raises(ValueError, match="micro-batches of one kind"):  # (36 items, but 12 samples)
+        dmd_config(tmp_path, **values, num_generations=4, generation_batch_size=12, per_device_train_batch_size=9)
 
 
 # RTDMD's stage 2 (3-step CPS student, PPO on both stochastic steps, groups of 4, DMD weight 1e-3, lr 1e-2, 20

@@ -156,6 +156,12 @@ class DMDConfig(RolloutConfig):
                 )
             if not 0 < self.epsilon < 1:
                 raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
+            if self.per_device_generation_batch_size % self.per_device_train_batch_size:
+                raise ValueError(
+                    f"loss_type='rtdmd' trains its last-step items and its PPO items in micro-batches of one kind: "
+                    f"per_device_train_batch_size ({self.per_device_train_batch_size}) must divide each process's "
+                    f"{self.per_device_generation_batch_size} samples"
+                )
         if self.reward_tilt_margin is not None and not math.isfinite(self.reward_tilt_margin):
             raise ValueError(f"reward_tilt_margin must be finite, got {self.reward_tilt_margin}")
         if not 0 < self.cps_eta <= 1:

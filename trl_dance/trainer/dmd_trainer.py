@@ -301,21 +301,17 @@ class DMDTrainer(RolloutTrainer):
 
     def _hybrid_items(self, rollout: dict[str, torch.Tensor], count: int, size: int) -> list:
         """RTDMD's stage-2 items: each sample at its last step (DMD and the tilt) and at each of the round's PPO steps,
-        shuffled into micro-batches, each ordered PPO items first (its loss splits the rows by a host count)."""
+        in micro-batches of one kind (each loss has its own forwards, of a fixed batch), in a shuffled order."""
         self._rollout["log_probs"] = rollout["log_probs"]
-        chosen = self._policy_gradient_steps()
-        last = self.policy.num_steps - 1
-        steps, sigmas, seeds = self._draw(count)  # (the last step's σ and seed; PPO items ignore theirs)
-        k = len(chosen)
-        samples = torch.arange(count).repeat(k + 1)
-        steps = torch.cat([steps, chosen.repeat_interleave(count)])
-        order = torch.randperm(len(samples), generator=self._cpu_generator)
-        items = []
-        for part in order.split(size):
-            part = part[torch.argsort((steps[part] == last).long(), stable=True)]  # PPO items first
-            rows = samples[part]
-            items.append((rows, steps[part], sigmas[rows], [seeds[i] for i in rows.tolist()]))
-        return items
+        chosen, generator = self._policy_gradient_steps(), self._cpu_generator
+        steps, sigmas, seeds = self._draw(count)  # (the last step's σ and seed)
+        samples = torch.arange(count)
+        ppo = torch.cartesian_prod(samples, chosen)[torch.randperm(count * len(chosen), generator=generator)]
+        items = [(rows, steps[rows], sigmas[rows], [seeds[i] for i in rows.tolist()])
+                 for rows in torch.randperm(count, generator=generator).split(size)]  # fmt: skip
+        items += [(pairs[:, 0], pairs[:, 1], sigmas[pairs[:, 0]], [seeds[i] for i in pairs[:, 0].tolist()])
+                  for pairs in ppo.split(size)]  # fmt: skip
+        return [items[i] for i in torch.randperm(len(items), generator=generator).tolist()]
 
     def _policy_gradient_steps(self) -> torch.Tensor:
         """RTDMD's "SubGRPO": ``policy_gradient_steps`` of the N − 1 stochastic steps (host, sorted), drawn from
@@ -467,14 +463,11 @@ class DMDTrainer(RolloutTrainer):
             "cond": self._round_cond(rows),
             "prompts": [rollout["prompts"][i] for i in samples.tolist()],
         }
-        if self.args.loss_type == "rtdmd":  # the PPO items (first): their transition, rollout log-prob, advantage
-            n = int((host_steps < self.policy.num_steps - 1).sum())
-            ppo_rows, ppo_steps = rows[:n], steps[:n]
+        if self.args.loss_type == "rtdmd" and host_steps[0] < self.policy.num_steps - 1:  # PPO items
             inputs |= {
-                "ppo_count": n,
-                "next_state": rollout["visited"][ppo_rows, ppo_steps + 1],
-                "old_log_prob": rollout["log_probs"][ppo_rows, ppo_steps],
-                "advantages": rollout["advantages"][ppo_rows],
+                "next_state": rollout["visited"][rows, steps + 1],
+                "old_log_prob": rollout["log_probs"][rows, steps],
+                "advantages": rollout["advantages"][rows],
             }
         return inputs
 
@@ -483,24 +476,18 @@ class DMDTrainer(RolloutTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         velocity = self.policy.predict(model, inputs["state"], inputs["cond"], at=inputs["step"])
-        if self.args.loss_type != "rtdmd":
-            loss = self._student_loss(model, velocity, inputs).mean()
-            return (loss, velocity) if return_outputs else loss
-        # RTDMD's stage 2: the PPO items' clipped surrogate, the last-step items' DMD loss and tilt, over all items.
-        n, terms = inputs["ppo_count"], []
-        if n:
-            terms.append(self._policy_gradient_loss(velocity[:n], inputs))
-        if n < len(velocity):
-            terms.append(self._student_loss(model, velocity[n:], _rows(inputs, slice(n, None))))
-        loss = torch.cat(terms).sum() / len(velocity)
+        if "advantages" in inputs:  # RTDMD's stage 2: a micro-batch of PPO items
+            per_item = self._policy_gradient_loss(velocity, inputs)
+        else:
+            per_item = self._student_loss(model, velocity, inputs)
+        loss = per_item.mean()
         return (loss, velocity) if return_outputs else loss
 
     def _policy_gradient_loss(self, velocity: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
-        """RTDMD's PPO term (n,) of the micro-batch's first n items: the clipped surrogate of the CPS step's exact
-        Gaussian log-probability ratio to the rollout's, with the sample's group advantage."""
-        n, args = len(velocity), self.args
-        step_index = inputs["step"][:n]
-        step = self.policy.step(velocity, inputs["state"][:n], step_index, prev_sample=inputs["next_state"])
+        """RTDMD's PPO term (B,): the clipped surrogate of the CPS step's exact Gaussian log-probability ratio to the
+        rollout's, with the sample's group advantage."""
+        args = self.args
+        step = self.policy.step(velocity, inputs["state"], inputs["step"], prev_sample=inputs["next_state"])
         log_ratio = step.log_prob - inputs["old_log_prob"]
         ratio, advantages = torch.exp(log_ratio), inputs["advantages"]
         per_item = clipped_surrogate(ratio, advantages, args.epsilon)
@@ -622,14 +609,6 @@ class DMDTrainer(RolloutTrainer):
             self.gan_head.load_state_dict(state["gan_head"])
             self.fake_score.add_parameters(list(self.gan_head.parameters()))
         self.fake_score.load_state_dict(state["fake_score"])
-
-
-def _rows(inputs: dict[str, Any], part: slice) -> dict[str, Any]:
-    """The student-loss inputs of the items ``part`` of a micro-batch (tensors, lists and the conditioning sliced)."""
-    keys = ("state", "step", "sigma", "noise", "seeds", "prompts")
-    return {key: inputs[key][part] for key in keys} | {
-        "cond": {key: value[part] for key, value in inputs["cond"].items()}
-    }
 
 
 def _noise(seeds: list[int], like: torch.Tensor, stream: int) -> torch.Tensor:
