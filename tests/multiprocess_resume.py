@@ -1,6 +1,6 @@
 """Run by tests/test_multiprocess.py under `accelerate launch` with two processes: GRPO (argv[4] "grpo"),
-DiffusionNFT ("nft") or DMD ("dmd": AC-DMD with DMD2's GAN head and the teacher from another checkpoint, argv[5]; the
-fake score, the head and their optimizer are compared too, and across the two processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
+DiffusionNFT ("nft") or DMD ("dmd": RTDMD's stage 2 with DMD2's GAN head and the teacher from another checkpoint,
+argv[5]; the fake score, the head and their optimizer are compared too, and across the two processes) for 6 rounds over 3 epochs, or Diffusion-DPO ("dpo") for 6 steps over 3 epochs, uninterrupted, then 3 rounds / steps with a
 checkpoint and a resumed run to 6; writes (main process) whether the two final LoRAs are bit-identical to argv[3] as
 JSON."""
 
@@ -81,7 +81,8 @@ def run(folder, max_steps, resume=None):
         trainer.train(resume_from_checkpoint=resume)
         return trainer
     if kind == "dmd":
-        # Each process: 4 samples of 2 steps, one micro-batch per round; 2 fake-score updates per round.
+        # Each process: 4 samples of 2 steps a micro-batch of last steps and one of PPO steps
+        # per round, one update; 2 fake-score updates per round.
         args = DMDConfig(
             **common,
             num_generations=2,
@@ -93,7 +94,8 @@ def run(folder, max_steps, resume=None):
             guidance_scale=3.5,
             teacher_guidance_scale=4.5,
             gan_generator_weight=0.1,  # with DMD2's GAN head (built at the first fake update) on real images
-            loss_type="ac_dmd",
+            loss_type="rtdmd",  # RTDMD's stage 2: PPO on group advantages, DMD and AC-DMD's fake score at the last step
+            policy_gradient_steps=1,
             teacher_model_name_or_path=teacher,
         )
         images = Dataset.from_dict(

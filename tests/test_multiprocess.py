@@ -79,7 +79,8 @@ def test_two_processes_with_a_rollout_worker_train_as_in_process(tiny_model_dir,
 def test_two_processes_resume_exactly_across_epochs(tiny_model_dir, tmp_path, trainer, kind):
     """Two processes, 3 epochs of 2 rounds (GRPO) or steps (DPO), interrupted in the middle of epoch 2: the resumed
     run's LoRA (and DMD's fake score and GAN head, the same on both processes) is bit-identical to the uninterrupted
-    run's. DMD runs AC-DMD with the GAN and a teacher from another checkpoint."""
+    run's. DMD runs RTDMD's stage 2 (PPO, DMD and AC-DMD's fake score) with the GAN and a teacher from another
+    checkpoint."""
     from trl_dance.testing import save_tiny_pipeline
 
     script = os.path.join(ROOT, "tests", "multiprocess_resume.py")
