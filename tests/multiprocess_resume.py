@@ -81,8 +81,8 @@ def run(folder, max_steps, resume=None):
         trainer.train(resume_from_checkpoint=resume)
         return trainer
     if kind == "dmd":
-        # Each process: 4 samples of 2 steps a micro-batch of last steps and one of PPO steps
-        # per round, one update; 2 fake-score updates per round.
+        # Each process: 4 samples of 2 steps; a micro-batch of last steps and one of PPO steps per round, one update;
+        # 2 fake-score updates per round.
         args = DMDConfig(
             **common,
             num_generations=2,
