@@ -190,3 +190,56 @@ def test_routed_audio_and_video_rewards_rise_on_image_to_video(tiny_model_dir, t
     for reward, margin in (("loudness", 1.3e-4), ("brightness", 0.02)):
         first, last = (sum(h[f"rewards/{reward}/mean"] for h in part) / 3 for part in (rounds[:3], rounds[-3:]))
         assert_learned(reward, first, last, rounds[0][f"rewards/{reward}/std"], margin)
+
+
+def _audio_gradient_of_the_video(trainer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The denoiser's output at step 1 for two prompts, and the gradient in the audio latents of a fixed random
+    projection of its video part (which reads the audio only through the audio→video cross-attention)."""
+    policy = trainer.policy
+    latents = policy.initial_noise([torch.Generator().manual_seed(i) for i in range(2)]).requires_grad_(True)
+    output = policy.predict(trainer.model, latents, policy.encode_prompts(PROMPTS[:2]), at=1)
+    video = policy.streams["video"]
+    weights = torch.randn(output[:, :video].shape, generator=torch.Generator().manual_seed(0))
+    (output[:, :video] * weights).sum().backward()
+    return output.detach(), latents.grad[:, video:]
+
+
+def test_gradient_surgery_scales_the_audio_gradient_of_the_video_and_keeps_the_forward(tiny_model_dir, tmp_path):
+    """OmniNFT's layer-wise surgery (`audio_to_video_gradient_scales`): with scale 0 in both blocks the video's
+    gradient in the audio latents is exactly 0; with 0.5 in block 0 (0 in block 1: one crossing) it is half that of 1
+    there; compiled blocks (installed before compiling) honour it; the outputs are bit-identical throughout."""
+
+    def run(scales, **extra):
+        trainer = _trainer(
+            tiny_model_dir, tmp_path / f"{scales}{extra}", guidance_scale=1.0, pipeline_kwargs=UNGUIDED,
+            audio_to_video_gradient_scales=scales, **extra,
+        )  # fmt: skip
+        return _audio_gradient_of_the_video(trainer)
+
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    plain_output, plain = run(None)
+    runs = {"zero": run({"0-1": 0.0}), "one": run({"1": 0}), "half": run({"0": 0.5, "1": 0.0})}
+    runs["compiled zero"] = run('{"0-1": 0}', **compiled)  # (a JSON object, as the command line passes it)
+    assert all(torch.equal(output, plain_output) for output, _ in runs.values())
+    assert plain.abs().max() > 0 and runs["one"][1].abs().max() > 0
+    assert runs["zero"][1].abs().max() == 0 and runs["compiled zero"][1].abs().max() == 0
+    torch.testing.assert_close(runs["half"][1], 0.5 * runs["one"][1], rtol=1e-6, atol=0)
+
+
+def test_bad_gradient_surgery_input_fails_at_construction(tiny_model_dir, tmp_path):
+    from trl_dance.trainer.gradient_surgery import block_scales
+
+    assert block_scales({"0": 0, "2-3": 0.1}) == {0: 0.0, 2: 0.1, 3: 0.1}
+    for spec, match in (
+        ({"a": 0.1}, "not a block index"),
+        ({"0-1": 0.1, "1": 0.0}, "names block 1 twice"),
+        ({"3-1": 0.1}, "is empty"),
+        ({"0": -1.0}, "finite number >= 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tiny_grpo_config(tmp_path, audio_to_video_gradient_scales=spec)
+    with pytest.raises(ValueError, match="names block 2, but the denoiser has 2 blocks"):
+        _trainer(tiny_model_dir, tmp_path, audio_to_video_gradient_scales={"2": 0.0})
+    with pytest.raises(ValueError, match="needs LTX-2's audio→video cross-attention"):
+        DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}),
+                         args=tiny_grpo_config(tmp_path / "flux", audio_to_video_gradient_scales={"0": 0.0}))  # fmt: skip

@@ -10,6 +10,7 @@ from .context_parallel import ContextParallelArguments
 from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
+from .gradient_surgery import GradientSurgeryArguments
 from .performance import PerformanceArguments
 from .preemption import PreemptionArguments
 from .speed import SpeedArguments
@@ -24,12 +25,13 @@ class DiffusionTrainingConfig(
     EvaluationArguments,
     EMAArguments,
     FrozenComponentsArguments,
+    GradientSurgeryArguments,
     _BaseConfig,
 ):
     """The fields and checks of [`~trl_dance.trainer.rollout_config.RolloutConfig`] and
     [`~trl_dance.trainer.dataset_config.DatasetTrainingConfig`] alike (documented in each method's config)."""
 
-    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs"]
+    _VALID_DICT_FIELDS = [*_BaseConfig._VALID_DICT_FIELDS, "model_init_kwargs", "audio_to_video_gradient_scales"]
 
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of DiffusionPipeline.from_pretrained."}
@@ -51,3 +53,4 @@ class DiffusionTrainingConfig(
         self._check_preemption()
         self._check_ema()
         self._check_evaluation()
+        self._check_gradient_surgery()

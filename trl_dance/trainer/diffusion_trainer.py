@@ -42,6 +42,7 @@ from .context_parallel import (
     enable_context_parallel,
 )
 from .ema import EMAUpdate, EMAWeights
+from .gradient_surgery import install_audio_to_video_surgery
 from .media import log_rollout_media, use_diffusers_callbacks
 from .memory_advice import named_out_of_memory
 from .performance import PerformanceLog
@@ -298,6 +299,8 @@ class DiffusionTrainer(_BaseTrainer):
             # The group's gradients are summed, not averaged; the plans split text at its padded length.
             policy.runtime.gradient_scale = args.context_parallel_size
             policy.runtime.trim_text = False
+        if args.audio_to_video_gradient_scales:  # (before any call: a compiled block traces its hooks at its first)
+            install_audio_to_video_surgery(denoiser, args.audio_to_video_gradient_scales)
         # Every denoiser the trainer calls: the trained one, a frozen expert, a full-fine-tuning reference.
         denoisers = [m for m in (denoiser, policy.frozen_expert, self.ref_model) if m is not None]
         apply_speed_options(
