@@ -442,6 +442,8 @@ def test_bad_dmd_input_fails_at_construction(tiny_model_dir, tmp_path):
         dmd_config(tmp_path, fake_score_updates=0)
     with pytest.raises(ValueError, match="dmd_sigma_min < dmd_sigma_max"):
         dmd_config(tmp_path, dmd_sigma_min=0.5, dmd_sigma_max=0.4)
+    with pytest.raises(ValueError, match="num_iterations must be 1"):  # (it was an IndexError in the second pass)
+        dmd_config(tmp_path, num_iterations=2)
     distilled = str(tmp_path / "klein-distilled")
     tiny_flux2_klein_pipeline(0, is_distilled=True).save_pretrained(distilled)
     with pytest.raises(ValueError, match="teacher_guidance_scale=4.0 has no effect on Flux2KleinPipeline"):

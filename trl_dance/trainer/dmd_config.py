@@ -130,6 +130,11 @@ class DMDConfig(RolloutConfig):
     )
 
     def _check_method(self) -> None:
+        if self.num_iterations != 1:
+            raise ValueError(
+                f"DMD trains each round's samples once, after the round's fake-score updates: num_iterations must be 1, "
+                f"got {self.num_iterations} (more student updates per round: a smaller gradient_accumulation_steps)"
+            )
         if self.beta > 0:
             raise ValueError("DMD's student loss is the distribution matching to the teacher: beta > 0 does not apply")
         if self.fake_score_updates < 1:

@@ -57,6 +57,8 @@ class DMDTrainer(RolloutTrainer):
     softplus(−D(x_g)). With ``loss_type="ac_dmd"`` (RTDMD's stage 1) the student samples with CPS transitions and is
     judged one level down: its CPS step x_s from the recorded state, re-noised along (σ_s, σ_t], against the teacher's
     and the fake score's CPS steps back to σ_s; the fake score learns that re-noising's velocity and a consistency term.
+    With ``loss_type="rtdmd"`` (RTDMD's stage 2) the student also trains by PPO on ``policy_gradient_steps`` of its CPS
+    steps with group advantages of the rewards, DMD's loss (``distribution_matching_weight``) at its last step.
 
     Flow-matching pipelines. The arguments are those of :class:`~trl_dance.trainer.rollout_trainer.RolloutTrainer`;
     ``reward_funcs`` monitor the student's samples (and, with ``reward_tilt``, must be differentiable); and
@@ -235,7 +237,9 @@ class DMDTrainer(RolloutTrainer):
     def _needs_reference(args: DMDConfig) -> bool:
         return True  # the teacher
 
-    def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str], weights=None):
+    def _advantages(
+        self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str], weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.args.loss_type == "rtdmd":  # RTDMD's stage 2: its policy gradient's
             return super()._advantages(all_rewards, total, prompts, weights)
         return torch.zeros_like(total)  # the rewards monitor (or tilt through their gradient): no group statistics

@@ -770,6 +770,11 @@ class RolloutTrainer(DiffusionTrainer):
             "rewards": total[local],
         }
         self._microbatches = self._plan_round(rollout, plan, advantages)
+        if len(self._microbatches) != args.round_micro_steps:  # (a method's plan must fill the round it declared)
+            raise RuntimeError(
+                f"{type(self).__name__} planned {len(self._microbatches)} micro-batches for a round of "
+                f"{args.round_micro_steps} (steps_per_generation × num_iterations)"
+            )
         self._generation_round += 1
 
     def _log_async_metrics(self, record: RoundRecord, waited: float) -> None:
