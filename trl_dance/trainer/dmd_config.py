@@ -67,8 +67,8 @@ class DMDConfig(RolloutConfig):
             trained by PPO each round, drawn per round from (`seed`, round), the same for every sample and process
             (RTDMD's "SubGRPO": 2 of the 3 of a 4-step student).
         epsilon (`float`, defaults to `1e-5`): with `"rtdmd"`, PPO's clip range (TRL's name; RTDMD's 1e-5).
-        cps_eta (`float`, defaults to `0.9`): with `"ac_dmd"` and `"rtdmd"`, the CPS transitions' noise angle a (std = σ'·sin(aπ/2);
-            RTDMD's η 0.9), in the student's sampler and in the teacher's and fake score's steps.
+        cps_eta (`float`, defaults to `0.9`): with `"ac_dmd"` and `"rtdmd"`, the CPS transitions' noise angle a (std
+            = σ'·sin(aπ/2); RTDMD's η 0.9), in the student's sampler and in the teacher's and fake score's steps.
         consistency_weight (`float`, defaults to `0.01`): AC-DMD's consistency term in the fake score's loss
             (RTDMD's 0.01): the fake score's clean prediction at x_t against its predictions after two independent
             CPS moves of up to 0.2 in σ. 0: none (two fewer fake-score forwards per micro-batch).
