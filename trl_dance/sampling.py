@@ -40,6 +40,23 @@ def seeded_noise(seeds: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     ).to(like.device)
 
 
+def step_noise(
+    plan: RolloutPlan, generators: Sequence[torch.Generator], shape: Sequence[int], groups: Sequence[int] | None = None
+) -> torch.Tensor:
+    """(N, B, *shape) standard normal noise of every step of every sample (CPU): sample b's from ``generators[b]``, all N
+    steps in one draw (whatever the plan makes stochastic), then at the plan's ``group_noise_steps`` one draw per group
+    id of ``groups`` (host integers), seeded by (``plan.group_noise_seed``, group, step), shared by its samples."""
+    noise = torch.stack([torch.randn((plan.num_steps, *shape), generator=g) for g in generators], dim=1)
+    if plan.group_noise_steps:
+        if groups is None:
+            raise ValueError("the plan shares noise within groups at some steps: the rollout needs the group ids")
+        for step in plan.group_noise_steps:
+            for group in dict.fromkeys(groups):
+                shared = torch.Generator().manual_seed(mix_seed(plan.group_noise_seed, group, step))
+                noise[step, [b for b, g in enumerate(groups) if g == group]] = torch.randn(tuple(shape), generator=shared)
+    return noise
+
+
 def sample_generators(seed: int, round_index: int, first_index: int, count: int) -> list[torch.Generator]:
     """One CPU generator per sample, seeded by (seed, round, global sample index): a sample's noise depends neither on
     the number of processes nor on how samples are batched."""
@@ -122,7 +139,9 @@ class RolloutPlan:
     Steps ``[sde_start, sde_end)`` are the policy's SDE step at its noise level, with log-probability; they and their
     states are what the rollout stores. Every other step is the deterministic step (noise 0), except the last one with
     ``last_step_sde`` (sampled, not stored). With ``post_window_sigmas`` (flow policies) the steps from ``sde_end`` on
-    are replaced by ``post_window_solver`` on that σ grid, from ``σ_{sde_end}`` down to 0.
+    are replaced by ``post_window_solver`` on that σ grid, from ``σ_{sde_end}`` down to 0. The samples of a group draw
+    the same noise at ``group_noise_steps`` (seeded by ``group_noise_seed``, the group and the step; RTDMD's untrained
+    steps), each its own elsewhere.
     """
 
     num_steps: int
@@ -134,6 +153,8 @@ class RolloutPlan:
     sample_starts: tuple[int, ...] | None = None
     sample_window: int = 0
     recorded_steps: tuple[int, ...] | None = None
+    group_noise_steps: tuple[int, ...] | None = None
+    group_noise_seed: int = 0
 
     def __post_init__(self):
         if self.sde_end is None:
@@ -152,6 +173,8 @@ class RolloutPlan:
                 raise ValueError("recorded steps need the policy's grid and a window shared by the batch")
             if not all(0 <= i < self.num_steps for i in self.recorded_steps):
                 raise ValueError(f"recorded steps {self.recorded_steps} must be among the {self.num_steps} steps")
+        if self.group_noise_steps is not None and not all(0 <= i < self.num_steps for i in self.group_noise_steps):
+            raise ValueError(f"group noise steps {self.group_noise_steps} must be among the {self.num_steps} steps")
 
     @classmethod
     def staggered(cls, num_steps: int, starts: Sequence[int], window: int) -> RolloutPlan:
@@ -166,7 +189,7 @@ class RolloutPlan:
     @classmethod
     def from_dict(cls, values: dict) -> RolloutPlan:
         """The plan :meth:`to_dict` wrote (JSON lists back to tuples)."""
-        keys = ("post_window_sigmas", "sample_starts", "recorded_steps")
+        keys = ("post_window_sigmas", "sample_starts", "recorded_steps", "group_noise_steps")
         tuples = {key: tuple(values[key]) for key in keys if values.get(key)}
         return cls(**(values | tuples))
 
@@ -439,6 +462,7 @@ __all__ = [
     "sample_generators",
     "seeded_noise",
     "solve",
+    "step_noise",
 ]
 
 
@@ -465,9 +489,7 @@ def generate(
     with torch.no_grad(), policy.sampling():
         latents = policy.initial_noise(generators) if initial_noise is None else initial_noise
         # (N, B, ...): every step's noise of every sample, moved to the device once.
-        noise = torch.stack(
-            [torch.randn((plan.num_steps, *latents.shape[1:]), generator=g) for g in generators], dim=1
-        ).to(latents.device)
+        noise = step_noise(plan, generators, latents.shape[1:], groups).to(latents.device)
         result = rollout(policy, model, latents, cond, noise, plan, groups, keep_means, grad_steps)
         final = policy.final_latents(result["final_latents"], cond)
         result["images"] = policy.decode(final)

@@ -251,8 +251,16 @@ class DMDTrainer(RolloutTrainer):
     # Rounds
 
     def rollout_plan(self, round_index: int | None = None) -> RolloutPlan:
-        steps = self.policy.num_steps
-        if self.args.loss_type != "dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
+        steps, args = self.policy.num_steps, self.args
+        round_index = self._generation_round if round_index is None else round_index
+        if args.loss_type == "rtdmd":  # RTDMD's: a group shares its noise at the steps PPO does not train this round
+            trained = set(self._policy_gradient_steps(round_index).tolist())
+            shared = tuple(i for i in range(steps - 1) if i not in trained)
+            seed = mix_seed(args.seed, round_index, 0x6A0)
+            return RolloutPlan(
+                steps, recorded_steps=tuple(range(steps)), group_noise_steps=shared or None, group_noise_seed=seed
+            )
+        if args.loss_type == "ac_dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
             return RolloutPlan(steps, recorded_steps=tuple(range(steps)))
         return RolloutPlan.deterministic(steps, recorded_steps=tuple(range(steps)))
 
@@ -307,7 +315,7 @@ class DMDTrainer(RolloutTrainer):
         """RTDMD's stage-2 items: each sample at its last step (DMD and the tilt) and at each of the round's PPO steps,
         in micro-batches of one kind (each loss has its own forwards, of a fixed batch), in a shuffled order."""
         self._rollout["log_probs"] = rollout["log_probs"]
-        chosen, generator = self._policy_gradient_steps(), self._cpu_generator
+        chosen, generator = self._policy_gradient_steps(self._generation_round), self._cpu_generator
         steps, sigmas, seeds = self._draw(count)  # (the last step's σ and seed)
         samples = torch.arange(count)
         ppo = torch.cartesian_prod(samples, chosen)[torch.randperm(count * len(chosen), generator=generator)]
@@ -317,10 +325,10 @@ class DMDTrainer(RolloutTrainer):
                   for pairs in ppo.split(size)]  # fmt: skip
         return [items[i] for i in torch.randperm(len(items), generator=generator).tolist()]
 
-    def _policy_gradient_steps(self) -> torch.Tensor:
+    def _policy_gradient_steps(self, round_index: int) -> torch.Tensor:
         """RTDMD's "SubGRPO": ``policy_gradient_steps`` of the N − 1 stochastic steps (host, sorted), drawn from
         (seed, round): the same for every sample and process."""
-        generator = torch.Generator().manual_seed(mix_seed(self.args.seed, self._generation_round, 0x57D))
+        generator = torch.Generator().manual_seed(mix_seed(self.args.seed, round_index, 0x57D))
         draw = torch.randperm(self.policy.num_steps - 1, generator=generator)
         return draw[: self.args.policy_gradient_steps].sort().values
 

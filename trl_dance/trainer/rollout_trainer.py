@@ -31,7 +31,7 @@ from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
 from ..rewards.base import reward_modality
 from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, sampling_identity, trainable_tensors
-from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
+from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators, step_noise
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
@@ -566,7 +566,7 @@ class RolloutTrainer(DiffusionTrainer):
         generators = sample_generators(args.seed, round_index, first_index, batch)
         plan = self._round_plan(round_index, first_index, batch)
         groups = None
-        if self._branching():  # host integers: the rollout picks a group's representative without a device read
+        if self._branching() or plan.group_noise_steps:  # host integers: no device read picks a group's samples
             groups = [(first_index + j) // args.num_generations for j in range(batch)]
         grad_steps = self._grad_steps(plan, batch, first_index)
         chunk = args.rollout_batch_size or batch
@@ -707,7 +707,8 @@ class RolloutTrainer(DiffusionTrainer):
                 row, i = start + sample, int(starts[start + sample]) + stored
                 generator = torch.Generator()
                 generator.set_state(answer["generator_states"][sample].clone())
-                noise = torch.randn((record.plan.num_steps, *latents.shape[2:]), generator=generator)[i]
+                group = (first_index + row) // args.num_generations
+                noise = step_noise(record.plan, [generator], latents.shape[2:], [group])[i, 0]
                 x, step = latents[row : row + 1, stored], torch.tensor([i], device=device)
                 cond = {key: value[prompt_index[row : row + 1]] for key, value in record.cond.items()}
                 with self.compute_loss_context_manager():
