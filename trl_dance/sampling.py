@@ -53,7 +53,9 @@ def step_noise(
         for step in plan.group_noise_steps:
             for group in dict.fromkeys(groups):
                 shared = torch.Generator().manual_seed(mix_seed(plan.group_noise_seed, group, step))
-                noise[step, [b for b, g in enumerate(groups) if g == group]] = torch.randn(tuple(shape), generator=shared)
+                noise[step, [b for b, g in enumerate(groups) if g == group]] = torch.randn(
+                    tuple(shape), generator=shared
+                )
     return noise
 
 
