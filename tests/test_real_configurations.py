@@ -222,9 +222,9 @@ def test_full_denoiser_state_dict_is_saved_in_shards_that_from_pretrained_reads(
 
 def test_bf16_distillation_trains_its_fp32_student_fake_score_and_gan_head(tiny_model_dir, tmp_path):
     """DMD in the configuration its recipes run: a bf16 pipeline, AC-DMD with the GAN head, activation checkpointing and
-    a teacher from another checkpoint (loaded in bf16 too). One round at lr 1e-5 moves every entry of the student's LoRA,
-    of the fake score (a float32 copy, two updates) and of the GAN head (float32 on top of autocast), where bf16 tensors
-    would round most of these updates away; the bases stay bf16."""
+    a teacher from another checkpoint (loaded in bf16 too). One round at lr 1e-5 moves every entry of the student's LoRA
+    and of the fake score (a float32 copy, two updates), where bf16 tensors would round most of these updates away; the
+    GAN head is float32 on top of autocast; the bases stay bf16."""
     from PIL import Image
 
     from trl_dance import DMDConfig, DMDTrainer
