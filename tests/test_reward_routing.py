@@ -235,6 +235,7 @@ def test_bad_gradient_surgery_input_fails_at_construction(tiny_model_dir, tmp_pa
         ({"0-1": 0.1, "1": 0.0}, "names block 1 twice"),
         ({"3-1": 0.1}, "is empty"),
         ({"0": -1.0}, "finite number >= 0"),
+        ("0:0.5", "must map blocks to scales"),
     ):
         with pytest.raises(ValueError, match=match):
             tiny_grpo_config(tmp_path, audio_to_video_gradient_scales=spec)

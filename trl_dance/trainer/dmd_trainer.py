@@ -304,25 +304,26 @@ class DMDTrainer(RolloutTrainer):
             self._update_fake_score()
         count, size = len(advantages), self.args.per_device_train_batch_size
         if self.args.loss_type == "rtdmd":
-            return self._hybrid_items(rollout, count, size)
+            return self._hybrid_items(rollout, plan, count, size)
         order = torch.randperm(count, generator=self._cpu_generator)
         steps, sigmas, seeds = self._draw(count)
         seeds = torch.tensor(seeds)[order]
         return list(zip(order.split(size), steps[order].split(size), sigmas[order].split(size),
                         (s.tolist() for s in seeds.split(size))))  # fmt: skip
 
-    def _hybrid_items(self, rollout: dict[str, torch.Tensor], count: int, size: int) -> list:
-        """RTDMD's stage-2 items: each sample at its last step (DMD and the tilt) and at each of the round's PPO steps,
-        in micro-batches of one kind (each loss has its own forwards, of a fixed batch), in a shuffled order."""
+    def _hybrid_items(self, rollout: dict[str, torch.Tensor], plan: RolloutPlan, count: int, size: int) -> list:
+        """RTDMD's stage-2 items: each sample at its last step (DMD and the tilt) and at each of the round's PPO steps
+        (the stochastic steps whose noise the rollout's ``plan`` did not share; their items carry no σ or seed), in
+        micro-batches of one kind (each loss has its own forwards, of a fixed batch), in a shuffled order."""
         self._rollout["log_probs"] = rollout["log_probs"]
-        chosen, generator = self._policy_gradient_steps(self._generation_round), self._cpu_generator
+        shared, generator = plan.group_noise_steps or (), self._cpu_generator
+        chosen = torch.tensor([i for i in range(plan.num_steps - 1) if i not in shared])
         steps, sigmas, seeds = self._draw(count)  # (the last step's σ and seed)
         samples = torch.arange(count)
         ppo = torch.cartesian_prod(samples, chosen)[torch.randperm(count * len(chosen), generator=generator)]
         items = [(rows, steps[rows], sigmas[rows], [seeds[i] for i in rows.tolist()])
                  for rows in torch.randperm(count, generator=generator).split(size)]  # fmt: skip
-        items += [(pairs[:, 0], pairs[:, 1], sigmas[pairs[:, 0]], [seeds[i] for i in pairs[:, 0].tolist()])
-                  for pairs in ppo.split(size)]  # fmt: skip
+        items += [(pairs[:, 0], pairs[:, 1], None, None) for pairs in ppo.split(size)]
         return [items[i] for i in torch.randperm(len(items), generator=generator).tolist()]
 
     def _policy_gradient_steps(self, round_index: int) -> torch.Tensor:
@@ -463,25 +464,21 @@ class DMDTrainer(RolloutTrainer):
     def _microbatch(self, item: tuple) -> dict[str, Any]:
         samples, steps, sigmas, seeds = item
         rollout, device = self._rollout, self.accelerator.device
-        host_steps = steps
         rows, steps = samples.to(device), steps.to(device)
         state = rollout["visited"][rows, steps]
-        inputs = {
-            "state": state,
-            "step": steps,
-            "sigma": sigmas.to(device),
-            "noise": seeded_noise(seeds, state),
-            "seeds": seeds,
-            "cond": self._round_cond(rows),
-            "prompts": [rollout["prompts"][i] for i in samples.tolist()],
-        }
-        if self.args.loss_type == "rtdmd" and host_steps[0] < self.policy.num_steps - 1:  # PPO items
-            inputs |= {
+        inputs = {"state": state, "step": steps, "cond": self._round_cond(rows)}
+        if sigmas is None:  # RTDMD's PPO items: their transition, rollout log-prob and advantage
+            return inputs | {
                 "next_state": rollout["visited"][rows, steps + 1],
                 "old_log_prob": rollout["log_probs"][rows, steps],
                 "advantages": rollout["advantages"][rows],
             }
-        return inputs
+        return inputs | {
+            "sigma": sigmas.to(device),
+            "noise": seeded_noise(seeds, state),
+            "seeds": seeds,
+            "prompts": [rollout["prompts"][i] for i in samples.tolist()],
+        }
 
     # ----------------------------------------------------------------------------------------------------------
     # Loss

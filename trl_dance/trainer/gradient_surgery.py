@@ -4,7 +4,6 @@ audio→video cross-attention sends back into the audio stream, scaled per block
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,11 +29,15 @@ class GradientSurgeryArguments:
     )
 
     def _check_gradient_surgery(self) -> None:
-        spec = self.audio_to_video_gradient_scales
-        if isinstance(spec, str):  # (a JSON object from the command line)
-            spec = self.audio_to_video_gradient_scales = json.loads(spec)
-        if spec is not None:
-            block_scales(spec)
+        spec = self.audio_to_video_gradient_scales  # (a JSON object on the command line: TRL's dict fields parse it)
+        if spec is None:
+            return
+        if not isinstance(spec, Mapping):
+            raise ValueError(
+                f"audio_to_video_gradient_scales must map blocks to scales (on the command line a JSON object, e.g. "
+                f'{{"0": 0}}), got {spec!r}'
+            )
+        block_scales(spec)
 
 
 def block_scales(spec: Mapping[str, float], num_blocks: int | None = None) -> dict[int, float]:
