@@ -6,8 +6,12 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from .methods import exports
-from .version import __version__
+from ._torchvision import allow_torchvision_without_operators
+
+allow_torchvision_without_operators()  # before anything imports transformers, which imports an installed torchvision
+
+from .methods import exports  # noqa: E402
+from .version import __version__  # noqa: E402
 
 
 class _TorchvisionFallback(logging.Filter):

@@ -20,6 +20,7 @@ from .image_reward import ImageReward
 from .judges import PairwiseJudge, PointwiseJudge
 from .llava_bertscore import LLaVABertScoreLocal
 from .model_reward import RewardModel
+from .ocr import EasyOCRJudge, OCRReward
 from .pixel import brightness, jpeg_compressibility, jpeg_incompressibility, temporal_consistency
 from .remote import RemoteReward, RemoteRewardError
 from .video_align import VideoAlignReward
@@ -28,10 +29,12 @@ __all__ = [
     "AestheticReward",
     "CLAPScore",
     "CLIPScore",
+    "EasyOCRJudge",
     "HPSv2Reward",
     "HPSv3Reward",
     "ImageReward",
     "LLaVABertScoreLocal",
+    "OCRReward",
     "PairwiseJudge",
     "PickScore",
     "PointwiseJudge",

@@ -116,6 +116,10 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         > Evaluation (`eval_dataset`, `eval_strategy`, `eval_steps`, `per_device_eval_batch_size` as in TRL)
 
         eval_num_generations (`int`, defaults to `1`): Samples per evaluation prompt, from the deterministic sampler.
+        eval_reward_funcs (`list[str]` or `None`, defaults to `None`): Held-out judges, scored at evaluation only and
+            never trained on (e.g. `["ocr_easyocr"]` beside an `ocr` reward): logged as
+            `eval_judges/<name>/mean`, with what they log through `log_metric`. Names as in `reward_funcs`; their
+            constructor arguments in `reward_kwargs`.
         eval_seed, eval_num_inference_steps, eval_guidance_scale, eval_negative_prompt: the evaluation sampler's
             noise seed and settings (default: training's), see
             [`~trl_dance.trainer.evaluation.EvaluationArguments`].
@@ -254,6 +258,9 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         default=True, metadata={"help": "Score rollout chunks in a worker thread while the next chunk is sampled."}
     )
     eval_num_generations: int = field(default=1, metadata={"help": "Evaluation samples per prompt."})
+    eval_reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Held-out judges scored at evaluation only (never trained on)."}
+    )
     pipeline_class: str | None = field(
         default=None,
         metadata={"help": "Diffusers pipeline class to load the model with (default: its model_index.json's)."},

@@ -112,7 +112,11 @@ class RolloutTrainer(DiffusionTrainer):
 
         # Rewards receive every column but the prompt (which arrives as ``prompts``).
         columns = [c for c in _columns(train_dataset) if c != "prompt"] if train_dataset is not None else None
-        self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs or {}, columns)
+        if isinstance(reward_funcs, str) or callable(reward_funcs):
+            reward_funcs = [reward_funcs]
+        judges = list(args.eval_reward_funcs or [])
+        funcs = resolve_reward_funcs([*reward_funcs, *judges], args.reward_kwargs or {}, columns)
+        self.reward_funcs, self.eval_judges = funcs[: len(reward_funcs)], funcs[len(reward_funcs) :]
         self.reward_names = [reward_name(func) for func in self.reward_funcs]
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -865,8 +869,12 @@ class RolloutTrainer(DiffusionTrainer):
                     self._audio(samples),
                 )
             )
+            if self.eval_judges:  # held-out judges: scored here only, never trained on
+                scores[-1] = torch.cat([scores[-1], score_images(self.eval_judges, prompts, images, columns,
+                    args.video_reward_frames, groups, extra, self._audio(samples))], dim=1)  # fmt: skip
             first = (images.cpu(), prompts) if first is None else first
-        all_scores = self.data_parallel.gather(torch.cat(scores))[: len(rows)]  # (n, F), padding dropped
+        all_scores = self.data_parallel.gather(torch.cat(scores))[: len(rows)]  # (n, F + judges), padding dropped
+        judged, all_scores = all_scores[:, len(self.reward_funcs) :], all_scores[:, : len(self.reward_funcs)]
         total = weighted_reward_sum(all_scores, self.reward_weights, [row["prompt"] for row in rows])
         metrics = {
             f"{metric_key_prefix}_reward": total.mean().item(),
@@ -875,6 +883,8 @@ class RolloutTrainer(DiffusionTrainer):
         for column, name in enumerate(self.reward_names):
             metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = all_scores[:, column].nanmean().item()
             metrics[f"{metric_key_prefix}_rewards/{name}/std"] = nan_std(all_scores[:, column]).item()
+        for column, judge in enumerate(self.eval_judges):
+            metrics[f"{metric_key_prefix}_judges/{reward_name(judge)}/mean"] = judged[:, column].nanmean().item()
         metrics |= {f"{metric_key_prefix}_{k}": v for k, v in self.reward_metrics.flush(self.accelerator).items()}
         self.log(metrics)  # first: a tracker's writer may open at its first log
         if first is not None:
