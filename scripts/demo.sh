@@ -3,7 +3,7 @@
 # Writes outputs/grpo-flux-tiny/: the LoRA, reward_curve.png and samples.png (before/after training).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh ocr
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 if [ ! -f outputs/tiny-flux/model_index.json ]; then
     .venv/bin/python -m trl_dance.testing flux outputs/tiny-flux

@@ -32,7 +32,10 @@ if [ "$covered" != 1 ]; then
     # shellcheck disable=SC2086
     # (This machine's pip config lists local wheel folders that may be absent; drop those warnings only.)
     "$venv/bin/pip" install -q ${TORCH_SPEC:-torch==2.13.0} 2> >(grep -v "^WARNING: Location" >&2)
-    "$venv/bin/pip" install -q -e ".${extras:+[$extras]}" 2> >(grep -v "^WARNING: Location" >&2)
+    # The installed torch stays: without it as a requirement here, a package that needs torchvision (EasyOCR) makes
+    # pip pick the newest torchvision and replace torch with the release that one was built for.
+    torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    "$venv/bin/pip" install -q -e ".${extras:+[$extras]}" "$torch_pin" 2> >(grep -v "^WARNING: Location" >&2)
     "$venv/bin/python" -c "import trl_dance, torch, trl, diffusers" # fail loudly if the install did not work
     case ",$extras," in *,deepspeed,*)
         # DeepSpeed compiles its CPU shared-memory collectives on first use (about a minute): once, at install.

@@ -387,11 +387,13 @@ def test_cheaper_modes_learn(tiny_model_dir, tmp_path, mode):
 @pytest.mark.parametrize("trainer_name", ["grpo", "nft"])
 def test_evaluation_at_eval_steps(tiny_model_dir, tmp_path, trainer_name):
     """eval_dataset + eval_strategy: held-out prompts scored with the deterministic sampler from fixed noise at every
-    eval_steps, logged as eval_reward and eval_rewards/<name>/mean|std, with a sample grid in output_dir."""
+    eval_steps, logged as eval_reward and eval_rewards/<name>/mean|std, with a sample grid in output_dir; held-out
+    judges (eval_reward_funcs) as eval_judges/<name>/mean, never in the reward."""
     from trl_dance import DiffusionNFTConfig, DiffusionNFTTrainer
 
     evaluation = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 3}
     evaluation |= {"eval_num_generations": 2, "max_steps": 2, "num_completions_to_log": 2}
+    evaluation |= {"eval_reward_funcs": ["jpeg_compressibility"]}  # a held-out judge: scored here only
     held_out = Dataset.from_dict({"prompt": ["a blue car", "a small boat"]})
     lora = LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS)
     if trainer_name == "grpo":
@@ -421,6 +423,9 @@ def test_evaluation_at_eval_steps(tiny_model_dir, tmp_path, trainer_name):
     assert [h["step"] for h in evals] == [1, 2]
     assert evals[-1]["eval_reward"] != before["eval_reward"]  # the policy moved
     assert all("eval_rewards/brightness/std" in h and "loss" not in h for h in evals)
+    assert all(h["eval_judges/jpeg_compressibility/mean"] < 0 for h in evals)  # minus kB
+    assert all(h["eval_reward"] == h["eval_rewards/brightness/mean"] for h in evals)  # judges are not in the reward
+    assert not any("rewards/jpeg_compressibility/mean" in h for h in trainer.state.log_history)  # nor in training
     assert (tmp_path / "eval_samples_step2.png").exists()
     # The same policy evaluates identically: fixed noise, no SDE.
     assert trainer.evaluate()["eval_reward"] == evals[-1]["eval_reward"]

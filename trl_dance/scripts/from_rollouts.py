@@ -30,7 +30,9 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Dataset split."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
-    num_sample_images: int = field(default=4, metadata={"help": "Prompts in the before/after sample grid (0: none)."})
+    num_sample_images: int = field(
+        default=4, metadata={"help": "Prompts in the before/after sample grid, held-out ones first (0: none)."}
+    )
     eval_prompts_file: str | None = field(
         default=None,
         metadata={"help": "Held-out prompts (.txt/.jsonl/.csv) scored at eval_steps with the deterministic sampler."},
@@ -62,7 +64,8 @@ def main(
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
-    samples = dataset[: script_args.num_sample_images]  # image-to-video: their images too
+    # The before/after grid shows held-out prompts when there are some (image-to-video: their images too).
+    samples = (eval_dataset or dataset)[: script_args.num_sample_images]
     sample_prompts = samples["prompt"]
     conditions = {name: samples[name] for name in trainer.policy.condition_columns}
     before = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
@@ -79,6 +82,13 @@ def main(
             title=" + ".join(trainer.reward_names),
         )
         print(f"reward: first step {rewards[0]:.4f}, last step {rewards[-1]:.4f} ({len(rewards)} rollouts)")
+        evaluations = [entry for entry in trainer.state.log_history if "eval_reward" in entry]
+        if len(evaluations) > 1:  # e.g. eval_on_start and a last evaluation: the held-out scores before and after
+            first, last = evaluations[0], evaluations[-1]
+            print(f"held-out evaluation, step {first['step']} -> step {last['step']}:")
+            for key in sorted(k for k in last if k.startswith("eval_") and k in first and not k.endswith("std")):
+                if not key.startswith(("eval_runtime", "eval_samples_per", "eval_steps_per")):
+                    print(f"  {key[5:]}: {first[key]:.4f} -> {last[key]:.4f}")
         if before is not None:
             save_image_grid(
                 [before, after],

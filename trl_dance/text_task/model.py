@@ -156,11 +156,20 @@ def train_vae(vae: AutoencoderKL, words: list[str], steps: int, batch_size: int 
 
 
 def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], output_dir: str, max_steps: int,
-                         batch_size: int = 32, learning_rate: float = 1e-3, seed: int = 0) -> None:  # fmt: skip
+                         batch_size: int = 32, learning_rate: float = 1e-3, seed: int = 0,
+                         snapshot_steps: int = 0) -> None:  # fmt: skip
     """Train ``pipeline.transformer`` in place by flow matching on rendered ``words`` with
     :class:`~trl_dance.DiffusionSFTTrainer` (full fine-tuning, SD3's logit-normal times, 10 % empty prompts so
-    that classifier-free guidance has an unconditional branch, no flips: mirrored letters are other letters)."""
+    that classifier-free guidance has an unconditional branch, no flips: mirrored letters are other letters). A
+    constant learning rate after warm-up, so that the first ``k`` steps of a longer run are the ``k``-step build;
+    ``snapshot_steps``: save the whole pipeline every this many steps to ``output_dir/step-<k>`` (to choose ``k``)."""
     from datasets import IterableDataset
+    from transformers import TrainerCallback
+
+    class Snapshots(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if snapshot_steps and state.global_step % snapshot_steps == 0:
+                pipeline.save_pretrained(os.path.join(output_dir, f"step-{state.global_step}"))
 
     from ..trainer.diffusion_sft_config import DiffusionSFTConfig
     from ..trainer.diffusion_sft_trainer import DiffusionSFTTrainer
@@ -169,17 +178,17 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=seed,
         resolution=IMAGE_SIZE, random_flip=False, proportion_empty_prompts=0.1, weighting_scheme="logit_normal",
         max_sequence_length=SAMPLING["max_sequence_length"], per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=min(100, max_steps // 10),
+        learning_rate=learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, max_steps // 10),
         max_steps=max_steps, logging_steps=50, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = IterableDataset.from_generator(rendered_rows, gen_kwargs={"words": words, "seed": seed + 1})
-    trainer = DiffusionSFTTrainer(model=pipeline, args=args, train_dataset=dataset)
+    trainer = DiffusionSFTTrainer(model=pipeline, args=args, train_dataset=dataset, callbacks=[Snapshots()])
     trainer.train()
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()
 
 
 def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 1500,
-                     work_dir: str | None = None) -> StableDiffusion3Pipeline:  # fmt: skip
+                     work_dir: str | None = None, snapshot_steps: int = 0) -> StableDiffusion3Pipeline:  # fmt: skip
     """Build the text task's pipeline from scratch and ``save_pretrained`` it to ``output`` (with its sampling
     settings beside, as a tiny pipeline's): VAE, then transformer, on the training words only. Deterministic for a
     given ``seed`` on a given machine and thread count. A VAE already trained in ``work_dir`` is reused."""
@@ -198,7 +207,8 @@ def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps
         train_vae(pipeline.vae, train_words, vae_steps, seed=seed)
         pipeline.vae.save_pretrained(vae_dir)
     print(f"VAE ready ({time.perf_counter() - start:.0f} s)", flush=True)
-    pretrain_transformer(pipeline, train_words, os.path.join(work_dir, "sft"), sft_steps, seed=seed)
+    pretrain_transformer(pipeline, train_words, os.path.join(work_dir, "sft"), sft_steps, seed=seed,
+                         snapshot_steps=snapshot_steps)  # fmt: skip
     pipeline.save_pretrained(output)
     with open(os.path.join(output, TINY_SAMPLING_FILE), "w") as handle:
         json.dump(SAMPLING, handle, indent=2)

@@ -33,3 +33,10 @@ def word_split(length: int = WORD_LENGTH, num_held_out: int = NUM_HELD_OUT, seed
     words = ["".join(letters) for letters in itertools.product(ALPHABET, repeat=length)]
     random.Random(seed).shuffle(words)
     return sorted(words[num_held_out:]), sorted(words[:num_held_out])
+
+
+def rl_prompts(num_train: int = 1000, seed: int = SPLIT_SEED) -> tuple[list[str], list[str]]:
+    """``(train, held_out)`` prompts of the RL recipes: ``num_train`` training words (a seeded sample) and every
+    held-out word, as ``recipes/data/ocr_train.txt`` and ``ocr_held_out.txt`` hold them."""
+    train, held_out = word_split(seed=seed)
+    return [prompt_for(w) for w in random.Random(seed + 1).sample(train, num_train)], [prompt_for(w) for w in held_out]
