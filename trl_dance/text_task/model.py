@@ -11,12 +11,13 @@ each letter to CLIP (absolute positions) and T5 (relative ones), and the transfo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -113,7 +114,7 @@ def untrained_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
     return pipeline
 
 
-def rendered_rows(words: list[str], seed: int) -> Iterator[dict]:
+def rendered_rows(words: Sequence[str], seed: int) -> Iterator[dict]:
     """Endless ``{"prompt", "image"}`` rows: a random word of ``words`` in a random style (:func:`render_word`)."""
     rng = random.Random(seed)
     while True:
@@ -181,7 +182,8 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
         learning_rate=learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, max_steps // 10),
         max_steps=max_steps, logging_steps=50, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    dataset = IterableDataset.from_generator(rendered_rows, gen_kwargs={"words": words, "seed": seed + 1})
+    # (A list in gen_kwargs would be split into shards, one word each, read one after the other: bound here instead.)
+    dataset = IterableDataset.from_generator(functools.partial(rendered_rows, tuple(words), seed + 1))
     trainer = DiffusionSFTTrainer(model=pipeline, args=args, train_dataset=dataset, callbacks=[Snapshots()])
     trainer.train()
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()
@@ -191,13 +193,14 @@ def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps
                      work_dir: str | None = None, snapshot_steps: int = 0) -> StableDiffusion3Pipeline:  # fmt: skip
     """Build the text task's pipeline from scratch and ``save_pretrained`` it to ``output`` (with its sampling
     settings beside, as a tiny pipeline's): VAE, then transformer, on the training words only. Deterministic for a
-    given ``seed`` on a given machine and thread count. A VAE already trained in ``work_dir`` is reused."""
+    given ``seed`` on a given machine and thread count. The trained VAE and the SFT stage's files go to ``work_dir``
+    (default ``<output>.build``); a VAE already trained there is reused."""
     import json
 
     from ..tiny_folders import TINY_SAMPLING_FILE
 
     start = time.perf_counter()
-    work_dir = work_dir or os.path.join(output, "_build")
+    work_dir = work_dir or output.rstrip("/") + ".build"
     train_words, _ = word_split()
     pipeline = untrained_pipeline(seed)
     vae_dir = os.path.join(work_dir, "vae")
