@@ -103,6 +103,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
         *USED_MODEL_FIELDS,
         "reward_funcs",
         "prompts_file",
+        "eval_prompts_file",
         "dataset_name",
         "num_sample_images",
         "dataset_streaming",

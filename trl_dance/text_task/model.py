@@ -31,7 +31,7 @@ from transformers import (
     T5Tokenizer,
 )
 
-from .render import IMAGE_SIZE, render_word
+from .render import IMAGE_SIZE, TEXT_STYLE, VAE_STYLE, Style, render_word
 from .words import ALPHABET, prompt_for, word_split
 
 TEXT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "model")
@@ -43,6 +43,9 @@ SAMPLING = {"height": IMAGE_SIZE, "width": IMAGE_SIZE, "num_inference_steps": 10
 
 _CHARS = ALPHABET + " \"'.,!?-"
 _CLIP_DIM = 32
+_CLIP_TOKENS = 32
+"""CLIP's context (77 in SD3): the pipeline pads every prompt to it, and fewer padding tokens leave the letters' tokens
+a larger share of the transformer's attention (the prompts here take 19 tokens and a word of up to 13 letters fits)."""
 _LATENT_CHANNELS = 4
 
 
@@ -53,7 +56,7 @@ def _clip_tokenizer() -> CLIPTokenizer:
         vocab[char] = len(vocab)
         vocab[char + "</w>"] = len(vocab)
     return CLIPTokenizer(
-        vocab=vocab, merges=[], model_max_length=77, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+        vocab=vocab, merges=[], model_max_length=_CLIP_TOKENS, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
         unk_token="<|endoftext|>", pad_token="<|endoftext|>",
     )  # fmt: skip
 
@@ -66,14 +69,22 @@ def _t5_tokenizer() -> T5Tokenizer:
 
 
 def _clip(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
-    return CLIPTextModelWithProjection(
+    """A random CLIP text encoder whose hidden states keep each token and its position apart: token and position
+    embeddings of unit scale (CLIP's initialisation, 0.02, lets its random layers average every position with the
+    ones before it, and the transformer then took far longer to learn which letter sits where)."""
+    encoder = CLIPTextModelWithProjection(
         CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=_CLIP_DIM, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=77, projection_dim=_CLIP_DIM,
+            num_attention_heads=2, max_position_embeddings=_CLIP_TOKENS, projection_dim=_CLIP_DIM,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, hidden_act="gelu", attention_dropout=0.0, dropout=0.0,
         )
     )  # fmt: skip
+    embeddings = encoder.text_model.embeddings
+    with torch.no_grad():
+        embeddings.token_embedding.weight.normal_(0.0, 1.0)
+        embeddings.position_embedding.weight.normal_(0.0, 1.0)
+    return encoder
 
 
 def untrained_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
@@ -114,12 +125,12 @@ def untrained_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
     return pipeline
 
 
-def rendered_rows(words: Sequence[str], seed: int) -> Iterator[dict]:
-    """Endless ``{"prompt", "image"}`` rows: a random word of ``words`` in a random style (:func:`render_word`)."""
+def rendered_rows(words: Sequence[str], seed: int, style: Style = VAE_STYLE) -> Iterator[dict]:
+    """Endless ``{"prompt", "image"}`` rows: a random word of ``words`` in a random ``style`` (:func:`render_word`)."""
     rng = random.Random(seed)
     while True:
         word = rng.choice(words)
-        yield {"prompt": prompt_for(word), "image": render_word(word, rng)}
+        yield {"prompt": prompt_for(word), "image": render_word(word, rng, style=style)}
 
 
 def _pixels(images) -> torch.Tensor:
@@ -183,7 +194,7 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
         max_steps=max_steps, logging_steps=50, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     # (A list in gen_kwargs would be split into shards, one word each, read one after the other: bound here instead.)
-    dataset = IterableDataset.from_generator(functools.partial(rendered_rows, tuple(words), seed + 1))
+    dataset = IterableDataset.from_generator(functools.partial(rendered_rows, tuple(words), seed + 1, TEXT_STYLE))
     trainer = DiffusionSFTTrainer(model=pipeline, args=args, train_dataset=dataset, callbacks=[Snapshots()])
     trainer.train()
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()

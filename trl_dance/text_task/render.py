@@ -3,6 +3,7 @@ and its ground truth."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -18,14 +19,31 @@ FONTS = (
     "DejaVuSansMono-Bold.ttf",
 )
 """Fonts of matplotlib's ``mpl-data/fonts/ttf`` that both OCR engines read at this size (DejaVuSansDisplay's "B"
-reads as "8": not used)."""
+reads as "8": not used). The VAE learns every one of them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """The range a render's style is drawn from: fonts, font size in pixels (inclusive), largest offset of the
+    word's centre per axis in pixels, and the ranges of the ink's and the paper's RGB values."""
+
+    fonts: tuple[str, ...] = FONTS
+    pixels: tuple[int, int] = (19, 23)
+    max_shift: int = 4
+    ink: tuple[int, int] = (0, 90)
+    paper: tuple[int, int] = (190, 255)
+
+
+VAE_STYLE = Style()
+"""What the VAE is trained to reconstruct: six fonts, 19-23 px (ink 14-17 px tall, several latent pixels per glyph
+after a factor-2 VAE), offsets up to 4 px, dark ink on light paper of random hues."""
+TEXT_STYLE = Style(fonts=("DejaVuSans-Bold.ttf", "DejaVuSerif-Bold.ttf"), pixels=(21, 23), max_shift=2, ink=(0, 60),
+                   paper=(200, 255))  # fmt: skip
+"""What the text model is trained to render: two bold fonts, two sizes, offsets up to 2 px, random hues. A wider
+range (:data:`VAE_STYLE`) spent the transformer's first thousand steps on style: after 1,200 steps at batch 32 it drew
+the same glyphs for every word."""
 
 IMAGE_SIZE = 64
-FONT_PIXELS = (19, 23)
-"""Font size range in pixels (ink about 14-17 px tall): at 64 px, several latent pixels per glyph after a factor-2
-VAE, and read by both engines once upscaled."""
-MAX_SHIFT = 4
-"""Largest offset of the word's centre from the image's, in pixels per axis."""
 
 
 @functools.cache
@@ -35,17 +53,19 @@ def _font(name: str, pixels: int) -> ImageFont.FreeTypeFont:
     return ImageFont.truetype(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", name), pixels)
 
 
-def render_word(word: str, rng: random.Random | None = None, size: int = IMAGE_SIZE) -> Image.Image:
-    """``word`` on a plain background, ``size`` × ``size`` RGB. With ``rng``: a random font of :data:`FONTS`, size in
-    :data:`FONT_PIXELS`, offset up to :data:`MAX_SHIFT` px, dark ink on a light background of random hues; without:
-    DejaVu Sans Bold at the largest size, centred, black on white (the ground truth OCR engines are checked on)."""
+def render_word(
+    word: str, rng: random.Random | None = None, size: int = IMAGE_SIZE, style: Style = VAE_STYLE
+) -> Image.Image:
+    """``word`` on a plain background, ``size`` × ``size`` RGB. With ``rng``: font, size, offset and colours drawn
+    from ``style``; without: DejaVu Sans Bold at 23 px, centred, black on white (the ground truth OCR engines are
+    checked on)."""
     if rng is None:
-        font, pixels, shift, ink, paper = FONTS[1], FONT_PIXELS[1], (0, 0), (0, 0, 0), (255, 255, 255)
+        font, pixels, shift, ink, paper = FONTS[1], 23, (0, 0), (0, 0, 0), (255, 255, 255)
     else:
-        font, pixels = rng.choice(FONTS), rng.randint(*FONT_PIXELS)
-        shift = (rng.randint(-MAX_SHIFT, MAX_SHIFT), rng.randint(-MAX_SHIFT, MAX_SHIFT))
-        ink = tuple(rng.randint(0, 90) for _ in range(3))
-        paper = tuple(rng.randint(190, 255) for _ in range(3))
+        font, pixels = rng.choice(style.fonts), rng.randint(*style.pixels)
+        shift = (rng.randint(-style.max_shift, style.max_shift), rng.randint(-style.max_shift, style.max_shift))
+        ink = tuple(rng.randint(*style.ink) for _ in range(3))
+        paper = tuple(rng.randint(*style.paper) for _ in range(3))
     scale = size / IMAGE_SIZE
     image = Image.new("RGB", (size, size), paper)
     draw = ImageDraw.Draw(image)
