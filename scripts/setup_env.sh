@@ -36,7 +36,14 @@ if [ "$covered" != 1 ]; then
     # pip pick the newest torchvision and replace torch with the release that one was built for.
     torch_pin="torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
     "$venv/bin/pip" install -q -e ".${extras:+[$extras]}" "$torch_pin" 2> >(grep -v "^WARNING: Location" >&2)
-    "$venv/bin/python" -c "import trl_dance, torch, trl, diffusers" # fail loudly if the install did not work
+    # PyPI's torchvision (EasyOCR needs it) is built for CUDA torch and fails to import beside a CPU one, and so does
+    # every transformers import once it is installed: a .pth file declares its two unguarded operators at the first
+    # `import torchvision` of any program in this environment (trl_dance/_torchvision.py; a no-op where it loads).
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    hook="$PWD/trl_dance/_torchvision.py"
+    echo "import importlib.util as u, os; p = '$hook'; s = u.spec_from_file_location('_trl_dance_torchvision', p) if os.path.isfile(p) else None; m = s and u.module_from_spec(s); s and s.loader.exec_module(m); s and m.install_import_hook()" \
+        > "$site/trl_dance_torchvision.pth"
+    "$venv/bin/python" -c "import transformers, torch, trl, diffusers, trl_dance" # fail loudly if the install did not work
     case ",$extras," in *,deepspeed,*)
         # DeepSpeed compiles its CPU shared-memory collectives on first use (about a minute): once, at install.
         "$venv/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \

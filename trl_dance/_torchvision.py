@@ -6,12 +6,18 @@ does not load. torchvision guards every use of those operators but two: its impo
 every transformers import once torchvision is installed. Declaring the two schemas first lets it import; its operators
 (box NMS, RoI ops) stay unavailable and raise if called, while its models and transforms (what EasyOCR, open_clip,
 HPSv2 and ImageReward use) work. An environment without torchvision, or whose torchvision loads, is left alone.
+
+``import trl_dance`` applies it; :func:`install_import_hook` applies it at the first ``import torchvision`` of any
+program, which ``scripts/setup_env.sh`` arranges in the virtual environment it creates (a ``.pth`` file), so that
+scripts importing transformers before trl_dance work too. This module imports nothing of trl_dance's.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import os
+import sys
 
 
 def allow_torchvision_without_operators() -> bool:
@@ -34,3 +40,19 @@ def allow_torchvision_without_operators() -> bool:
     for name in ("nms", "qnms"):
         torch.library.define(f"torchvision::{name}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     return True
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Runs :func:`allow_torchvision_without_operators` when ``torchvision`` is first imported, then steps aside."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            allow_torchvision_without_operators()
+        return None  # the regular finders import it
+
+
+def install_import_hook() -> None:
+    """Apply :func:`allow_torchvision_without_operators` at the first ``import torchvision`` (cheap until then)."""
+    if not any(isinstance(finder, _BeforeTorchvision) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeTorchvision())

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> dict:
     build.add_argument("output")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--vae_steps", type=int, default=700)
-    build.add_argument("--sft_steps", type=int, default=1500)
+    build.add_argument("--sft_steps", type=int, default=3000)
     build.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
     evaluate = commands.add_parser("evaluate", help="held-out accuracy of a model (and a LoRA) by both engines")
     evaluate.add_argument("model", nargs="?", default=None, help="a pipeline folder (default: the shipped model)")

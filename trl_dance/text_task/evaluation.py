@@ -47,8 +47,10 @@ def judge_images(images: torch.Tensor, targets: Sequence[str], engines: Sequence
 def sample_words(generate: Callable[[list[str], list[int]], torch.Tensor], words: Sequence[str],
                  samples_per_word: int = 1, seed: int = 0, batch_size: int = 64) -> torch.Tensor:  # fmt: skip
     """(len(words), samples_per_word, 3, H, W) images of ``generate(prompts, seeds)``, sample ``j`` of word ``i``
-    drawn with seed ``seed + j`` (the same starts at every evaluation, for every model)."""
-    rows = [(prompt_for(word), seed + j) for word in words for j in range(samples_per_word)]
+    drawn with seed ``seed + i * samples_per_word + j``: the same starts at every evaluation and for every model,
+    and a start of its own for every sample (one start for all words would judge every word in one style)."""
+    rows = [(prompt_for(word), seed + i * samples_per_word + j) for i, word in enumerate(words)
+            for j in range(samples_per_word)]  # fmt: skip
     images = torch.cat([generate(*map(list, zip(*rows[i : i + batch_size]))) for i in range(0, len(rows), batch_size)])
     return images.view(len(words), samples_per_word, *images.shape[1:])
 

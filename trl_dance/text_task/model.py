@@ -3,9 +3,9 @@ ships) whose VAE and transformer this project trains to render words, so that RL
 some held-out words right and many wrong.
 
 Built in two stages by one seeded command (``python -m trl_dance.text_task build DIR``): the VAE learns to
-reconstruct rendered words (L1 + a small KL, as diffusers' VAE fine-tuning scripts do), its latent statistics become
-``shift_factor`` and ``scaling_factor`` (SD3's convention), then :class:`~trl_dance.DiffusionSFTTrainer` pretrains the
-transformer by flow matching on (prompt, image) rows. The text encoders stay random: character-level tokenizers hand
+reconstruct rendered words in six fonts (L1 + a small KL), its latent statistics become ``shift_factor`` and
+``scaling_factor`` (SD3's convention), then :class:`~trl_dance.DiffusionSFTTrainer` pretrains the transformer by flow
+matching on (prompt, image) rows in two fonts (:data:`~trl_dance.text_task.render.TEXT_STYLE`). The text encoders stay random: character-level tokenizers hand
 each letter to CLIP (absolute positions) and T5 (relative ones), and the transformer learns to read them.
 """
 
@@ -200,7 +200,7 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()
 
 
-def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 1500,
+def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 3000,
                      work_dir: str | None = None, snapshot_steps: int = 0) -> StableDiffusion3Pipeline:  # fmt: skip
     """Build the text task's pipeline from scratch and ``save_pretrained`` it to ``output`` (with its sampling
     settings beside, as a tiny pipeline's): VAE, then transformer, on the training words only. Deterministic for a
