@@ -8,7 +8,7 @@ EasyOCR (never trained on). Diversity is the mean pairwise RMS pixel difference 
 (:func:`trl_dance.text_task.evaluation.within_prompt_diversity`); a collapsed policy scores 0.
 
     python benchmarks/text_task.py --seeds 0 1 2                      # DanceGRPO, the recipe as written
-    python benchmarks/text_task.py --seeds 0 --config recipes/configs/nft_ocr_tiny.yaml -- --max_steps 20
+    python benchmarks/text_task.py --seeds 0 -- --max_steps 20 --learning_rate 3e-3
 
 Prints one line per seed and a JSON summary last; wall times are the training run's, on this machine.
 """

@@ -114,6 +114,8 @@ class RolloutTrainer(DiffusionTrainer):
         columns = [c for c in _columns(train_dataset) if c != "prompt"] if train_dataset is not None else None
         if isinstance(reward_funcs, str) or callable(reward_funcs):
             reward_funcs = [reward_funcs]
+        if not reward_funcs:
+            raise ValueError("at least one reward function is required")
         judges = list(args.eval_reward_funcs or [])
         funcs = resolve_reward_funcs([*reward_funcs, *judges], args.reward_kwargs or {}, columns)
         self.reward_funcs, self.eval_judges = funcs[: len(reward_funcs)], funcs[len(reward_funcs) :]
