@@ -6,9 +6,9 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from ._torchvision import allow_torchvision_without_operators
+from ._torchvision import install_import_hook
 
-allow_torchvision_without_operators()  # before anything imports transformers, which imports an installed torchvision
+install_import_hook()  # an installed torchvision is fixed up when first imported (by transformers, say), not here
 
 from .methods import exports  # noqa: E402
 from .version import __version__  # noqa: E402

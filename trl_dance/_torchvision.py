@@ -1,4 +1,4 @@
-"""Make ``import torchvision`` work where its compiled operators cannot load (imported first by ``trl_dance``).
+"""Make ``import torchvision`` work where its compiled operators cannot load.
 
 PyPI's Linux torchvision wheels link CUDA torch's libraries, so beside a CPU-only torch build their ``_C`` extension
 does not load. torchvision guards every use of those operators but two: its import registers fake kernels for
@@ -7,9 +7,10 @@ every transformers import once torchvision is installed. Declaring the two schem
 (box NMS, RoI ops) stay unavailable and raise if called, while its models and transforms (what EasyOCR, open_clip,
 HPSv2 and ImageReward use) work. An environment without torchvision, or whose torchvision loads, is left alone.
 
-``import trl_dance`` applies it; :func:`install_import_hook` applies it at the first ``import torchvision`` of any
-program, which ``scripts/setup_env.sh`` arranges in the virtual environment it creates (a ``.pth`` file), so that
-scripts importing transformers before trl_dance work too. This module imports nothing of trl_dance's.
+:func:`install_import_hook` applies it at the first ``import torchvision`` (no cost before: torch is not even
+imported). ``import trl_dance`` installs the hook, and so does a ``.pth`` file that ``scripts/setup_env.sh`` writes
+into the virtual environment it creates, so that scripts importing transformers before trl_dance work too. This
+module imports nothing of trl_dance's.
 """
 
 from __future__ import annotations

@@ -56,16 +56,16 @@ _QWEN_IMAGE_TEMPLATE = (
 )
 
 
-def _clip_tokenizer() -> CLIPTokenizer:
+def _clip_tokenizer(chars: str = _CHARS, max_length: int = 77) -> CLIPTokenizer:
     # Character-level BPE (no merges): every prompt tokenizes without any downloaded vocabulary.
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in _CHARS:
+    for char in chars:
         vocab[char] = len(vocab)
         vocab[char + "</w>"] = len(vocab)
     return CLIPTokenizer(
         vocab=vocab,
         merges=[],
-        model_max_length=77,
+        model_max_length=max_length,
         bos_token="<|startoftext|>",
         eos_token="<|endoftext|>",
         unk_token="<|endoftext|>",
@@ -73,8 +73,7 @@ def _clip_tokenizer() -> CLIPTokenizer:
     )
 
 
-def _t5_tokenizer() -> T5Tokenizer:
-    chars = _CHARS + string.ascii_uppercase
+def _t5_tokenizer(chars: str = _CHARS + string.ascii_uppercase) -> T5Tokenizer:
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [(c, -3.0) for c in chars] + [("▁" + c, -2.5) for c in chars]
     return T5Tokenizer(vocab=pieces, extra_ids=0)

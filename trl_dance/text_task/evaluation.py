@@ -7,10 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..rewards.ocr import METRICS, read_text
+from ..rewards.ocr import ENGINES, METRICS, read_text
 from .words import prompt_for
-
-ENGINES = ("rapidocr", "easyocr")
 
 
 def within_prompt_diversity(images: torch.Tensor) -> float:

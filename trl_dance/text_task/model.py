@@ -22,15 +22,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5Tokenizer,
-)
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
 
+from ..testing.components import _build, _clip_tokenizer, _t5_tokenizer
 from .render import IMAGE_SIZE, TEXT_STYLE, VAE_STYLE, Style, render_word
 from .words import ALPHABET, prompt_for, word_split
 
@@ -41,31 +35,13 @@ SAMPLING = {"height": IMAGE_SIZE, "width": IMAGE_SIZE, "num_inference_steps": 10
             "max_sequence_length": 32}  # fmt: skip
 """How the task samples: Flow-GRPO's OCR setting (10 steps, CFG 4.5) at the model's 64 px."""
 
-_CHARS = ALPHABET + " \"'.,!?-"
+_CHARS = ALPHABET + "\"'.,!?-"
+"""The tokenizers' characters (one token each): the letters and the double quote the prompts hold."""
 _CLIP_DIM = 32
 _CLIP_TOKENS = 32
 """CLIP's context (77 in SD3): the pipeline pads every prompt to it, and fewer padding tokens leave the letters' tokens
 a larger share of the transformer's attention (the prompts here take 19 tokens and a word of up to 13 letters fits)."""
 _LATENT_CHANNELS = 4
-
-
-def _clip_tokenizer() -> CLIPTokenizer:
-    """Character-level (a BPE with no merges), with the double quote the prompts hold."""
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in _CHARS.replace(" ", ""):
-        vocab[char] = len(vocab)
-        vocab[char + "</w>"] = len(vocab)
-    return CLIPTokenizer(
-        vocab=vocab, merges=[], model_max_length=_CLIP_TOKENS, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>", pad_token="<|endoftext|>",
-    )  # fmt: skip
-
-
-def _t5_tokenizer() -> T5Tokenizer:
-    chars = _CHARS.replace(" ", "")
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -3.0) for c in chars] + [("▁" + c, -2.5) for c in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
 def _clip(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
@@ -89,9 +65,10 @@ def _clip(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
 
 def untrained_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
     """The pipeline before training: SD3.5's classes and scheduler (``shift=3``), random weights, float32."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
+
+    def factory() -> StableDiffusion3Pipeline:
+        tokenizer, tokenizer_2 = _clip_tokenizer(_CHARS, _CLIP_TOKENS), _clip_tokenizer(_CHARS, _CLIP_TOKENS)
+        tokenizer_3 = _t5_tokenizer(_CHARS)
         t5 = T5EncoderModel(
             T5Config(
                 vocab_size=len(tokenizer_3), d_model=2 * _CLIP_DIM, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
@@ -113,16 +90,13 @@ def untrained_pipeline(seed: int = 0) -> StableDiffusion3Pipeline:
             caption_projection_dim=128, pooled_projection_dim=2 * _CLIP_DIM, pos_embed_max_size=latent // 4,
             qk_norm="rms_norm",  # SD3.5's
         )  # fmt: skip
-        pipeline = StableDiffusion3Pipeline(
+        return StableDiffusion3Pipeline(
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             vae=vae, text_encoder=_clip(tokenizer), tokenizer=tokenizer, text_encoder_2=_clip(tokenizer_2),
             tokenizer_2=tokenizer_2, text_encoder_3=t5, tokenizer_3=tokenizer_3, transformer=transformer,
         )  # fmt: skip
-    for component in pipeline.components.values():
-        if isinstance(component, torch.nn.Module):
-            component.eval()
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
+
+    return _build(factory, seed)  # seeded, the caller's random stream untouched, in eval mode
 
 
 def rendered_rows(words: Sequence[str], seed: int, style: Style = VAE_STYLE) -> Iterator[dict]:
