@@ -209,7 +209,7 @@ def test_the_slurm_example_command_validates_for_its_sixteen_processes(monkeypat
 
 
 def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
-    """A typo'd YAML key names the file and the field meant; several CPU processes without --multi_gpu (which
+    """A typo'd YAML key names the file and the field meant, a typo'd or abbreviated flag the flag meant; several CPU processes without --multi_gpu (which
     accelerate would run as one) are refused with the form that works; either is one line and exit status 2."""
     from trl_dance.cli import DEBUG_ENV
 
@@ -222,6 +222,10 @@ def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
     error = capsys.readouterr().err
     assert f"{recipe}: unknown keys 'learning_rat' (did you mean 'learning_rate'?)" in error
     assert "Traceback" not in error and len(error.strip().splitlines()) == 2  # the message, how to see the traceback
+    for typo, meant in (("--lerning_rate", "--learning_rate"), ("--learning_rat", "--learning_rate")):  # no prefixes
+        assert main(["grpo", "--config", tiny, typo, "0.1"]) == 2
+        error = capsys.readouterr().err
+        assert f"unknown option {typo} (did you mean {meant}?)" in error and len(error.strip().splitlines()) == 2
     assert main(["grpo", "--config", tiny, "--num_processes", "2"]) == 2
     assert "`--multi_gpu --num_processes 2` and ACCELERATE_USE_CPU=1" in capsys.readouterr().err
     monkeypatch.setenv(DEBUG_ENV, "1")

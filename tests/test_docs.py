@@ -61,6 +61,14 @@ def test_python_examples_run(tmp_path, monkeypatch):
     torch.testing.assert_close(loud.flatten(), torch.tensor([-20.0, -60.0]))
 
 
+def test_scripts_run_in_the_environment_setup_made():
+    """demo.sh and test.sh call the programs of the environment setup_env.sh made: ``$TRL_DANCE_VENV`` when set."""
+    for name in ("demo.sh", "test.sh"):
+        with open(os.path.join(ROOT, "scripts", name)) as handle:
+            text = handle.read()
+        assert 'venv="${TRL_DANCE_VENV:-.venv}"' in text and ".venv/bin" not in text, name
+
+
 def test_getting_started_commands_run(tmp_path):
     """The setup commands are the README's two (the second is the suite CI runs); the first run's commands run as
     written, in order, from a working directory holding the repository's recipes and .venv."""

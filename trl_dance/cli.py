@@ -102,7 +102,7 @@ def launch_training(command: str, argv: list[str]) -> None:
     # of the run's: the checks that need the run's process count wait until the launch options give it.
     with planned_world_size("groups"):
         *_, config_remaining, cli_remaining = parse()
-    check_config_keys(argv, config_remaining, train.make_parser(command))
+    check_unknown_options(argv, config_remaining, cli_remaining, train.make_parser(command))
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _without(argv, cli_remaining)
     script = [train.__file__, "--command", command, *script_args]
@@ -113,24 +113,42 @@ def launch_training(command: str, argv: list[str]) -> None:
     launch_command(launch)
 
 
-def check_config_keys(argv: list[str], config_remaining: list[str], parser) -> None:
-    """The YAML file's keys that neither the script nor ``accelerate launch`` knows: refused naming the file and the
-    closest field (accelerate would say ``unrecognized arguments: --learning_rat``, naming neither)."""
+def check_unknown_options(argv: list[str], config_remaining: list[str], cli_remaining: list[str], parser) -> None:
+    """Options that neither the script nor ``accelerate launch`` knows, from the YAML file (``config_remaining``) or
+    the command line (``cli_remaining``): refused in one line naming the file or the flag and the closest option
+    (accelerate would print its whole usage and ``unrecognized arguments``, naming neither)."""
     import difflib
 
     from accelerate.commands.launch import launch_command_parser
 
     launcher = {option.lstrip("-") for option in launch_command_parser()._option_string_actions}
-    unknown = [item[2:] for item in config_remaining if item.startswith("--") and item[2:] not in launcher]
-    if not unknown:
-        return
     fields = [option.lstrip("-") for option in parser._option_string_actions if option.startswith("--")]
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, fields + sorted(launcher), n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    config = argv[argv.index("--config") + 1] if "--config" in argv else "the config file"
-    raise ValueError(f"{config}: unknown keys {', '.join(hints)}: neither a training field nor an accelerate option")
+
+    def unknown(items: list[str]) -> list[str]:
+        names = [item.split("=", 1)[0].lstrip("-") for item in items if item.startswith("-") and len(item) > 1]
+        return [name for name in names if name not in launcher and not _is_number(name)]
+
+    def hints(names: list[str], show) -> str:  # show: how a name is written (a YAML key, a flag)
+        close = [difflib.get_close_matches(name, fields + sorted(launcher), n=1) for name in names]
+        return ", ".join(show(n) + (f" (did you mean {show(c[0])}?)" if c else "") for n, c in zip(names, close))
+
+    if keys := unknown(config_remaining):
+        config = argv[argv.index("--config") + 1] if "--config" in argv else "the config file"
+        raise ValueError(
+            f"{config}: unknown keys {hints(keys, repr)}: neither a training field nor an accelerate option"
+        )
+    if flags := unknown(cli_remaining):
+        raise ValueError(f"unknown option {hints(flags, lambda name: '--' + name)}: neither a training field nor an "
+                         "accelerate launch option (`--help_all` lists them)")  # fmt: skip
+
+
+def _is_number(text: str) -> bool:
+    """A negative number's digits (``-1`` is a value, not an option)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def resolved_launch(launch):

@@ -34,7 +34,9 @@ on the command line override it. The options are those of the script, of the tra
 
 def recipe_parser(dataclass_types: tuple[type, ...], prog: str | None = None) -> TrlParser:
     """TRL's parser of ``dataclass_types`` with the usage line naming ``--config``."""
-    return TrlParser(dataclass_types, prog=prog, usage=USAGE)
+    # No abbreviations: `--learning_rat 0.1` would set learning_rate silently, and a prefix of two fields would
+    # become an error the day a second field shares it.
+    return TrlParser(dataclass_types, prog=prog, usage=USAGE, allow_abbrev=False)
 
 
 def parse_recipe_args(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple[Any, ...]:
