@@ -99,3 +99,14 @@ def test_rollout_media_in_trackio_project(tiny_model_dir, tmp_path, monkeypatch)
             assert entry["caption"].split(" | reward ")[0] in PROMPTS
             assert Image.open(f"{directory}/media/{entry['file_path']}").size == (32, 32)
     assert any(b"train/reward" in metrics for _, metrics in rows)
+
+
+def test_a_named_tracker_without_its_package_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    """transformers would raise from its callback after the model load; the config names the extra instead."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"report_to wandb needs wandb: pip install 'trl-dance\[tracking\]'"):
+        tiny_grpo_config(tmp_path, report_to=["tensorboard", "wandb"])
+    tiny_grpo_config(tmp_path, report_to=["tensorboard"])  # installed: accepted

@@ -20,7 +20,7 @@ from trl_dance import DanceGRPOTrainer, DiffusionDPOConfig, DiffusionDPOTrainer
 from trl_dance.rewards import get_reward_function, score_images, temporal_consistency
 from trl_dance.testing import TINY_VIDEO_FRAMES, tiny_condition_images
 from trl_dance.video import frame_indices, frame_strip
-from trl_dance.visualization import to_pil
+from trl_dance.visualization import _caption_font, _wrap, to_pil
 
 WAN = family_overrides("wan")
 
@@ -79,6 +79,15 @@ def test_frame_helpers():
     images = torch.rand(2, 3, 8, 8)
     assert frame_strip(images) is images
     assert [p.size for p in to_pil(videos, size=16)] == [(4 * 6 * 16 // 8, 16)] * 2
+
+
+def test_grid_captions_keep_their_spaces_and_break_between_words():
+    """Pillow's default font drew a space 2 px wide ("a catona sofa"); captions break between words, two lines."""
+    font = _caption_font()
+    assert font.getlength("a b") - font.getlength("ab") >= 3
+    assert _wrap("a cat on a mat", len, 5, lines=2) == ["a cat", "on a…"]
+    assert _wrap("abcdefghij kl", len, 4, lines=2) == ["abcd", "efg…"]  # a word wider than a line is cut
+    assert _wrap("a sign", len, 20, lines=2) == ["a sign"] and _wrap("", len, 5, lines=2) == []
 
 
 # Constant lr 1.5e-2, CFG 5, mean of the first 3 -> last 3 of 30 rollouts; the rewarded video is the last step's clean

@@ -81,9 +81,39 @@ def save_image_grid(
             grid.paste(picture, (left + c * (width + GAP), top))
         if row_labels:
             draw.text((4, top + height // 2 - 6), row_labels[r], fill="black")
+    font = _caption_font()
     for c, caption in enumerate(captions or []):
-        characters = max(1, width // 6)  # the default font is about 6 pixels per character
-        lines = [caption[i : i + characters] for i in range(0, min(len(caption), 2 * characters), characters)]
-        draw.text((left + c * (width + GAP), grid.height - bottom + 2), "\n".join(lines), fill="black")
+        lines = _wrap(caption, lambda text: draw.textlength(text, font=font), width, lines=2)
+        draw.text((left + c * (width + GAP), grid.height - bottom + 2), "\n".join(lines), fill="black", font=font)
     grid.save(path)
     return grid
+
+
+def _caption_font():
+    """DejaVu Sans at 10 px (matplotlib's; Pillow's default font draws a space 2 px wide, and captions read as one
+    word)."""
+    from matplotlib import font_manager
+    from PIL import ImageFont
+
+    return ImageFont.truetype(font_manager.findfont("DejaVu Sans"), 10)
+
+
+def _wrap(text: str, measure, width: float, lines: int) -> list[str]:
+    """At most ``lines`` lines of ``text`` broken between words, each at most ``width`` wide by ``measure``; a word
+    wider than a line is cut, and text past the last line ends in "…"."""
+    out, words = [], text.split()
+    while words and len(out) < lines:
+        line, cut = words.pop(0), None
+        while measure(line[:cut]) > width and len(line[:cut]) > 1:  # a word wider than a line: cut, the rest next
+            cut = len(line[:cut]) - 1
+        if cut is not None:
+            words.insert(0, line[cut:])
+            line = line[:cut]
+        while words and measure(f"{line} {words[0]}") <= width:
+            line = f"{line} {words.pop(0)}"
+        out.append(line)
+    if words and out:
+        while out[-1] and measure(out[-1] + "…") > width:
+            out[-1] = out[-1][:-1]
+        out[-1] += "…"
+    return out

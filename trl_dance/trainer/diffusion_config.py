@@ -11,6 +11,7 @@ from .ema import EMAArguments
 from .evaluation import EvaluationArguments
 from .frozen_components import FrozenComponentsArguments
 from .gradient_surgery import GradientSurgeryArguments
+from .media import check_trackers
 from .performance import PerformanceArguments
 from .preemption import PreemptionArguments
 from .speed import SpeedArguments
@@ -47,6 +48,7 @@ class DiffusionTrainingConfig(
         # launch` sets from its config file's mixed_precision) and overrides it only when bf16/fp16 is on, so an
         # accelerate config with bf16 would otherwise win over `bf16: false`.
         self.mixed_precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+        check_trackers(self.report_to)
         self._check_frozen_components()
         self._check_context_parallel()
         self._check_speed()

@@ -16,6 +16,26 @@ from ..video import frame_strip
 from ..visualization import to_pil
 
 
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+"""The trackers the recipes document (``report_to``) and the package each needs: the ``tracking`` extra."""
+
+
+def check_trackers(report_to: Sequence[str]) -> None:
+    """Refuse a named tracker whose package is missing, naming the extra (transformers raises a RuntimeError from its
+    callback's constructor, after the model has loaded)."""
+    import importlib.util
+
+    missing = [
+        name for name in report_to if name in TRACKER_PACKAGES and not importlib.util.find_spec(TRACKER_PACKAGES[name])
+    ]
+    if missing:
+        packages = " ".join(TRACKER_PACKAGES[name] for name in missing)
+        raise ValueError(
+            f"report_to {', '.join(missing)} needs {packages}: pip install 'trl-dance[tracking]' (or {packages}), "
+            "or report_to none"
+        )
+
+
 class DiffusersTensorBoardCallback(TensorBoardCallback):
     """transformers' TensorBoard callback for a diffusers denoiser, whose ``config`` is a ``FrozenDict`` without the
     ``to_json_string`` the stock callback calls at the start of training."""
