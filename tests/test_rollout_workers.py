@@ -17,7 +17,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_dance import DanceGRPOTrainer
-from trl_dance.rollout_service import RolloutWorker
+from trl_dance.rollout_service import RolloutWorker, identity_differences
 from trl_dance.scripts.serve_rollouts import build_app
 from trl_dance.testing import load_tiny_pipeline
 from trl_dance.trainer.rollout_workers import RolloutWorkerError
@@ -156,12 +156,25 @@ def test_an_unbound_adapter_is_caught_by_the_audit(tiny_model_dir, tmp_path):
 
 
 def test_a_worker_with_other_base_weights_is_refused_at_the_handshake(tiny_model_dir, tmp_path):
+    """Other weights: the digests differ; another dtype is named as such before the digest."""
     model_dir = tiny_model_dir("flux")
     with _thread_worker(model_dir) as (worker, url):
         with torch.no_grad():
             next(worker.pipeline.transformer.parameters()).add_(1e-3)
-        with pytest.raises(RolloutWorkerError, match="refused the handshake: .*fingerprint"):
+        with pytest.raises(RolloutWorkerError, match=r"refused the handshake: .*fingerprint: worker '\w{12}…'"):
             _train(model_dir, tmp_path, [url], max_steps=1)
+        worker.pipeline.transformer.to(torch.bfloat16)
+        with pytest.raises(RolloutWorkerError, match=r"dtypes: worker \['bfloat16'\], trainer \['float32'\]; "):
+            _train(model_dir, tmp_path, [url], max_steps=1)
+
+
+def test_identity_differences_name_each_entry():
+    mine = {"policy": "FluxPolicy", "software": {"torch": "2.13", "diffusers": "0.37"}, "fingerprint": "a" * 64}
+    theirs = {"policy": "FluxPolicy", "software": {"torch": "2.14", "diffusers": "0.37"}, "fingerprint": "b" * 64}
+    assert identity_differences(mine, theirs) == [
+        "software.torch: worker '2.13', trainer '2.14'",
+        f"fingerprint: worker '{'a' * 12}…', trainer '{'b' * 12}…'",
+    ]
 
 
 def test_no_worker_left_is_a_named_error(tiny_model_dir, tmp_path):

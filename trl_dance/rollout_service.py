@@ -112,12 +112,36 @@ def sampling_identity(policy) -> dict[str, Any]:
     """What trainer and worker must share to sample alike, beyond the settings they exchange: the policy class, the
     frozen denoiser's fingerprint, the software versions and the LoRA parameters' names and shapes (compared at the
     handshake)."""
+    frozen = [p for p in policy.denoiser.parameters() if not p.requires_grad]
     return {
         "policy": type(policy).__name__,
-        "fingerprint": base_fingerprint(policy.denoiser),
+        "denoiser": type(policy.denoiser).__name__,
+        "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in frozen}),  # named before the digest says why
         "software": software(),
         "parameters": {name: list(p.shape) for name, p in trainable_tensors(policy.denoiser).items()},
+        "fingerprint": base_fingerprint(policy.denoiser),
     }
+
+
+def identity_differences(worker: dict[str, Any], trainer: dict[str, Any]) -> list[str]:
+    """Each difference of two :func:`sampling_identity` values, named: ``"dtypes: worker ['bfloat16'], trainer
+    ['float32']"``, a mapping's differing entries one by one (``software.torch``, a LoRA parameter), digests cut."""
+
+    def show(value: Any) -> str:
+        return repr(value[:12] + "…") if isinstance(value, str) and len(value) > 40 else repr(value)
+
+    differences = []
+    for key in worker:
+        mine, theirs = worker[key], trainer.get(key)
+        if mine == theirs:
+            continue
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            names = sorted(name for name in mine.keys() | theirs.keys() if mine.get(name) != theirs.get(name))
+            differences += [f"{key}.{n}: worker {show(mine.get(n))}, trainer {show(theirs.get(n))}" for n in names[:5]]
+            differences += [f"{key}: {len(names) - 5} more"] if len(names) > 5 else []
+        else:
+            differences.append(f"{key}: worker {show(mine)}, trainer {show(theirs)}")
+    return differences
 
 
 class RolloutWorker:
@@ -164,10 +188,7 @@ class RolloutWorker:
                     409, f"the worker holds the LoRA {self._lora} of an earlier trainer; restart it for {info['lora']}"
                 )
             mine = sampling_identity(policy)
-            theirs = {key: info.get(key) for key in mine}
-            differences = [
-                f"{key}: worker {mine[key]!r}, trainer {theirs[key]!r}" for key in mine if mine[key] != theirs[key]
-            ]
+            differences = identity_differences(mine, info)
             if differences:
                 raise RefusedInput(409, "the worker cannot sample as the trainer does: " + "; ".join(differences))
             self.policy, self.mixed_precision, self.versions = policy, info.get("mixed_precision", "no"), {}
@@ -254,6 +275,7 @@ __all__ = [
     "ROLLOUT_TOKEN_ENV",
     "RolloutWorker",
     "base_fingerprint",
+    "identity_differences",
     "lora_description",
     "pack",
     "sampling_identity",
