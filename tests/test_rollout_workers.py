@@ -177,10 +177,28 @@ def test_identity_differences_name_each_entry():
     ]
 
 
-def test_no_worker_left_is_a_named_error(tiny_model_dir, tmp_path):
+def test_workers_that_cannot_serve_are_named_when_the_trainer_is_built(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Probed at construction (no round runs): nothing listening is refused after the grace of refused connections
+    (not the whole server timeout), a worker still loading is waited for with a line saying so, one whose model failed
+    names the failure; each a ValueError (the CLI prints one line)."""
+    from trl_dance.trainer import rollout_workers
+
+    model_dir = tiny_model_dir("flux")
+    monkeypatch.setattr(rollout_workers, "REFUSED_GRACE", 0.5)
+    monkeypatch.setattr(DanceGRPOTrainer, "train", lambda self, **kwargs: pytest.fail("the probe ran in training"))
     url = f"http://127.0.0.1:{_free_port()}"
-    with pytest.raises(RolloutWorkerError, match=f"rollout worker {url} did not answer /health"):
-        _train(tiny_model_dir("flux"), tmp_path, [url], max_steps=1, rollout_server_timeout=1.0)
+    with pytest.raises(RolloutWorkerError, match=f"rollout worker {url} refused the connection .*nothing listens") as e:
+        _train(model_dir, tmp_path, [url])  # the default rollout_server_timeout, 240 s: not waited for
+    assert isinstance(e.value, ValueError)
+    with _thread_worker(model_dir) as (worker, url):
+        worker.pipeline, worker.loading = None, "some/model"
+        with pytest.raises(RolloutWorkerError, match=r"not ready within rollout_server_timeout \(1 s\): loading"):
+            _train(model_dir, tmp_path, [url], rollout_server_timeout=1.0)
+        assert f"waiting for rollout worker {url} (loading some/model; up to 1 s)" in capsys.readouterr().out
+        with pytest.raises(OSError, match="no such folder"):
+            worker.load(lambda: (_ for _ in ()).throw(OSError("no such folder")), "some/model")
+        with pytest.raises(RolloutWorkerError, match="failed to load its model: OSError: no such folder"):
+            _train(model_dir, tmp_path, [url])
 
 
 def test_resume_with_a_worker_and_rounds_in_flight_is_exact(tiny_model_dir, tmp_path):

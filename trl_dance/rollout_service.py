@@ -19,6 +19,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,6 +157,8 @@ class RolloutWorker:
 
     def __init__(self, pipeline, device: str | torch.device, max_versions: int = 4):
         self.pipeline, self.device, self.max_versions = pipeline, torch.device(device), max_versions
+        self.loading: str | None = None  # the model being loaded (the worker answers /health meanwhile)
+        self.failed: str | None = None  # why it could not be loaded
         self.policy = None
         self._lora: dict[str, Any] | None = None
         self.mixed_precision = "no"
@@ -163,7 +166,22 @@ class RolloutWorker:
         self.served = 0
         self._lock = threading.Lock()  # one chunk (or weight copy) at a time: the LoRA parameters are shared
 
+    def load(self, load_pipeline: Callable[[], Any], model: str) -> None:
+        """Set ``self.pipeline = load_pipeline()`` (on a thread, while the server answers ``/health`` with
+        ``loading``); a failure is kept and reported by ``/health``."""
+        self.loading = model
+        try:
+            self.pipeline = load_pipeline()
+        except Exception as error:  # reported to the trainer, which stops naming it
+            self.failed = f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            self.loading = None
+
     def health(self) -> dict[str, Any]:
+        if self.failed or self.pipeline is None:
+            status = {"status": "failed", "error": self.failed} if self.failed else {"status": "loading"}
+            return status | {"model": self.loading}
         return {
             "status": "ready" if self.policy is not None else "waiting for a handshake",
             "pipeline": type(self.pipeline).__name__,
@@ -174,6 +192,8 @@ class RolloutWorker:
     def handshake(self, info: dict[str, Any]) -> dict[str, Any]:
         """Build the trainer's policy and LoRA from ``info`` and compare what must match; 409 naming every
         difference."""
+        if self.pipeline is None:
+            raise RefusedInput(503, f"the worker is not ready: {self.health()}")
         with self._lock:
             policy = make_policy(self.pipeline, SamplerSettings(**info["settings"]))
             policy.use_condition_columns(info.get("condition_columns", []))  # (the trainer's optional columns)

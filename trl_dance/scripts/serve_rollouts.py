@@ -3,7 +3,7 @@
     trl-dance serve-rollouts --model black-forest-labs/FLUX.1-dev --dtype bfloat16 --port 8100 --device cuda:0
 
 then ``rollout_server_urls: [http://HOST:8100]`` in a GRPO, DiffusionNFT or online-DPO config with a LoRA. The worker
-loads the base pipeline; the trainer's handshake sends the sampler settings, the LoRA's shape and the autocast dtype
+listens at once and loads the base pipeline meanwhile (``/health``: 503 ``loading``); the trainer's handshake sends the sampler settings, the LoRA's shape and the autocast dtype
 (refused, naming the field, where the worker's base weights or software differ), then each version of the rollout
 weights before the chunks sampled with it. Endpoints: ``GET /health``, ``POST /handshake`` (JSON), ``PUT
 /weights/{version}`` and ``POST /rollouts`` (safetensors bodies). ``--token`` (or ``TRL_DANCE_ROLLOUT_TOKEN``)
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -48,8 +49,9 @@ def build_app(worker: RolloutWorker, token: str | None = None, max_body_bytes: i
 
         return endpoint
 
-    async def health(request):
-        return JSONResponse(worker.health())
+    async def health(request):  # 503 while the model loads or after it failed to
+        health = worker.health()
+        return JSONResponse(health, status_code=503 if health["status"] in ("loading", "failed") else 200)
 
     async def handshake(request, body: bytes):
         return JSONResponse(await run_in_threadpool(worker.handshake, json.loads(body)))
@@ -99,17 +101,26 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(
             f"serve-rollouts needs the 'serve' extra ({error.name} is missing): pip install 'trl-dance[serve]'"
         ) from error
+    import threading
     from types import SimpleNamespace
 
     from ..trainer.diffusion_trainer import load_pipeline
 
     loading = SimpleNamespace(model_init_kwargs={"dtype": args.dtype} if args.dtype else None)
-    pipeline = load_pipeline(args.model, loading, args.pipeline_class).to(args.device)
-    worker = RolloutWorker(pipeline, args.device, args.max_versions)
+    worker = RolloutWorker(None, args.device, args.max_versions)
     token = args.token or os.environ.get(ROLLOUT_TOKEN_ENV) or None
+
+    def load():  # while the server listens: a trainer tells "loading" from "not running" (connection refused)
+        try:
+            worker.load(lambda: load_pipeline(args.model, loading, args.pipeline_class).to(args.device), args.model)
+        except Exception:  # /health reports it to the trainer, which stops naming it
+            print(f"serve-rollouts: could not load {args.model}: {worker.failed}", file=sys.stderr, flush=True)
+            return
+        print(f"serving rollouts of {type(worker.pipeline).__name__} on {args.device}", flush=True)
+
+    threading.Thread(target=load, name="load-model", daemon=True).start()
     print(
-        f"serving rollouts of {type(pipeline).__name__} at http://{args.host}:{args.port} on {args.device}"
-        f"{'; token required' if token else ''}",
+        f"rollout worker at http://{args.host}:{args.port}{' (token required)' if token else ''}, loading {args.model}",
         flush=True,
     )
     uvicorn.run(build_app(worker, token), host=args.host, port=args.port, log_level="warning")

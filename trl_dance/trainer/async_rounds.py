@@ -50,7 +50,8 @@ class AsyncRoundsArguments:
             version with the step's noise drawn again (the stored next state within `rollout_audit_tolerance` of the
             step's stds; `None`: 1e-3 in float32, 0.1 under autocast). With `max_staleness` ≥ 1 the trainer trains
             while the workers sample. Design and guarantees: docs/scaling.md.
-        rollout_server_timeout (`float`, defaults to `240.0`): seconds to wait for every worker at the start.
+        rollout_server_timeout (`float`, defaults to `240.0`): seconds to wait at construction for every worker to be
+            ready (loading its model); one that refuses connections for 10 s is taken for not running.
         rollout_request_timeout (`float`, defaults to `600.0`): seconds per request (a chunk's rollout included);
             after its retries a worker's chunk goes to the next worker, and none left stops training naming them.
         rollout_server_token (`str` or `None`, defaults to `None`): the workers' bearer token (default:

@@ -15,7 +15,6 @@ from transformers.integrations import TensorBoardCallback, TrackioCallback, Wand
 from ..video import frame_strip
 from ..visualization import to_pil
 
-
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """The trackers the recipes document (``report_to``) and the package each needs: the ``tracking`` extra."""
 

@@ -217,6 +217,10 @@ class RolloutTrainer(DiffusionTrainer):
             self._workers = RolloutWorkers(
                 args.rollout_server_urls, token, args.rollout_request_timeout, args.rollout_server_timeout
             )
+            # Probed now, as remote rewards are: a dead or mismatched worker is named before the first round.
+            self._workers.handshake(self._worker_handshake())
+            if self.accelerator.is_main_process:
+                print(f"rollouts sampled by the workers {', '.join(self._workers.urls)}", flush=True)
         self._round_rows = None
         if args.max_staleness:
             self._round_rows = RoundRows(
@@ -666,12 +670,10 @@ class RolloutTrainer(DiffusionTrainer):
         return trainable_tensors(self.policy.denoiser)
 
     def _publish_version(self, version: int) -> None:
-        """Send the rollout weights as ``version`` to the workers (once), after the handshake on the first call, and
-        keep a copy for the audits of the rounds it samples."""
+        """Send the rollout weights as ``version`` to the workers (once) and keep a copy for the audits of the rounds
+        it samples."""
         if version in self._workers.published:
             return
-        if not self._workers.published:
-            self._workers.handshake(self._worker_handshake())
         tensors = {name: value.detach().clone() for name, value in self._rollout_weights().items()}
         self._workers.publish(version, tensors)
         self._versions[version] = tensors

@@ -26,6 +26,15 @@ class RolloutWorkerError(RuntimeError):
     """A worker's answer failed verification, or no worker could serve a chunk: training stops."""
 
 
+class RolloutWorkerSetupError(RolloutWorkerError, ValueError):
+    """A worker that cannot serve this run, found at the handshake (not running, still loading past the timeout,
+    refusing the trainer's settings): a user error, reported by ``trl-dance`` in one line."""
+
+
+REFUSED_GRACE = 10.0
+"""Seconds of refused connections after which a worker is taken for not running (it listens before loading)."""
+
+
 class RolloutWorkers:
     """The client of the ``serve-rollouts`` workers at ``urls`` (one process's; each training process talks to them
     for its own chunks).
@@ -57,26 +66,50 @@ class RolloutWorkers:
         self._next = 0
 
     def handshake(self, info: dict[str, Any]) -> None:
-        """Wait for every worker (``server_timeout``), then send ``info``; a refusal (the worker's base, software or
-        LoRA differs) raises naming the worker and the differences."""
-        import httpx
-
+        """Wait for every worker to be ready, then send ``info``. A worker that refuses connections for
+        ``REFUSED_GRACE`` seconds is not running (a worker listens before it loads its model), one still loading is
+        waited for up to ``server_timeout`` with a line saying so; these, a worker whose model failed to load and a
+        refusal (the worker's base, software or LoRA differs) raise :class:`RolloutWorkerSetupError` naming the
+        worker."""
         for url in self.urls:
-            deadline = time.monotonic() + self.server_timeout
-            while True:
-                try:
-                    self.client.get(f"{url}/health", timeout=5.0).raise_for_status()
-                    break
-                except httpx.HTTPError as err:
-                    if time.monotonic() > deadline:
-                        raise RolloutWorkerError(
-                            f"rollout worker {url} did not answer /health within rollout_server_timeout "
-                            f"({self.server_timeout:g} s): {err}"
-                        ) from None
-                    time.sleep(0.5)
+            self._wait_until_ready(url)
             response = self.client.post(f"{url}/handshake", json=info)
             if response.status_code != 200:
-                raise RolloutWorkerError(f"rollout worker {url} refused the handshake: {response.text[:1000]}")
+                raise RolloutWorkerSetupError(f"rollout worker {url} refused the handshake: {response.text[:1000]}")
+
+    def _wait_until_ready(self, url: str) -> None:
+        import httpx
+
+        start, said = time.monotonic(), False
+        while True:
+            waited = time.monotonic() - start
+            try:
+                response = self.client.get(f"{url}/health", timeout=5.0)
+                health = response.json() if response.headers.get("content-type") == "application/json" else {}
+                if response.status_code == 200 and health.get("status") != "loading":
+                    return
+                if health.get("status") == "failed":
+                    raise RolloutWorkerSetupError(
+                        f"rollout worker {url} failed to load its model: {health.get('error')}"
+                    )
+                why = f"loading {health.get('model', 'its model')}" if health else f"HTTP {response.status_code}"
+            except httpx.ConnectError as err:
+                if waited > min(REFUSED_GRACE, self.server_timeout):
+                    raise RolloutWorkerSetupError(
+                        f"rollout worker {url} refused the connection for {waited:.0f} s: nothing listens there "
+                        f"({err}); start it (trl-dance serve-rollouts --model ... --port N) or fix rollout_server_urls"
+                    ) from None
+                why = "connection refused"
+            except httpx.HTTPError as err:
+                why = f"{type(err).__name__}: {err}"
+            if waited > self.server_timeout:
+                raise RolloutWorkerSetupError(
+                    f"rollout worker {url} was not ready within rollout_server_timeout ({self.server_timeout:g} s): {why}"
+                )
+            if not said:
+                print(f"waiting for rollout worker {url} ({why}; up to {self.server_timeout:g} s)", flush=True)
+                said = True
+            time.sleep(0.5)
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> str:
         """Send version ``version`` of the rollout weights to every worker; each must answer with the SHA-256 of its
