@@ -187,7 +187,9 @@ def test_workers_that_cannot_serve_are_named_when_the_trainer_is_built(tiny_mode
     monkeypatch.setattr(rollout_workers, "REFUSED_GRACE", 0.5)
     monkeypatch.setattr(DanceGRPOTrainer, "train", lambda self, **kwargs: pytest.fail("the probe ran in training"))
     url = f"http://127.0.0.1:{_free_port()}"
-    with pytest.raises(RolloutWorkerError, match=f"rollout worker {url} refused the connection .*nothing listens") as e:
+    with pytest.raises(
+        RolloutWorkerError, match=f"rollout worker {url} refused the connection .*nothing listens"
+    ) as e:
         _train(model_dir, tmp_path, [url])  # the default rollout_server_timeout, 240 s: not waited for
     assert isinstance(e.value, ValueError)
     with _thread_worker(model_dir) as (worker, url):
