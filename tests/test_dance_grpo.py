@@ -692,3 +692,28 @@ def test_resume_at_a_round_boundary_reproduces_the_uninterrupted_run(tiny_model_
         if a.requires_grad:
             assert torch.equal(a, b), name
     assert resumed.stat_tracker.state_dict() == full.stat_tracker.state_dict()
+
+
+def test_a_reward_that_raises_is_named_at_construction_or_with_its_round(tiny_model_dir, tmp_path):
+    """Probed when the trainer is built (before the model samples anything); with the probe off, the failure in a
+    round names the reward, the exception and its line, the round and the first prompts."""
+    calls = []
+
+    def picky(prompts, images, **kwargs):
+        calls.append(images.shape)
+        if len(calls) > 1:
+            return [1.0 / 0.0 for _ in prompts]
+        return [0.0] * len(prompts)
+
+    def broken(prompts, images, **kwargs):
+        raise KeyError("score")
+
+    model = tiny_model_dir("flux")
+    with pytest.raises(ValueError, match=r"^probing the rewards .*: reward 'broken' raised KeyError: 'score' at "
+                       r"test_dance_grpo.py:\d+, scoring 2 images \(first prompts \['a cat', 'a dog'\]\)$"):  # fmt: skip
+        DanceGRPOTrainer(model, broken, args=tiny_grpo_config(tmp_path), train_dataset=_dataset(), peft_config=_lora())
+    trainer = DanceGRPOTrainer(model, picky, args=tiny_grpo_config(tmp_path, max_steps=1), train_dataset=_dataset(),
+                               peft_config=_lora())  # fmt: skip
+    assert calls == [(2, 3, 32, 32)]  # the probe: two random images of the run's size
+    with pytest.raises(ValueError, match=r"^round 0, samples from 0: reward 'picky' raised ZeroDivisionError"):
+        trainer.train()

@@ -4,6 +4,7 @@
 from .aesthetic import AestheticReward
 from .audio import CLAPScore, av_sync
 from .base import (
+    RewardError,
     RewardFunc,
     check_reward_signature,
     get_reward_function,
@@ -40,6 +41,7 @@ __all__ = [
     "PointwiseJudge",
     "RemoteReward",
     "RemoteRewardError",
+    "RewardError",
     "RewardFunc",
     "RewardModel",
     "VideoAlignReward",

@@ -228,6 +228,27 @@ def reward_name(func: RewardFunc) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+class RewardError(ValueError):
+    """A reward function raised: names the function, the exception and the line it came from, what was being scored
+    and the first prompts (``where``, e.g. the round, is prefixed by the caller)."""
+
+    def __init__(self, name: str, error: Exception, scoring: str, prompts: Sequence[str], where: str = ""):
+        import traceback
+
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        at = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
+        self.name, self.error, self.scoring, self.prompts, self.where = name, error, scoring, list(prompts), where
+        super().__init__(
+            f"{where}reward {name!r} raised {type(error).__name__}: {error}{at}, scoring {scoring} (first prompts "
+            f"{list(prompts[:2])!r})"
+        )
+
+    def at(self, where: str) -> RewardError:
+        """The same error, said to have happened ``where`` (``"round 3: "``)."""
+        other = RewardError(self.name, self.error, self.scoring, self.prompts, where)
+        return other.with_traceback(self.__traceback__)
+
+
 def score_images(
     funcs: Sequence[RewardFunc],
     prompts: list[str],
@@ -327,7 +348,12 @@ def _call(
     if read is not None and not read[1]:  # no **kwargs: only what it names
         named = {p.name for p in read[0]}
         arguments = {key: value for key, value in arguments.items() if key in named}
-    values = func(**arguments)
+    try:
+        values = func(**arguments)
+    except RewardError:
+        raise
+    except Exception as err:  # the user's code: named, with where it failed and what it was scoring
+        raise RewardError(name, err, f"{batch} {unit}", prompts) from err
     if isinstance(values, torch.Tensor):
         values = values.detach().flatten().tolist()
     try:

@@ -99,6 +99,10 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         reward_kwargs (`dict` or `None`, defaults to `None`): Constructor arguments of registered model rewards, by
             name, e.g. `{"hpsv2": {"checkpoint": "/ckpt/HPS_v2.1_compressed.pt", "dtype": "bfloat16"}}` (a JSON
             string on the command line).
+        probe_rewards (`bool`, defaults to `True`): Call every reward and held-out judge once when the trainer is
+            built, on 2 random images (videos) of the configured size with the first prompts and columns of the
+            dataset, so that a reward that raises stops the run before the first rollout, naming it. Audio rewards
+            are not probed. `False` skips it (a reward that counts its calls, or one too costly to call twice).
         log_completions_steps (`int`, defaults to `0`): Every this many optimizer steps (at the next rollout), send
             `num_completions_to_log` rollout images captioned with prompt and reward, and a histogram of the round's
             rewards, to the `report_to` trackers (TensorBoard, W&B, trackio). `0`: never.
@@ -246,6 +250,9 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
     )
     reward_kwargs: dict[str, dict[str, Any]] | str | None = field(
         default=None, metadata={"help": "Constructor arguments of registered model rewards, by reward name (JSON)."}
+    )
+    probe_rewards: bool = field(
+        default=True, metadata={"help": "Call every reward once on random images at construction (fail early)."}
     )
     log_completions_steps: int = field(
         default=0, metadata={"help": "Log rollout images and a reward histogram every this many steps (0: never)."}

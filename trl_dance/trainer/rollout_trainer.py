@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,14 +23,14 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from PIL import Image
 from torch.utils.data import Sampler
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
 
 from .._compat import repeat_iterable_dataset
 from ..advantages import PerPromptStatTracker, group_advantages, nan_std, normalized_reward_sum
 from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
-from ..rewards.base import reward_modality
+from ..rewards.base import RewardError, reward_modality
 from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, sampling_identity, trainable_tensors
 from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators, step_noise
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
@@ -180,6 +181,8 @@ class RolloutTrainer(DiffusionTrainer):
             raise ValueError(f"rewards {audio} score audio, which {type(policy.pipeline).__name__} does not generate")
         self._decode_audio = bool(audio)  # the soundtracks are decoded only for rewards that score them
         self.reward_routes = self._reward_routes(policy, args)
+        if args.probe_rewards and train_dataset is not None:
+            self._probe_rewards(policy, train_dataset, args.video_reward_frames)
         if train_dataset is not None:  # (Qwen-Image 2.1 conditions on an image column where the rows have one)
             policy.use_condition_columns(_columns(train_dataset))
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -240,6 +243,31 @@ class RolloutTrainer(DiffusionTrainer):
         self._eval_policy: DiffusionPolicy | None = None  # built at the first evaluation
         self.reward_metrics = RewardMetricLog()  # the rewards' log_metric
         self.training_signal = TrainingSignal(args.max_idle_rounds)
+
+    def _probe_rewards(
+        self, policy: DiffusionPolicy, dataset: Dataset | IterableDataset, video_frames: int | None
+    ) -> None:
+        """Call every reward and judge (audio ones aside) once on 2 random images or videos of the run's size with
+        the dataset's first rows: a reward that raises or returns the wrong values stops the run now, named."""
+        rows = list(itertools.islice(iter(dataset), 2))
+        funcs = [f for f in [*self.reward_funcs, *self.eval_judges] if not getattr(f, "accepts_audio", False)]
+        if not rows or not funcs:
+            return
+        settings = policy.settings
+        shape = (3, settings.height, settings.width)
+        frames = (settings.num_frames or 1,) if policy.is_video else ()
+        images = torch.rand(len(rows), *frames, *shape, generator=torch.Generator().manual_seed(0))
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        extra = {"trainer_state": TrainerState(), "log_metric": lambda name, value: None}  # nothing reaches the log
+        try:
+            score_images(funcs, [row["prompt"] for row in rows], images, columns, video_frames, [0] * len(rows),
+                         extra)  # fmt: skip
+        except RewardError as error:
+            raise error.at("probing the rewards on random samples (probe_rewards=False skips it): ") from error.error
+        except ValueError as error:
+            raise ValueError(
+                f"probing the rewards on random samples (probe_rewards=False skips it): {error}"
+            ) from error
 
     def _reward_routes(self, policy: DiffusionPolicy, args: RolloutConfig) -> torch.Tensor | None:
         """(S, F) bool: which of the F rewards each of the policy's S streams trains on, from the rewards' modalities
@@ -593,7 +621,7 @@ class RolloutTrainer(DiffusionTrainer):
                 initial_noise = self._initial_noise(generators[part], first_index + chunk_start, round_index)
                 scorer = functools.partial(
                     self._score_chunk, prompts[part], {key: values[part] for key, values in columns.items()},
-                    first_index + chunk_start,
+                    first_index + chunk_start, round_index,
                 )  # fmt: skip
                 if self._workers is not None:  # sampled and scored off the main thread; verified when consumed
                     request = {
@@ -638,23 +666,31 @@ class RolloutTrainer(DiffusionTrainer):
         return record
 
     def _score_chunk(
-        self, prompts: list[str], columns: dict[str, list], first_index: int, samples: dict[str, torch.Tensor]
+        self,
+        prompts: list[str],
+        columns: dict[str, list],
+        first_index: int,
+        round_index: int,
+        samples: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """(n, F) rewards of a chunk's ``samples`` (its first sample at global index ``first_index``); zeros on the
-        ranks of a context-parallel group but its first, which scores the same samples."""
+        """(n, F) rewards of a chunk's ``samples`` (its first sample at global index ``first_index``) of round
+        ``round_index``; zeros on the ranks of a context-parallel group but its first, which scores the same samples."""
         if not self.data_parallel.is_group_leader:
             return torch.zeros(len(prompts), len(self.reward_funcs), device=self.accelerator.device)
         groups = [(first_index + i) // self.args.num_generations for i in range(len(prompts))]
-        return score_images(
-            self.reward_funcs,
-            prompts,
-            samples["images"],
-            columns,
-            self.args.video_reward_frames,
-            groups,
-            self._reward_extra(),
-            self._audio(samples),
-        )
+        try:
+            return score_images(
+                self.reward_funcs,
+                prompts,
+                samples["images"],
+                columns,
+                self.args.video_reward_frames,
+                groups,
+                self._reward_extra(),
+                self._audio(samples),
+            )
+        except RewardError as error:
+            raise error.at(f"round {round_index}, samples from {first_index}: ") from error.error
 
     def _worker_chunk(
         self, scorer, record: RoundRecord, generator_states: torch.Tensor, rollout: dict, answer: dict
