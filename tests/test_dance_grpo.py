@@ -269,6 +269,7 @@ def test_groups_rounds_and_advantages(tiny_model_dir, tmp_path):
     trainer = DanceGRPOTrainer(
         tiny_model_dir("flux"), recording_reward, args=args, train_dataset=_dataset(), peft_config=_lora()
     )
+    calls.clear()  # (the construction's probe)
     trainer.train()
     assert len(calls) == 2
     seen = set()

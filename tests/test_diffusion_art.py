@@ -7,6 +7,7 @@ from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, family_overrides, tra
 from datasets import Dataset
 from peft import LoraConfig
 from test_diffusion_nft import ROWS, nft_config
+from transformers import ProgressCallback
 
 from trl_dance import DiffusionNFTTrainer
 from trl_dance.losses import art_guidance, art_loss, art_tilt_scale
@@ -177,3 +178,23 @@ def test_pairwise_art_learns_from_labels_alone(tiny_model_dir, tmp_path):
     after = brightness()
     print(f"brightness {before.mean():.4f} -> {after.mean():.4f} (initial std {before.std():.4f})")
     assert after.mean() - before.mean() > PAIRWISE_MARGIN * before.std()
+
+
+def test_the_progress_bar_counts_rounds_with_updates_beside(tiny_model_dir, tmp_path):
+    """ART makes 2 updates a round: its bar counts rounds (3 for 5 updates, the last cut short), updates as postfix."""
+    from transformers import TrainerState
+
+    from trl_dance.trainer.progress import RoundProgressCallback
+
+    trainer = _trainer(tiny_model_dir, tmp_path, disable_tqdm=False)
+    (bar,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback)]
+    assert isinstance(bar, RoundProgressCallback) and bar.updates_per_round == 2
+    state, rounds = TrainerState(max_steps=5, global_step=0), []
+    bar.on_train_begin(trainer.args, state, None)
+    for step in range(1, 6):
+        state.global_step = step
+        bar.on_step_end(trainer.args, state, None)
+        rounds.append(bar.training_bar.n)
+    assert rounds == [0, 1, 1, 2, 3] and bar.training_bar.total == 3
+    assert bar.training_bar.postfix == "updates 5/5"
+    bar.on_train_end(trainer.args, state, None)

@@ -410,7 +410,7 @@ def test_a_base_teacher_runs_its_cfg_for_a_step_distilled_student(tmp_path):
 def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_model_dir, tmp_path):
     """The round's rollout records every one of the student's steps; the fake score is not in the Trainer's optimizer
     and makes `fake_score_updates` AdamW steps per round; the student makes one optimizer update per round; the state
-    a student item trains at is the recorded one."""
+    a student item trains at is the recorded one; no advantage statistics are logged."""
     trainer = _trainer(tiny_model_dir, tmp_path, fake_score_updates=3, max_steps=2)
     assert trainer.rollout_plan().recorded_steps == (0, 1)
     trainer.train()
@@ -419,6 +419,8 @@ def test_rounds_record_the_students_states_and_update_the_fake_score_apart(tiny_
     assert fake and not fake & trained
     steps = {state["step"].item() for state in trainer.fake_score.optimizer.state.values()}
     assert steps == {6.0} and trainer.state.global_step == 2
+    logged = set().union(*trainer.state.log_history)  # no group statistics where nothing trains on advantages
+    assert "reward" in logged and not logged & {"frac_reward_zero_std", "advantages/abs_mean"}
     item = trainer._microbatches[0]
     inputs = trainer._microbatch(item)
     assert torch.equal(inputs["state"], trainer._rollout["visited"][item[0], item[1]])

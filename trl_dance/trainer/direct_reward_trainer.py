@@ -89,6 +89,8 @@ class DirectRewardTrainer(RolloutTrainer):
                     "decoder keeps its activations for the backward pass"
                 )
 
+    _trains_on_advantages = False  # the loss takes reward gradients
+
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         for column, affine in enumerate(self._reward_affine):  # gathered: every process derives the same
             if affine is None:

@@ -237,10 +237,14 @@ class DMDTrainer(RolloutTrainer):
     def _needs_reference(args: DMDConfig) -> bool:
         return True  # the teacher
 
+    @property
+    def _trains_on_advantages(self) -> bool:
+        return self.args.loss_type == "rtdmd"
+
     def _advantages(
         self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str], weights: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.args.loss_type == "rtdmd":  # RTDMD's stage 2: its policy gradient's
+        if self._trains_on_advantages:  # RTDMD's stage 2: its policy gradient's
             return super()._advantages(all_rewards, total, prompts, weights)
         return torch.zeros_like(total)  # the rewards monitor (or tilt through their gradient): no group statistics
 

@@ -40,6 +40,7 @@ from .evaluation import evaluation_policy
 from .media import log_rollout_media
 from .memory_advice import named_out_of_memory
 from .old_policy import _Proxy
+from .progress import use_round_progress
 from .reward_metrics import RewardMetricLog
 from .rollout_config import RolloutConfig
 from .rollout_workers import RolloutWorkerError, RolloutWorkers, audit_positions
@@ -234,6 +235,7 @@ class RolloutTrainer(DiffusionTrainer):
                 self.data_parallel.rank,
                 args.per_device_generation_batch_size,
             )
+        use_round_progress(self.callback_handler, args.optimizer_updates_per_round)  # the bar counts rounds
         self._rollout: dict[str, Any] | None = None
         self._microbatches: list[Any] = []
         # Per process: which items are trained and the micro-batch order. Sampling noise is seeded per sample.
@@ -307,6 +309,11 @@ class RolloutTrainer(DiffusionTrainer):
 
     # ----------------------------------------------------------------------------------------------------------
     # What a method defines
+
+    @property
+    def _trains_on_advantages(self) -> bool:
+        """Whether the loss reads the rewards' group advantages (DMD's distribution matching does not)."""
+        return True
 
     def _check_policy(self, policy: DiffusionPolicy, args: RolloutConfig) -> None:
         """Construction checks that need the policy (the trainable steps, the model family)."""
@@ -963,10 +970,11 @@ class RolloutTrainer(DiffusionTrainer):
             self._metrics[f"rewards/{name}/std"].append(nan_std(all_rewards[:, column]))
         self._metrics["reward"].append(total.mean())
         self._metrics["reward_std"].append(total.std())
-        if self.args.num_generations > 1:
-            group_std = total.view(-1, self.args.num_generations).std(dim=1)
-            self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean())
-        self._metrics["advantages/abs_mean"].append(advantages.abs().mean())
+        if self._trains_on_advantages:  # (elsewhere, groups and advantages mean nothing)
+            if self.args.num_generations > 1:
+                group_std = total.view(-1, self.args.num_generations).std(dim=1)
+                self._metrics["frac_reward_zero_std"].append((group_std < 1e-8).float().mean())
+            self._metrics["advantages/abs_mean"].append(advantages.abs().mean())
         # Denoiser evaluations (sample × step, CFG branches counted once) per sample of this process's rollout.
         self._metrics["rollout/denoiser_calls_per_sample"].append(torch.tensor(calls_per_sample))
 

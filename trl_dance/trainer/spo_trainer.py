@@ -110,6 +110,8 @@ class SPOTrainer(RolloutTrainer):
     def _needs_reference(args: SPOConfig) -> bool:
         return True
 
+    _trains_on_advantages = False  # pairs come from the step scorer
+
     def _advantages(self, all_rewards: torch.Tensor, total: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return torch.zeros_like(total)  # pairs come from the step scorer; the final rewards are only logged
 
