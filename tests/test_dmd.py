@@ -676,3 +676,31 @@ def test_a_distilled_student_trains_on_with_its_lora_merged(tiny_model_dir, tmp_
     with pytest.raises(FileNotFoundError, match="merge_lora: no pytorch_lora_weights"):
         DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", args=tiny_grpo_config(tmp_path / "x", merge_lora=[str(tmp_path)]),
                          train_dataset=Dataset.from_dict({"prompt": PROMPTS[:8]}))  # fmt: skip
+
+
+def test_a_two_step_student_is_evaluated_and_shown_on_its_training_grid(tiny_model_dir, tmp_path, capsys):
+    """The run saves how its student samples (steps, the shifted `dance` σ grid, guidance, size); `trl-dance eval`
+    with no sampling flag samples on that grid, and the card's snippet passes it to diffusers unshifted."""
+    from trl_dance.scripts import evaluate
+    from trl_dance.trainer.evaluation import SAMPLING_FILE, read_sampling_record
+
+    trainer = _trainer(tiny_model_dir, tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    record = read_sampling_record(trainer.args.output_dir)
+    grid = dance_sigmas(2, trainer.args.shift).tolist()
+    assert record["num_inference_steps"] == 2 and record["sigma_schedule"] == "dance"
+    assert record["sigmas"] == [round(value, 6) for value in grid[:-1]] and grid[1] != 0.5  # (shifted)
+    with open(tmp_path / "README.md") as handle:
+        card = handle.read()
+    assert f"sigmas={record['sigmas']}" in card and "shift=1.0, use_dynamic_shifting=False" in card
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    capsys.readouterr()
+    arguments = ["--model_name_or_path", tiny_model_dir("flux"), "--prompts_file", str(prompts),
+                 "--reward_funcs", "brightness", "--output_dir", str(tmp_path / "eval")]  # fmt: skip
+    evaluate.main([*arguments, "--checkpoints", trainer.args.output_dir])
+    shown = "(" + ", ".join(f"{value:.4g}" for value in grid) + ")"
+    assert f"2 steps, guidance 3.5, 32×32, dance σ grid {shown}" in capsys.readouterr().out
+    evaluate.main([*arguments, "--checkpoints", trainer.args.output_dir, "--sampling", "pipeline"])
+    assert "8 steps" in capsys.readouterr().out and SAMPLING_FILE  # the pipeline's (the tiny folder's) defaults

@@ -219,3 +219,16 @@ def test_eval_refuses_a_lora_of_another_model_and_samples_tiny_videos_at_their_s
     videos = main(["--model_name_or_path", tiny_model_dir("wan"), "--max_sequence_length", "16", "--output_dir",
                    str(tmp_path / "wan"), *common])  # fmt: skip
     assert videos["base"].shape == (2, 1)
+
+
+def test_eval_takes_an_unfinished_run_folder_as_its_checkpoints(tmp_path):
+    """A run folder without weights of its own stands for its checkpoint-<N> folders, by step; with weights, itself."""
+    from trl_dance.lora import LORA_WEIGHTS_NAME
+    from trl_dance.scripts.evaluate import _expand_run_folders
+
+    run = tmp_path / "run"
+    for step in (10, 2):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    assert _expand_run_folders([str(run)]) == [str(run / "checkpoint-2"), str(run / "checkpoint-10")]
+    (run / LORA_WEIGHTS_NAME).write_bytes(b"")
+    assert _expand_run_folders([str(run), str(run / "checkpoint-2")]) == [str(run), str(run / "checkpoint-2")]

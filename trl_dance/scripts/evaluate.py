@@ -8,7 +8,10 @@ are paired with the base's: per reward it prints the mean ± standard error and 
 count ½), and writes to ``output_dir`` an ``imagefolder`` dataset (``images/<model>/<i>.png`` and ``metadata.jsonl``
 with the prompt, model, sample index and every reward: ``load_dataset("imagefolder", data_dir=output_dir)``) and the
 table as ``results.md``. A checkpoint is a folder with ``pytorch_lora_weights.safetensors`` (a LoRA) or a saved
-denoiser (``config.json`` + weights); ``--ema`` uses its ``ema/`` copy.
+denoiser (``config.json`` + weights); ``--ema`` uses its ``ema/`` copy; a run folder without weights of its own
+(unfinished) stands for its ``checkpoint-<N>`` folders. The models sample as the runs saved it (``--sampling
+checkpoint``: their ``trl_dance_sampling.json``, steps, σ grid, guidance and size, so that a few-step student is
+judged on its own grid), the flags overriding; ``--sampling pipeline``: the pipeline's grid and defaults.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from types import SimpleNamespace
 import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl_dance.data import load_prompt_dataset
 from trl_dance.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline, unload_lora_from_pipeline
@@ -30,7 +34,7 @@ from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
 from trl_dance.rewards import resolve_reward_funcs, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
 from trl_dance.trainer.diffusion_trainer import load_pipeline
-from trl_dance.trainer.evaluation import pipeline_call_defaults
+from trl_dance.trainer.evaluation import SAMPLING_FILE, pipeline_call_defaults, read_sampling_record
 from trl_dance.visualization import to_pil
 
 
@@ -56,7 +60,15 @@ class EvalArguments:
     height: int | None = field(default=None, metadata={"help": "Height in pixels (default: the pipeline's)."})
     width: int | None = field(default=None, metadata={"help": "Width in pixels (default: the pipeline's)."})
     num_frames: int | None = field(default=None, metadata={"help": "Frames of video models."})
-    max_sequence_length: int = field(default=512, metadata={"help": "T5 prompt tokens (SD3, FLUX, Wan)."})
+    max_sequence_length: int | None = field(default=None, metadata={"help": "T5 prompt tokens (default 512)."})
+    sampling: str = field(
+        default="checkpoint",
+        metadata={
+            "help": "checkpoint: sample as the runs saved it (trl_dance_sampling.json: steps, σ grid, guidance, "
+            "size), flags overriding; pipeline: the pipeline's own grid and defaults.",
+            "choices": ["checkpoint", "pipeline"],
+        },
+    )
     batch_size: int = field(default=4, metadata={"help": "Samples generated together."})
     dtype: str | None = field(default=None, metadata={"help": "Load the pipeline in this dtype (e.g. bfloat16)."})
     device: str | None = field(default=None, metadata={"help": "Default: cuda if available, else cpu."})
@@ -142,6 +154,37 @@ def _table(names: list[str], results: dict[str, torch.Tensor]) -> list[str]:
     return lines
 
 
+def _expand_run_folders(checkpoints: list[str]) -> list[str]:
+    """Each folder as given, but a run folder without weights of its own (a run still training, or stopped before its
+    final save) becomes its ``checkpoint-<N>`` folders, by step."""
+    expanded = []
+    for folder in checkpoints:
+        steps = sorted(
+            (int(name.split("-")[-1]), os.path.join(folder, name))
+            for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+            if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name.split("-")[-1].isdigit()
+        )
+        weights = any(os.path.isfile(os.path.join(folder, name)) for name in (LORA_WEIGHTS_NAME, "config.json"))
+        expanded += [path for _, path in steps] if steps and not weights else [folder]
+    return expanded
+
+
+def _recorded_sampling(checkpoints: list[str]) -> dict | None:
+    """The one sampling record (:data:`~trl_dance.trainer.evaluation.SAMPLING_FILE`) the checkpoints carry; refused
+    where they differ (their samples would not be paired)."""
+    records = {}
+    for folder in checkpoints:
+        if (record := read_sampling_record(folder)) is not None:
+            records.setdefault(json.dumps(record, sort_keys=True), []).append(folder)
+    if len(records) > 1:
+        ways = "; ".join(f"{folders[0]}: {json.loads(key)}" for key, folders in records.items())
+        raise ValueError(
+            f"the checkpoints were trained to sample differently ({ways}): evaluate them apart, or pass --sampling "
+            "pipeline (or the settings themselves)"
+        )
+    return json.loads(next(iter(records))) if records else None
+
+
 def _tiny_sampling(args) -> dict:
     """The sampling settings a tiny pipeline saved by ``trl-dance tiny`` carries (else none)."""
     from trl_dance.tiny_folders import TINY_SAMPLING_FILE
@@ -185,16 +228,26 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     size = getattr(pipeline, "default_sample_size", None)
     scale = getattr(pipeline, "vae_scale_factor", None) or getattr(pipeline, "vae_scale_factor_spatial", 8)
     resolution = size * scale if size else 512
-    defaults |= {"height": resolution, "width": resolution} | _tiny_sampling(args)
+    defaults |= {"height": resolution, "width": resolution, "max_sequence_length": 512} | _tiny_sampling(args)
+    checkpoints = _expand_run_folders(args.checkpoints)
+    recorded = _recorded_sampling(checkpoints) if args.sampling == "checkpoint" else None
+    if recorded is not None:  # a few-step student samples on its own grid, not the pipeline's
+        print(f"sampling as the checkpoints were trained to ({SAMPLING_FILE}; flags override): {recorded}")
+        defaults |= {key: value for key, value in recorded.items() if value is not None and key != "sigmas"}
+    given = {name: getattr(args, name) for name in ("num_inference_steps", "guidance_scale", "height", "width",
+                                                    "num_frames", "negative_prompt", "max_sequence_length")}  # fmt: skip
+    chosen = defaults | {name: value for name, value in given.items() if value is not None}
     settings = SamplerSettings(
-        num_inference_steps=args.num_inference_steps or defaults.get("num_inference_steps", 28),
-        guidance_scale=args.guidance_scale if args.guidance_scale is not None else defaults.get("guidance_scale", 1.0),
-        height=args.height or defaults["height"],
-        width=args.width or defaults["width"],
-        sigma_schedule="pipeline",
-        negative_prompt=args.negative_prompt,
-        max_sequence_length=args.max_sequence_length,
-        num_frames=args.num_frames or defaults.get("num_frames"),
+        num_inference_steps=chosen.get("num_inference_steps", 28),
+        guidance_scale=chosen.get("guidance_scale", 1.0),
+        height=chosen["height"],
+        width=chosen["width"],
+        sigma_schedule=chosen.get("sigma_schedule", "pipeline"),
+        shift=chosen.get("shift", SamplerSettings.shift),
+        negative_prompt=chosen.get("negative_prompt"),
+        max_sequence_length=chosen["max_sequence_length"],
+        num_frames=chosen.get("num_frames"),
+        guidance_scale_2=chosen.get("guidance_scale_2"),
     )
     policy = make_policy(pipeline, settings)
     policy.use_condition_columns(dataset.column_names)  # (Qwen-Image 2.1's optional condition image)
@@ -202,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     pipeline.to(device)
 
     labels = {"base": None}
-    for checkpoint in args.checkpoints:
+    for checkpoint in checkpoints:
         labels[_label(checkpoint, set(labels))] = os.path.join(checkpoint, "ema") if args.ema else checkpoint
     os.makedirs(args.output_dir, exist_ok=True)
     results, records = {}, []
@@ -221,10 +274,13 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     with open(os.path.join(args.output_dir, "metadata.jsonl"), "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
     lines = _table(names, results)
+    sigmas = getattr(policy.process, "sigma_values", None)
+    grid = "(" + ", ".join(f"{value:.4g}" for value in sigmas) + ")" if sigmas is not None else ""
     sources = "\n".join(f"- {label}: {checkpoint or args.model_name_or_path}" for label, checkpoint in labels.items())
     note = (
         f"{len(rows)} samples per model ({len(dataset)} prompts × {args.num_images_per_prompt}), seed {args.seed}, "
-        f"{settings.num_inference_steps} steps, guidance {settings.guidance_scale}, {settings.height}×{settings.width}"
+        f"{settings.num_inference_steps} steps, guidance {settings.guidance_scale}, {settings.height}×{settings.width}, "
+        f"{settings.sigma_schedule} σ grid {grid}"
     )
     with open(os.path.join(args.output_dir, "results.md"), "w", encoding="utf-8") as handle:
         handle.write("\n".join([*lines, "", note, "", sources, ""]))

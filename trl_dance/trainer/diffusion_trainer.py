@@ -9,6 +9,7 @@ checkpointing's name, DDP defaults, diffusers-format saving and resuming, and me
 import contextlib
 import copy
 import functools
+import json
 import math
 import os
 import shutil
@@ -42,6 +43,7 @@ from .context_parallel import (
     enable_context_parallel,
 )
 from .ema import EMAUpdate, EMAWeights
+from .evaluation import SAMPLING_FILE, sampling_call_code
 from .gradient_surgery import install_audio_to_video_surgery
 from .media import log_rollout_media, use_diffusers_callbacks
 from .memory_advice import named_out_of_memory
@@ -369,6 +371,11 @@ class DiffusionTrainer(_BaseTrainer):
         """Trainer-specific lines of the model card (name: value)."""
         return {}
 
+    def _sampling_record(self) -> dict[str, Any] | None:
+        """How the trained model samples (:func:`~trl_dance.trainer.evaluation.sampling_record`), saved beside its
+        weights and shown in the card; None where training fixes no sampler (the dataset trainers)."""
+        return None
+
     def save_samples(self, prompts: list[str], images: torch.Tensor) -> None:
         """Write ``image_<i>.png`` (a frame strip for videos) in ``output_dir`` for each prompt's sample, and show them
         in the model card's ``widget`` gallery, as diffusers' training scripts do. Main process only."""
@@ -435,6 +442,8 @@ class DiffusionTrainer(_BaseTrainer):
                 f"{self.policy.denoiser_name} = {denoiser_class}.from_pretrained({(self.args.hub_model_id or self.args.output_dir)!r})\n"
                 f"pipeline = {pipeline_class}.from_pretrained({base_model!r}, {self.policy.denoiser_name}={self.policy.denoiser_name})"
             )
+        if (record := self._sampling_record()) is not None:  # as it was trained and evaluated to sample
+            usage += "\n\n" + sampling_call_code(record, pipeline)
         details = {
             "trainer": f"{self._name} (trl-dance {__version__}), arXiv:{self._paper.get('id')}",
             "base model": str(base_model),
@@ -595,6 +604,9 @@ class DiffusionTrainer(_BaseTrainer):
                 with self.ema.applied():
                     self._write_weights(os.path.join(output_dir, "ema"), None)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            if (record := self._sampling_record()) is not None:
+                with open(os.path.join(output_dir, SAMPLING_FILE), "w") as handle:
+                    json.dump(record, handle, indent=2)
             self.create_model_card(output_dir=output_dir)
 
     def _write_weights(self, output_dir: str, state_dict: dict | None) -> None:

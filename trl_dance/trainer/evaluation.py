@@ -57,6 +57,62 @@ def pipeline_call_defaults(pipeline: DiffusionPipeline) -> dict[str, Any]:
     }
 
 
+SAMPLING_FILE = "trl_dance_sampling.json"
+"""Beside a run's saved weights: how the trained model samples (:func:`sampling_record`), read by ``trl-dance eval``."""
+
+RECORDED_SETTINGS = ("num_inference_steps", "guidance_scale", "sigma_schedule", "shift", "height", "width", "num_frames",
+                     "negative_prompt", "max_sequence_length", "guidance_scale_2")  # fmt: skip
+
+
+def sampling_record(policy: DiffusionPolicy) -> dict[str, Any]:
+    """How ``policy``'s deterministic sampler samples: the :data:`RECORDED_SETTINGS` and, for flow families, its
+    σ grid (``sigmas``: the N noise levels the steps start from, 1 → 0 exclusive), so that a few-step student is
+    evaluated and used on the grid it was trained on."""
+    record = {name: getattr(policy.settings, name) for name in RECORDED_SETTINGS}
+    sigmas = getattr(policy.process, "sigma_values", None)
+    if sigmas is not None:
+        record["sigmas"] = [round(value, 6) for value in sigmas[:-1]]
+    return record
+
+
+def read_sampling_record(folder: str) -> dict[str, Any] | None:
+    """The :data:`SAMPLING_FILE` record in ``folder`` (None where there is none)."""
+    import json
+    import os
+
+    path = os.path.join(folder, SAMPLING_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def sampling_call_code(record: dict[str, Any], pipeline: DiffusionPipeline, prompt: str = "a photo of a cat") -> str:
+    """The diffusers lines that sample as ``record`` says: steps and guidance, and, for a σ grid other than the
+    scheduler's (``sigma_schedule="dance"``), that grid passed as ``sigmas`` to a scheduler that does not shift it
+    again (``shift=1``, no dynamic shifting)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    arguments = [repr(prompt), f"num_inference_steps={record['num_inference_steps']}",
+                 f"guidance_scale={record['guidance_scale']}"]  # fmt: skip
+    lines = []
+    own_grid = record.get("sigma_schedule") == "dance" and record.get("sigmas")
+    if own_grid and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+        lines = [
+            "from diffusers import FlowMatchEulerDiscreteScheduler",
+            "",
+            "# The σ grid of training, as it is: a scheduler that shifts nothing",
+            "pipeline.scheduler = FlowMatchEulerDiscreteScheduler.from_config(",
+            "    pipeline.scheduler.config, shift=1.0, use_dynamic_shifting=False",
+            ")",
+        ]
+        arguments[1] = f"sigmas={record['sigmas']}"
+    if record.get("negative_prompt"):
+        arguments.append(f"negative_prompt={record['negative_prompt']!r}")
+    output = "video = pipeline({}).frames[0]" if record.get("num_frames") else "image = pipeline({}).images[0]"
+    return "\n".join([*lines, output.format(", ".join(arguments))])
+
+
 def evaluation_policy(policy: DiffusionPolicy, args: EvaluationArguments, **defaults: Any) -> DiffusionPolicy:
     """The sampler of evaluation: ``policy``'s settings with ``defaults`` (SamplerSettings fields) and then the config's
     ``eval_*`` values where set; ``policy`` itself when nothing changes."""

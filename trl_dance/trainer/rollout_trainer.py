@@ -36,7 +36,7 @@ from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
-from .evaluation import evaluation_policy
+from .evaluation import evaluation_policy, sampling_record
 from .media import log_rollout_media
 from .memory_advice import named_out_of_memory
 from .old_policy import _Proxy
@@ -980,6 +980,10 @@ class RolloutTrainer(DiffusionTrainer):
 
     # ----------------------------------------------------------------------------------------------------------
     # Model card
+
+    def _sampling_record(self) -> dict[str, Any]:
+        """The evaluation sampler's (training's grid and steps, the ``eval_*`` settings where given)."""
+        return sampling_record(self._eval_policy or evaluation_policy(self.policy, self.args))
 
     def _model_card_details(self) -> dict[str, str]:
         weights = ", ".join(f"{n} × {w:g}" for n, w in zip(self.reward_names, self.reward_weights.tolist()))
