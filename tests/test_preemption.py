@@ -159,3 +159,39 @@ def test_out_of_memory_names_the_phase_the_sizes_and_the_fields(tiny_model_dir, 
     message = str(caught.value)
     assert message.startswith(f"out of accelerator memory in the {phase} (32×32, 8 samples per process per round")
     assert f"To lower it: {fields[phase]}" in message and "Tried to allocate 20.00 GiB" in message
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_trl_dance_waits_for_the_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path, signal_name):
+    """The signal sent to `trl-dance` alone (accelerate's launcher would SIGKILL the script 5 s after SIGTERM and exit
+    143, and die of SIGUSR1): the script saves its checkpoint, the command exits 0 and prints the command that
+    resumes; no final-looking LoRA at the run's root; the checkpoint's card says the run is unfinished."""
+    import threading
+
+    out = tmp_path / "out"
+    recipe = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
+    command = [sys.executable, "-m", "trl_dance.cli", "grpo", "--config", recipe, "--model_name_or_path",
+               tiny_model_dir("flux"), "--output_dir", str(out), "--max_steps", "200", "--disable_tqdm", "true"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, trained = [], threading.Event()
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            if "'loss'" in line:
+                trained.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert trained.wait(300), "".join(lines)[-3000:]
+    process.send_signal(getattr(signal, signal_name))
+    assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    reader.join(timeout=30)
+    output = "".join(lines)
+    assert f"stopped by {signal_name} at step " in output and "--resume_from_checkpoint true" in output
+    assert "resume with:\n  trl-dance grpo --config " in output
+    (checkpoint,) = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+    assert os.path.isfile(out / checkpoint / "trl_dance_checkpoint.json")
+    assert not os.path.exists(out / "pytorch_lora_weights.safetensors")
+    with open(out / checkpoint / "README.md") as handle:
+        assert "of 200: unfinished" in handle.read()

@@ -21,9 +21,11 @@ does not know (``--num_processes 8``, ``--accelerate_config zero2``) go to ``acc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.resources
 import os
+import shlex
 import subprocess
 import sys
 
@@ -110,7 +112,57 @@ def launch_training(command: str, argv: list[str]) -> None:
     with planned_world_size(planned_processes(launch)):
         parse()  # the whole config, checked for the processes about to start
     os.environ[CLI_ENV] = command  # the launched script reports user errors as this command does
-    launch_command(launch)
+    os.environ[CLI_ARGV_ENV] = shlex.join(["trl-dance", command, *argv])  # and says how to resume a stopped run
+    with preemption_reaches_the_script() as stopped:
+        try:
+            launch_command(launch)
+        except SystemExit:  # accelerate's exit after a signal: the script's own status instead (0 once it saved)
+            if stopped.get("status") is None:
+                raise
+            if stopped["status"]:
+                raise SystemExit(stopped["status"]) from None
+
+
+@contextlib.contextmanager
+def preemption_reaches_the_script():
+    """While ``accelerate launch`` runs the script as its child (one process): the preemption signals reach the
+    script, which finishes its update, saves a checkpoint and stops, and the launcher waits for it. accelerate's
+    launcher answers SIGTERM by terminating the script and SIGKILLing it 5 s later, then exits 143 (an update and a
+    checkpoint rarely fit in 5 s), and dies of SIGUSR1 (SLURM's ``--signal``) at once. Yields a dict whose
+    ``status`` is the script's exit status once a signal made the launcher wait for it."""
+    import signal
+    import threading
+
+    import psutil
+    from accelerate.commands import launch as accelerate_launch
+
+    stopped: dict = {}
+    if threading.current_thread() is not threading.main_thread():  # (signal handlers live in the main thread)
+        yield stopped
+        return
+
+    def forward(number, frame=None):  # to the script (a repeat within 5 s is the same request to it)
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(number)
+
+    def wait_for(process):  # in place of accelerate's _terminate_process_tree
+        numbers = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        previous = {number: signal.signal(number, forward) for number in numbers}
+        try:
+            forward(signal.SIGTERM)
+            stopped["status"] = process.wait()
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    terminate, accelerate_launch._terminate_process_tree = accelerate_launch._terminate_process_tree, wait_for
+    usr1 = signal.signal(signal.SIGUSR1, forward)
+    try:
+        yield stopped
+    finally:
+        accelerate_launch._terminate_process_tree = terminate
+        signal.signal(signal.SIGUSR1, usr1)
 
 
 def check_unknown_options(argv: list[str], config_remaining: list[str], cli_remaining: list[str], parser) -> None:
@@ -276,6 +328,7 @@ def _usage() -> str:
 
 DEBUG_ENV = "TRL_DANCE_DEBUG"
 CLI_ENV = "TRL_DANCE_CLI_COMMAND"
+CLI_ARGV_ENV = "TRL_DANCE_CLI_ARGV"
 
 
 def user_error(command: str, error: Exception) -> str:

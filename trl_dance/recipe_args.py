@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any
 
 from trl import ModelConfig, TrlParser
@@ -76,6 +78,29 @@ def model_init_kwargs(training_args: Any, model_args: ModelConfig) -> None:
     if model_args.model_revision not in (None, "main"):
         kwargs["revision"] = model_args.model_revision
     training_args.model_init_kwargs = kwargs or None
+
+
+def stopped_early(trainer) -> bool:
+    """After ``train``: whether a preemption signal stopped it (its checkpoint written); if so, the main process says
+    where the run stopped and the command that resumes it, and the script writes no final-looking outputs."""
+    if trainer.stopped_by is None:
+        return False
+    if trainer.accelerator.is_main_process:
+        import shlex
+
+        from .cli import CLI_ARGV_ENV
+
+        args, step = trainer.args, trainer.state.global_step
+        # The command as typed (trl-dance's, launcher options included), else this script's.
+        resume = shlex.split(os.environ.get(CLI_ARGV_ENV, "")) or [sys.executable, *sys.argv]
+        if "--resume_from_checkpoint" not in resume:
+            resume += ["--resume_from_checkpoint", "true"]
+        print(
+            f"stopped by {trainer.stopped_by} at step {step} of {trainer.state.max_steps}: checkpoint "
+            f"{os.path.join(args.output_dir, f'checkpoint-{step}')}; resume with:\n  {shlex.join(resume)}",
+            flush=True,
+        )
+    return True
 
 
 def finish(trainer) -> None:

@@ -13,7 +13,7 @@ import torch
 from trl import ModelConfig, get_peft_config
 
 from trl_dance.data import load_any_dataset
-from trl_dance.recipe_args import finish, model_init_kwargs
+from trl_dance.recipe_args import finish, model_init_kwargs, stopped_early
 from trl_dance.trainer.diffusion_trainer import DiffusionTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
 
@@ -65,6 +65,9 @@ def main(
     )
     before = _samples(trainer, script_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if stopped_early(trainer):  # preempted: its checkpoint is the run's state, nothing final-looking is written
+        finish(trainer)
+        return trainer
     trainer.save_model(training_args.output_dir)
     after = _samples(trainer, script_args)
     if trainer.accelerator.is_main_process:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, get_peft_config
 
 from trl_dance.data import load_prompt_dataset
-from trl_dance.recipe_args import finish, model_init_kwargs
+from trl_dance.recipe_args import finish, model_init_kwargs, stopped_early
 from trl_dance.trainer.rollout_config import RolloutConfig
 from trl_dance.trainer.rollout_trainer import RolloutTrainer
 from trl_dance.visualization import save_image_grid, save_reward_curve
@@ -71,6 +71,9 @@ def main(
     before = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if stopped_early(trainer):  # preempted: its checkpoint is the run's state, nothing final-looking is written
+        finish(trainer)
+        return trainer
     trainer.save_model(training_args.output_dir)
 
     after = trainer.generate_images(sample_prompts, **conditions) if sample_prompts else None

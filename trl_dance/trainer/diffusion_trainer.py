@@ -338,9 +338,17 @@ class DiffusionTrainer(_BaseTrainer):
                 )
             self.ema = EMAWeights(denoiser, args.ema_decay)
             self.add_callback(EMAUpdate(self.ema))
+        self._preemption = None
         if args.save_on_preemption:
             agree = functools.partial(any_process, self.accelerator)
-            self.add_callback(PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s))
+            self._preemption = PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s)
+            self.add_callback(self._preemption)
+
+    @property
+    def stopped_by(self) -> str | None:
+        """What stopped the last ``train`` before ``max_steps`` with a checkpoint (a preemption signal's name), or
+        None when it ran to its end."""
+        return self._preemption.stopped_by if self._preemption is not None else None
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -444,10 +452,13 @@ class DiffusionTrainer(_BaseTrainer):
             )
         if (record := self._sampling_record()) is not None:  # as it was trained and evaluated to sample
             usage += "\n\n" + sampling_call_code(record, pipeline)
+        steps = str(self.state.global_step)
+        if self.state.max_steps and self.state.global_step < self.state.max_steps:  # a checkpoint, or a stopped run
+            steps += f" of {self.state.max_steps}: unfinished (`--resume_from_checkpoint true` continues it)"
         details = {
             "trainer": f"{self._name} (trl-dance {__version__}), arXiv:{self._paper.get('id')}",
             "base model": str(base_model),
-            "optimizer steps": str(self.state.global_step),
+            "optimizer steps": steps,
             "learning rate": str(self.args.learning_rate),
             **self._model_card_details(),
         }

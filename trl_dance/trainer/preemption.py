@@ -76,6 +76,7 @@ class PreemptionHandler(TrainerCallback):
         self.agree, self.grace_s = agree, grace_s
         self._timer: threading.Timer | None = None
         self.requested: str | None = None  # the first signal's name
+        self.stopped_by: str | None = None  # what stopped training early (a signal here, or on another process)
         self._first_at = 0.0  # and when it came (time.monotonic)
         self._previous: dict[int, object] = {}
 
@@ -119,7 +120,7 @@ class PreemptionHandler(TrainerCallback):
         self._previous = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.requested = None
+        self.requested = self.stopped_by = None
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
             logger.warning("training runs outside the main thread: preemption signals are not caught")
             return
@@ -129,6 +130,7 @@ class PreemptionHandler(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.agree(self.requested is not None):
             logger.warning("stopping at step %d after a preemption signal: saving a checkpoint", state.global_step)
+            self.stopped_by = self.requested or "a preemption signal on another process"
             control.should_save = True
             control.should_training_stop = True
         return control
