@@ -209,8 +209,9 @@ def test_the_slurm_example_command_validates_for_its_sixteen_processes(monkeypat
 
 
 def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
-    """A typo'd YAML key names the file and the field meant, a typo'd or abbreviated flag the flag meant; several CPU processes without --multi_gpu (which
-    accelerate would run as one) are refused with the form that works; either is one line and exit status 2."""
+    """A typo'd YAML key names the file and the field meant, a typo'd or abbreviated flag the flag meant; several GPU
+    processes without --multi_gpu (which accelerate would run as one) are refused naming the flag; each is one line
+    and exit status 2."""
     from trl_dance.cli import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
@@ -226,11 +227,17 @@ def test_user_errors_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
         assert main(["grpo", "--config", tiny, typo, "0.1"]) == 2
         error = capsys.readouterr().err
         assert f"unknown option {typo} (did you mean {meant}?)" in error and len(error.strip().splitlines()) == 2
-    assert main(["grpo", "--config", tiny, "--num_processes", "2"]) == 2
-    assert "`--multi_gpu --num_processes 2` and ACCELERATE_USE_CPU=1" in capsys.readouterr().err
+    with monkeypatch.context() as gpus:  # with GPUs, --multi_gpu is for the user to say (on CPUs: test_multiprocess)
+        gpus.setattr(torch.cuda, "is_available", lambda: True)
+        assert main(["grpo", "--config", tiny, "--num_processes", "2"]) == 2
+        assert (
+            "would start one process (accelerate's single-process launcher): add --multi_gpu"
+            in capsys.readouterr().err
+        )
+        gpus.setenv(DEBUG_ENV, "1")
+        with pytest.raises(ValueError, match="would start one process"):
+            main(["grpo", "--config", tiny, "--num_processes", "2"])
     monkeypatch.setenv(DEBUG_ENV, "1")
-    with pytest.raises(ValueError, match="would start one process"):
-        main(["grpo", "--config", tiny, "--num_processes", "2"])
     assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("trl-dance 0.")
     monkeypatch.delenv(DEBUG_ENV)
     prompts = os.path.join(ROOT, "recipes", "data", "tiny_prompts.txt")

@@ -87,3 +87,21 @@ def test_two_processes_resume_exactly_across_epochs(tiny_model_dir, tmp_path, tr
     teacher = [save_tiny_pipeline(kind, str(tmp_path / "teacher"), seed=1)] if trainer == "dmd" else []
     result = _launch(2, tiny_model_dir(kind), tmp_path, script, trainer, *teacher)
     assert result == {"num_processes": 2, "epoch": 3.0, "different": []}
+
+
+def test_num_processes_2_on_cpus_starts_two_gloo_processes_in_one_launch(tiny_model_dir, tmp_path):
+    """`trl-dance grpo --num_processes 2` on a machine without GPUs (accelerate alone would start one process): two
+    processes over gloo, as docs/scaling.md shows it with the tiny recipe."""
+    recipe = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
+    command = [sys.executable, "-m", "trl_dance.cli", "grpo", "--config", recipe, "--model_name_or_path",
+               tiny_model_dir("flux"), "--output_dir", str(tmp_path / "out"), "--num_processes", "2",
+               "--gradient_accumulation_steps", "5", "--max_steps", "1", "--num_sample_images", "0"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # The recipe's accumulation (10, one update per round on one process) checked for two: a round is 5 micro-batches
+    # per process, and the refusal names the value that works.
+    planned = subprocess.run(command[:-6] + ["--max_steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert planned.returncode == 2 and "(5 makes one update per round)" in planned.stderr, planned.stderr[-2000:]
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "trl-dance: 2 CPU processes over gloo" in completed.stdout
+    assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()

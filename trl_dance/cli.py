@@ -226,18 +226,24 @@ def resolved_launch(launch):
 
 def planned_processes(resolved) -> int:
     """How many processes ``accelerate launch`` will start for the ``resolved`` launch options
-    (:func:`resolved_launch`). Refuses several processes that accelerate would run as one (its simple launcher:
-    ``--num_processes N`` on a CPU without ``--multi_gpu``)."""
+    (:func:`resolved_launch`). ``--num_processes N`` without ``--multi_gpu`` would run one process (accelerate's
+    simple launcher): on a machine without GPUs it becomes N CPU processes over gloo (``--multi_gpu`` with
+    ``ACCELERATE_USE_CPU=1``, said in one line); with GPUs it is refused naming the flag."""
+    import torch
+
     processes = resolved.num_processes or 1
     several = (
         resolved.use_deepspeed or resolved.tpu or ((resolved.multi_gpu or resolved.use_fsdp) and not resolved.cpu)
     )
     if processes > 1 and not several:
-        raise ValueError(
-            f"--num_processes {processes} would start one process (accelerate's single-process launcher): on CPUs, "
-            f"start {processes} with `--multi_gpu --num_processes {processes}` and ACCELERATE_USE_CPU=1 (they talk over "
-            "gloo); on GPUs, add --multi_gpu or --accelerate_config ddp"
-        )
+        if torch.cuda.is_available():
+            raise ValueError(
+                f"--num_processes {processes} would start one process (accelerate's single-process launcher): add "
+                "--multi_gpu or --accelerate_config ddp"
+            )
+        resolved.multi_gpu, resolved.cpu = True, False
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+        print(f"trl-dance: {processes} CPU processes over gloo (--multi_gpu with ACCELERATE_USE_CPU=1)", flush=True)
     return processes
 
 

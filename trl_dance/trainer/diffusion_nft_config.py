@@ -256,7 +256,8 @@ class DiffusionNFTConfig(RolloutConfig):
             raise ValueError(
                 f"loss_type='art' needs whole windows per optimizer update: {self.optimizer_updates_per_round} "
                 f"updates per round (gradient_accumulation_steps {self.gradient_accumulation_steps}) is not a "
-                f"multiple of art_update_windows ({self.art_update_windows})"
+                f"multiple of art_update_windows ({self.art_update_windows}): gradient_accumulation_steps "
+                f"{self.round_micro_steps // self.art_update_windows} makes one update per window"
             )
 
     def _round_items(self) -> tuple[int, str]:

@@ -357,7 +357,8 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
             raise ValueError(
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide the {round_steps} "
                 f"micro-batches of a round (steps_per_generation {derived} × num_iterations {self.num_iterations}): "
-                f"otherwise an optimizer update mixes items of two rounds' rollouts. Divisors: {divisors}"
+                f"otherwise an optimizer update mixes items of two rounds' rollouts. Divisors: {divisors} "
+                f"({round_steps} makes one update per round)"
             )
 
     def _check_method(self) -> None:
