@@ -43,6 +43,9 @@ if [ "$covered" != 1 ]; then
     hook="$PWD/trl_dance/_torchvision.py"
     echo "import importlib.util as u, os; p = '$hook'; s = u.spec_from_file_location('_trl_dance_torchvision', p) if os.path.isfile(p) else None; m = s and u.module_from_spec(s); s and s.loader.exec_module(m); s and m.install_import_hook()" \
         > "$site/trl_dance_torchvision.pth"
+    # torch's OpenMP threads sleep between operations in every program of this environment (their default spin
+    # made the README's Python example 36x slower on a loaded 2-core machine; see docs/faq.md); a user's setting wins.
+    echo "import os; os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')" > "$site/trl_dance_threads.pth"
     "$venv/bin/python" -c "import transformers, torch, trl, diffusers, trl_dance" # fail loudly if the install did not work
     case ",$extras," in *,deepspeed,*)
         # DeepSpeed compiles its CPU shared-memory collectives on first use (about a minute): once, at install.

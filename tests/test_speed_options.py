@@ -189,3 +189,24 @@ def test_compile_regions_leaves_the_root_eager():
     compile_regions(plain, "eager", None)
     assert not compiled(plain) and all(compiled(child) for child in plain)
     assert torch.equal(plain(torch.ones(1, 4)), torch.nn.functional.gelu(plain[0](torch.ones(1, 4))))
+
+
+def test_spinning_openmp_threads_are_named_once_with_the_fix(monkeypatch, caplog):
+    """torch loaded before trl_dance without OMP_WAIT_POLICY: a CPU trainer says how to stop its threads spinning
+    (benchmarks/python_api_threads.py measures the cost); `import trl_dance` first sets PASSIVE itself."""
+    import os
+    import subprocess
+    import sys
+
+    import trl_dance
+    from trl_dance.trainer import diffusion_trainer
+
+    monkeypatch.setattr(trl_dance, "OMP_SPINS", True)
+    monkeypatch.delattr(diffusion_trainer.warn_if_threads_spin, "said", raising=False)
+    with caplog.at_level("WARNING", logger="trl_dance.trainer.diffusion_trainer"):
+        diffusion_trainer.warn_if_threads_spin()
+        diffusion_trainer.warn_if_threads_spin()
+    assert [r.getMessage().count("Export OMP_WAIT_POLICY=PASSIVE") for r in caplog.records] == [1]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = "import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); import trl_dance; print(os.environ['OMP_WAIT_POLICY'])"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout == "PASSIVE\n"

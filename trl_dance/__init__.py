@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 from typing import TYPE_CHECKING
 
-from ._torchvision import install_import_hook
+# OpenMP's default wait keeps torch's idle threads spinning after each parallel region, against the other threads of
+# this program (reward scoring, data loading) and every other process on the cores: the README's example ran 36x
+# slower on a loaded 2-core machine. libgomp reads the policy once, when torch loads it: set here if torch is not
+# loaded yet (the user's own setting wins); otherwise a CPU trainer says how to set it (threads_spin_after_torch).
+OMP_SPINS = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+"""Whether torch loaded OpenMP before this import without ``OMP_WAIT_POLICY`` (its threads then spin)."""
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from ._torchvision import install_import_hook  # noqa: E402
 
 install_import_hook()  # an installed torchvision is fixed up when first imported (by transformers, say), not here
 

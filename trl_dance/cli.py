@@ -32,8 +32,8 @@ import sys
 # OpenMP's default active wait keeps torch's idle threads spinning after every parallel region; where other processes
 # use the same cores, they spin against them (measured on a 2-core machine with two other training processes: tiny
 # Diffusion-DPO 1.1 it/s by default, 4.7 it/s passive). Read when torch loads its OpenMP runtime, so the entry points
-# (this command, which the launched scripts inherit, and scripts/train.py) set it before torch; importing the library
-# changes nothing; a user's own setting wins.
+# (this command, which the launched scripts inherit, and scripts/train.py) set it before torch, as `import trl_dance`
+# does where torch is not loaded yet; a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .methods import METHODS  # noqa: E402

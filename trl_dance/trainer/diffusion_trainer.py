@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -50,6 +51,8 @@ from .memory_advice import named_out_of_memory
 from .performance import PerformanceLog
 from .preemption import PreemptionHandler, any_process
 from .speed import apply_speed_options, resolve_torch_compile
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -226,6 +229,20 @@ class EpochSeededRepeatSampler(RepeatSampler):
         return super().__iter__()
 
 
+def warn_if_threads_spin() -> None:
+    """Say, once, how to stop torch's OpenMP threads spinning when torch was loaded before ``trl_dance`` without
+    ``OMP_WAIT_POLICY`` (see ``trl_dance/__init__.py``): on a CPU they slow training many-fold on shared cores."""
+    import trl_dance
+
+    if trl_dance.OMP_SPINS and not getattr(warn_if_threads_spin, "said", False):
+        warn_if_threads_spin.said = True
+        logger.warning(
+            "torch was imported before trl_dance without OMP_WAIT_POLICY: its OpenMP threads spin between operations "
+            "and training on a shared CPU can be many times slower (36x measured on 2 loaded cores). Export "
+            "OMP_WAIT_POLICY=PASSIVE before starting Python, or import trl_dance first (the trl-dance command does)."
+        )
+
+
 class DiffusionTrainer(_BaseTrainer):
     """Base of the trainers of trl-dance: a policy's denoiser trained with TRL's Trainer machinery.
 
@@ -276,6 +293,7 @@ class DiffusionTrainer(_BaseTrainer):
         if args.use_cpu or not torch.cuda.is_available():
             # Otherwise DeepSpeed, when installed, warns at import on every CPU run that it found no accelerator.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            warn_if_threads_spin()
         if args.ddp_find_unused_parameters is None:
             args.ddp_find_unused_parameters = False  # every trainable parameter takes part in each forward
 
