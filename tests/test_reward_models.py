@@ -232,9 +232,11 @@ def test_registry_passes_constructor_arguments(checkpoints):
 
 
 def test_open_clip_parity(checkpoints):
-    """Where open_clip imports (it needs torchvision), the tiny checkpoint loads into open_clip itself and gives
-    the features the reference forward gives."""
-    open_clip = pytest.importorskip("open_clip")
+    """The tiny checkpoint loads into open_clip itself (installed with the dev extra) and gives the features the
+    reference forward gives, and the HPSv2 adapter's scores are open_clip's: its CLIP forward's normalised features,
+    the diagonal of image @ text, as hpsv2's img_score computes them."""
+    import open_clip
+
     vision, text = TINY_OPEN_CLIP["vision_config"], TINY_OPEN_CLIP["text_config"]
     model = open_clip.CLIP(
         embed_dim=TINY_OPEN_CLIP["projection_dim"],
@@ -247,6 +249,12 @@ def test_open_clip_parity(checkpoints):
     pixels = reference_pixels(_images(), 32, "pad")
     expected = open_clip_image_features(checkpoints["hps_state"], TINY_OPEN_CLIP, pixels)
     torch.testing.assert_close(model.encode_image(pixels), expected, atol=1e-5, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["clip_tokenizer"])
+    ids = tokenizer(PROMPTS, padding="max_length", max_length=77, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        image_features, text_features, _ = model.eval()(pixels, ids)  # open_clip's forward: L2-normalised features
+    scores = torch.tensor(_build("hpsv2", checkpoints)(PROMPTS, _images()))
+    torch.testing.assert_close(scores, torch.diagonal(image_features @ text_features.T), atol=1e-5, rtol=0)
 
 
 def test_grpo_trains_against_model_rewards_from_names(tiny_model_dir, checkpoints, tmp_path):
