@@ -712,8 +712,14 @@ def test_a_reward_that_raises_is_named_at_construction_or_with_its_round(tiny_mo
     model = tiny_model_dir("flux")
     with pytest.raises(ValueError, match=r"^probing the rewards .*: reward 'broken' raised KeyError: 'score' at "
                        r"test_dance_grpo.py:\d+, scoring 2 images \(first prompts \['a cat', 'a dog'\]\)$"):  # fmt: skip
-        DanceGRPOTrainer(model, broken, args=tiny_grpo_config(tmp_path), train_dataset=_dataset(), peft_config=_lora())
-    trainer = DanceGRPOTrainer(model, picky, args=tiny_grpo_config(tmp_path, max_steps=1), train_dataset=_dataset(),
+        DanceGRPOTrainer(
+            model,
+            broken,
+            args=tiny_grpo_config(tmp_path, probe_rewards=True),
+            train_dataset=_dataset(),
+            peft_config=_lora(),
+        )
+    trainer = DanceGRPOTrainer(model, picky, args=tiny_grpo_config(tmp_path, max_steps=1, probe_rewards=True), train_dataset=_dataset(),
                                peft_config=_lora())  # fmt: skip
     assert calls == [(2, 3, 32, 32)]  # the probe: two random images of the run's size
     with pytest.raises(ValueError, match=r"^round 0, samples from 0: reward 'picky' raised ZeroDivisionError"):

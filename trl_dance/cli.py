@@ -174,6 +174,7 @@ def check_unknown_options(argv: list[str], config_remaining: list[str], cli_rema
     from accelerate.commands.launch import launch_command_parser
 
     launcher = {option.lstrip("-") for option in launch_command_parser()._option_string_actions}
+    launcher.add("accelerate_config")  # trl-dance's own launcher option (resolve_accelerate_config)
     fields = [option.lstrip("-") for option in parser._option_string_actions if option.startswith("--")]
 
     def unknown(items: list[str]) -> list[str]:

@@ -99,7 +99,7 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         reward_kwargs (`dict` or `None`, defaults to `None`): Constructor arguments of registered model rewards, by
             name, e.g. `{"hpsv2": {"checkpoint": "/ckpt/HPS_v2.1_compressed.pt", "dtype": "bfloat16"}}` (a JSON
             string on the command line).
-        probe_rewards (`bool`, defaults to `True`): Call every reward and held-out judge once when the trainer is
+        probe_rewards (`bool`, defaults to `False`): Call every reward and held-out judge once when the trainer is
             built, on 2 random images (videos) of the configured size with the first prompts and columns of the
             dataset, so that a reward that raises stops the run before the first rollout, naming it. Audio rewards
             are not probed. `False` skips it (a reward that counts its calls, or one too costly to call twice).
@@ -252,7 +252,7 @@ class RolloutConfig(AsyncRoundsArguments, DiffusionTrainingConfig):
         default=None, metadata={"help": "Constructor arguments of registered model rewards, by reward name (JSON)."}
     )
     probe_rewards: bool = field(
-        default=True, metadata={"help": "Call every reward once on random images at construction (fail early)."}
+        default=False, metadata={"help": "Call every reward once on random images at construction (fail early)."}
     )
     log_completions_steps: int = field(
         default=0, metadata={"help": "Log rollout images and a reward histogram every this many steps (0: never)."}
