@@ -350,7 +350,7 @@ def _call(
         arguments = {key: value for key, value in arguments.items() if key in named}
     try:
         values = func(**arguments)
-    except RewardError:
+    except (RewardError, torch.OutOfMemoryError, MemoryError):  # (out of memory is named by the trainer's phase)
         raise
     except Exception as err:  # the user's code: named, with where it failed and what it was scoring
         raise RewardError(name, err, f"{batch} {unit}", prompts) from err

@@ -274,7 +274,10 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     with open(os.path.join(args.output_dir, "metadata.jsonl"), "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
     lines = _table(names, results)
-    sigmas = getattr(policy.process, "sigma_values", None)
+    try:
+        sigmas = getattr(policy.process, "sigma_values", None)
+    except NotImplementedError:  # a grid per stream
+        sigmas = None
     grid = "(" + ", ".join(f"{value:.4g}" for value in sigmas) + ")" if sigmas is not None else ""
     sources = "\n".join(f"- {label}: {checkpoint or args.model_name_or_path}" for label, checkpoint in labels.items())
     note = (

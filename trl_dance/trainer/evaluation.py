@@ -69,7 +69,10 @@ def sampling_record(policy: DiffusionPolicy) -> dict[str, Any]:
     σ grid (``sigmas``: the N noise levels the steps start from, 1 → 0 exclusive), so that a few-step student is
     evaluated and used on the grid it was trained on."""
     record = {name: getattr(policy.settings, name) for name in RECORDED_SETTINGS}
-    sigmas = getattr(policy.process, "sigma_values", None)
+    try:
+        sigmas = getattr(policy.process, "sigma_values", None)
+    except NotImplementedError:  # one grid per stream (MiniMax-H3's video and audio): the settings say it
+        sigmas = None
     if sigmas is not None:
         record["sigmas"] = [round(value, 6) for value in sigmas[:-1]]
     return record
