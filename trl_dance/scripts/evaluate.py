@@ -34,7 +34,7 @@ from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
 from trl_dance.rewards import resolve_reward_funcs, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
 from trl_dance.trainer.diffusion_trainer import load_pipeline
-from trl_dance.trainer.evaluation import SAMPLING_FILE, pipeline_call_defaults, read_sampling_record
+from trl_dance.trainer.evaluation import SAMPLING_FILE, pipeline_call_defaults, read_sampling_record, sigma_grid
 from trl_dance.visualization import to_pil
 
 
@@ -274,10 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     with open(os.path.join(args.output_dir, "metadata.jsonl"), "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
     lines = _table(names, results)
-    try:
-        sigmas = getattr(policy.process, "sigma_values", None)
-    except NotImplementedError:  # a grid per stream
-        sigmas = None
+    sigmas = sigma_grid(policy)
     grid = "(" + ", ".join(f"{value:.4g}" for value in sigmas) + ")" if sigmas is not None else ""
     sources = "\n".join(f"- {label}: {checkpoint or args.model_name_or_path}" for label, checkpoint in labels.items())
     note = (

@@ -3,9 +3,9 @@
     trl-dance serve-rollouts --model black-forest-labs/FLUX.1-dev --dtype bfloat16 --port 8100 --device cuda:0
 
 then ``rollout_server_urls: [http://HOST:8100]`` in a GRPO, DiffusionNFT or online-DPO config with a LoRA. The worker
-listens at once and loads the base pipeline meanwhile (``/health``: 503 ``loading``); the trainer's handshake sends the sampler settings, the LoRA's shape and the autocast dtype
-(refused, naming the field, where the worker's base weights or software differ), then each version of the rollout
-weights before the chunks sampled with it. Endpoints: ``GET /health``, ``POST /handshake`` (JSON), ``PUT
+listens at once and loads the base pipeline meanwhile (``/health``: 503 ``loading``); the trainer's handshake sends
+the sampler settings, the LoRA's shape and the autocast dtype (refused, naming each difference, where the worker's
+base weights or software differ), then each version of the rollout weights before the chunks sampled with it. Endpoints: ``GET /health``, ``POST /handshake`` (JSON), ``PUT
 /weights/{version}`` and ``POST /rollouts`` (safetensors bodies). ``--token`` (or ``TRL_DANCE_ROLLOUT_TOKEN``)
 requires ``Authorization: Bearer TOKEN`` on every call but ``/health``. One trainer per worker; plain HTTP (put TLS in
 front with a reverse proxy).

@@ -238,7 +238,7 @@ def warn_if_threads_spin() -> None:
         warn_if_threads_spin.said = True
         logger.warning(
             "torch was imported before trl_dance without OMP_WAIT_POLICY: its OpenMP threads spin between operations "
-            "and training on a shared CPU can be many times slower (36x measured on 2 loaded cores). Export "
+            "and training on a shared CPU can be many times slower (1.95x beside one other job on 2 cores, 36x reported under heavier load). Export "
             "OMP_WAIT_POLICY=PASSIVE before starting Python, or import trl_dance first (the trl-dance command does)."
         )
 

@@ -69,13 +69,18 @@ def sampling_record(policy: DiffusionPolicy) -> dict[str, Any]:
     σ grid (``sigmas``: the N noise levels the steps start from, 1 → 0 exclusive), so that a few-step student is
     evaluated and used on the grid it was trained on."""
     record = {name: getattr(policy.settings, name) for name in RECORDED_SETTINGS}
-    try:
-        sigmas = getattr(policy.process, "sigma_values", None)
-    except NotImplementedError:  # one grid per stream (MiniMax-H3's video and audio): the settings say it
-        sigmas = None
-    if sigmas is not None:
+    if (sigmas := sigma_grid(policy)) is not None:
         record["sigmas"] = [round(value, 6) for value in sigmas[:-1]]
     return record
+
+
+def sigma_grid(policy: DiffusionPolicy) -> tuple[float, ...] | None:
+    """``policy``'s σ table (N + 1 levels, 1 → 0), or None where it has none: a DDIM family, or one grid per stream
+    (MiniMax-H3's video and audio, whose settings say it)."""
+    try:
+        return getattr(policy.process, "sigma_values", None)
+    except NotImplementedError:
+        return None
 
 
 def read_sampling_record(folder: str) -> dict[str, Any] | None:
