@@ -138,11 +138,11 @@ class CallRecorder:
 
     def flops(self) -> float:
         """Model FLOPs of all recorded calls (torch's FlopCounterMode, one replay of each distinct call × count)."""
-        from torch.utils.flop_counter import FlopCounterMode
+        from trl_dance.flops import torch_flop_counter
 
         total = 0.0
         for (_, _, grad, *_), (count, target, args, kwargs) in self.calls.items():
-            with FlopCounterMode(display=False) as counter:
+            with torch_flop_counter(display=False) as counter:
                 _replay(grad, target, args, kwargs)
             total += counter.get_total_flops() * count
         self.trainer.model.zero_grad(set_to_none=True)
@@ -153,7 +153,7 @@ class CallRecorder:
 
 
 def peak_tflops(device: torch.device) -> float | None:
-    """The accelerator's dense bf16 peak (the trainers' table, trl_dance.trainer.performance.PEAK_TFLOPS)."""
+    """The accelerator's dense bf16 peak (TRL's table, as the trainers' perf/mfu)."""
     from trl_dance.trainer.performance import peak_tflops as lookup
 
     return lookup(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

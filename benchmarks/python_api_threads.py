@@ -65,7 +65,9 @@ def main() -> None:
     code = readme_example()
     with tempfile.TemporaryDirectory() as workdir:
         model = Path(workdir) / "outputs" / "tiny-flux"
-        subprocess.run([sys.executable, "-m", "trl_dance.testing", "flux", str(model)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "trl_dance.testing", "flux", str(model)], check=True, capture_output=True
+        )
         load = busy(args.load)
         try:
             seconds = {name: min(run(code, policy, workdir) for _ in range(args.repeats))

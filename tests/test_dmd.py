@@ -322,6 +322,13 @@ def test_fitted_media_covers_and_centre_crops():
     (fitted,) = fitted_media([image], 16, 32)
     assert fitted.shape == (3, 16, 32) and fitted.min() == -1
     assert fitted[:, :, 15:17].min() > 0.9 and fitted[:, :, :8].max() == -1
+    # diffusers' own fitting (VaeImageProcessor, resize_mode="crop"), at sizes its default would round down to 8s
+    from diffusers.image_processor import VaeImageProcessor
+
+    reference = VaeImageProcessor(vae_scale_factor=1, resample="bilinear").preprocess(
+        image, 20, 36, resize_mode="crop"
+    )
+    assert torch.equal(fitted_media([image], 20, 36), reference) and reference.shape == (1, 3, 20, 36)
     video = fitted_media([[image, image, Image.new("RGB", (60, 20))]], 16, 32, num_frames=2)
     assert video.shape == (1, 2, 3, 16, 32) and torch.equal(video[0, 0], fitted)
     with pytest.raises(ValueError, match="fewer than num_frames=4"):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from tests.conftest import TINY_VIDEO_FRAMES, tiny_dpo_config, tiny_grpo_config
-from trl_dance.flops import DenoiserFlops
+from trl_dance.flops import DenoiserFlops, torch_flop_counter
 from trl_dance.policies import SamplerSettings, make_policy
 from trl_dance.testing import TINY_PIPELINES, TINY_RESOLUTION, tiny_condition_images, tiny_preference_dataset
 from trl_dance.testing.minimax_h3 import MINIMAX_H3_TINY_FRAMES
@@ -44,7 +44,7 @@ def _count(kind: str, mode: str, cfg: bool, checkpointing: bool, **more) -> tupl
     if policy.use_cfg:
         policy._negative_cond(2, cond)  # its text encoding is not the denoiser's
     counter = DenoiserFlops(policy.flop_layout, policy.flop_tokens).attach(denoiser)
-    with FlopCounterMode(display=False) as torch_count, torch.set_grad_enabled(mode != "frozen"):
+    with torch_flop_counter(display=False) as torch_count, torch.set_grad_enabled(mode != "frozen"):
         output = policy.predict(denoiser, latents, cond, at=torch.zeros(2, dtype=torch.long))
         if mode != "frozen":
             output.square().mean().backward()
@@ -71,15 +71,29 @@ def test_ltx2_guidance_forwards_are_counted():
 
 
 def test_cpu_attention_is_counted():
-    import trl_dance.flops  # noqa: F401 (registers the CPU kernel's formulas)
-
     q = torch.randn(2, 4, 64, 32, requires_grad=True)
-    with FlopCounterMode(display=False) as forward:
+    with torch_flop_counter(display=False) as forward:
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
-    with FlopCounterMode(display=False) as backward:
+    with torch_flop_counter(display=False) as backward:
         out.sum().backward()
     assert forward.get_total_flops() == 4 * 2 * 4 * 64 * 64 * 32
     assert backward.get_total_flops() == 2.5 * forward.get_total_flops()  # torch's count: QKᵀ recomputed
+
+
+def test_import_leaves_torch_flop_registry_alone():
+    """Importing trl_dance (and its trainers) registers nothing in torch's global FLOP table: a program's own
+    FlopCounterMode counts as it would without us (the CPU kernel's formulas go to one counter only)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from torch.utils.flop_counter import flop_registry as r; before = dict(r); "
+        "import trl_dance, trl_dance.flops, trl_dance.trainer.diffusion_trainer; assert dict(r) == before, set(r) ^ set(before)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from trl_dance.flops import TORCH_FLOP_FORMULAS
+
+    assert TORCH_FLOP_FORMULAS and not set(TORCH_FLOP_FORMULAS) & set(flop_registry)
 
 
 def _denoiser_count(counter: FlopCounterMode, model_class: str) -> float:
@@ -94,7 +108,7 @@ def test_grpo_logs_what_torch_counts(tiny_model_dir, tmp_path):
     args = tiny_grpo_config(tmp_path, max_steps=2, peak_tflops=1.0)
     dataset = Dataset.from_dict({"prompt": ["a cat", "a dog"] * 4})
     trainer = DanceGRPOTrainer(tiny_model_dir("flux"), "brightness", args=args, train_dataset=dataset)
-    with FlopCounterMode(display=False) as counter:
+    with torch_flop_counter(display=False) as counter:
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "perf/denoiser_tflops" in entry]
     assert len(logs) == 2
@@ -120,17 +134,25 @@ def test_dpo_logs_what_torch_counts(tiny_model_dir, tmp_path):
     peft = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     dataset = tiny_preference_dataset("sd", count=4)
     trainer = DiffusionDPOTrainer(tiny_model_dir("sd"), args=args, train_dataset=dataset, peft_config=peft)
-    with FlopCounterMode(display=False) as counter:
+    with torch_flop_counter(display=False) as counter:
         trainer.train()
     logged = sum(entry.get("perf/denoiser_tflops", 0.0) for entry in trainer.state.log_history) * 1e12
     assert logged == pytest.approx(_denoiser_count(counter, "UNet2DConditionModel"), rel=1e-6)
 
 
 def test_peak_table():
+    """TRL's lookup (whole words, per dtype): NVL and PCIe cards get their own peaks, "L40" is not "L4"."""
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H100 NVL") == 835.0
     assert peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA H200 NVL") == 835.0
+    assert peak_tflops("NVIDIA L4") == 121.0
+    assert peak_tflops("NVIDIA L40") is None
+    assert peak_tflops("NVIDIA L40S") == 362.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert peak_tflops("AMD Instinct MI300X") == 1307.0
+    assert peak_tflops("AMD Instinct MI300X") == 1300.0
     assert peak_tflops("NVIDIA GeForce RTX 3090") is None
+    assert peak_tflops("NVIDIA T4", "float16") == 65.0 and peak_tflops("NVIDIA T4", "bfloat16") is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "float32") is None
     assert PerformanceLog(torch.device("cpu"), None).peak is None

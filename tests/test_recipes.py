@@ -188,8 +188,9 @@ def test_tiny_dpo_recipe_runs_from_yaml(tmp_path, kind, config, strip):
     assert Image.open(tmp_path / "out" / "samples.png").size == (56 + 2 * strip * 128 + 6, 2 * 128 + 6 + 30)
 
 
-def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
+def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path, monkeypatch):
     """The card push_to_hub uploads: diffusers metadata, TRL-style tags, a loading snippet that works as written."""
+    monkeypatch.delenv("JOB_ID", raising=False)
     from datasets import Dataset
     from diffusers import DiffusionPipeline
     from peft import LoraConfig
@@ -229,10 +230,24 @@ def test_model_card_is_a_diffusers_card(tiny_model_dir, tmp_path):
     assert {"trl", "trl-dance", "dance-grpo", "lora", "my-tag"} <= set(header["tags"])
     assert header["datasets"] == ["my/prompts"]
     assert "brightness × 1, jpeg_compressibility × 1" in card and "arXiv:2505.07818" in card
+    assert "hf_jobs" not in header["tags"] and "W&B" not in card
     snippet = card.split("```python")[1].split("```")[0]
     namespace = {}
     exec(snippet, namespace)  # loads the base pipeline and the LoRA from the local folders
     assert isinstance(namespace["pipeline"], DiffusionPipeline)
+
+    # What TRL's cards carry: the run's tracker pages (through TRL's helpers) and the Hugging Face Jobs tag.
+    import trl.trainer.utils
+
+    space = "https://me-dash.hf.space?project=p&runs=r&sidebar=collapsed"
+    monkeypatch.setenv("JOB_ID", "42")
+    monkeypatch.setattr(trl.trainer.utils, "get_trackio_space_url", lambda: space)
+    monkeypatch.setattr(trl.trainer.utils, "get_comet_experiment_url", lambda: "https://comet.com/me/x/1")
+    trainer.create_model_card(tags=["trackio:https://stale.hf.space"])
+    card = (tmp_path / "out" / "README.md").read_text()
+    tags = set(yaml.safe_load(card.split("---")[1])["tags"])
+    assert {"hf_jobs", f"trackio:{space}"} <= tags and "trackio:https://stale.hf.space" not in tags
+    assert f"- Trackio: [{space}]({space})" in card and "- Comet experiment: [https://comet.com/me/x/1]" in card
 
 
 def test_push_to_hub_uploads_the_lora_card_and_samples(tiny_model_dir, tmp_path, monkeypatch):

@@ -129,6 +129,34 @@ def test_clip_preprocessing_matches_transformers_processor():
     torch.testing.assert_close(reference_pixels(images, 32, "crop"), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("height, width", [(512, 512), (1216, 832), (832, 1216), (1100, 640)])
+def test_pickscore_sees_what_clip_processor_gives(checkpoints, height, width):
+    """PickScore (and CLIP score, the aesthetic score) are published through transformers' CLIPProcessor, which
+    floors a centre crop's offset where torchvision rounds it: the pixels the model sees equal the processor's (PIL
+    backend) pixel for pixel, at its 224 px and at the tiny model's 32, including aspect ratios where the two
+    roundings crop one pixel apart (832×1216 and 1216×832 at 224, 1100×640 at 32)."""
+    from PIL import Image
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    images = _images(count=2, height=height, width=width)
+
+    def processed(size):
+        processor = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        return processor([Image.fromarray(a) for a in to_uint8(images)], return_tensors="pt")["pixel_values"]
+
+    assert torch.equal(reference_pixels(images, 224, "crop", offset="floor"), processed(224))
+    if (height, width) in ((1216, 832), (832, 1216)):  # torchvision's rounding (ImageReward's) is a pixel away here
+        assert not torch.equal(reference_pixels(images, 224, "crop"), processed(224))
+    reward = _build("pickscore", checkpoints)
+    reward(PROMPTS[:2], images)  # loads the model
+    seen, forward = [], reward.model.get_image_features
+    reward.model.get_image_features = lambda pixel_values: seen.append(pixel_values) or forward(pixel_values)
+    reward(PROMPTS[:2], images)
+    assert torch.equal(seen[0], processed(reward.model.config.vision_config.image_size))
+    if (height, width) == (1100, 640):
+        assert not torch.equal(reference_pixels(images, 32, "crop"), seen[0])
+
+
 @pytest.mark.parametrize("name", ["pickscore", "clip_score", "aesthetic"])
 def test_clip_rewards_match_formula(checkpoints, name):
     images = _images()

@@ -392,21 +392,30 @@ class _Counted:
         return probed
 
 
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    return flop_counter.sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+
+
 # torch's FlopCounterMode has no formula for the CPU flash-attention kernel that scaled_dot_product_attention runs on
-# a CPU, so it counts attention as 0 there; give it the same formulas as the CUDA kernels so that counts compare.
-_CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-if _CPU_ATTENTION is not None and _CPU_ATTENTION not in flop_counter.flop_registry:
+# a CPU, so it counts attention as 0 there; the CUDA kernels' formulas make counts compare. Passed to one counter
+# (`custom_mapping`), never registered in torch's global table: importing trl_dance changes no other program's counts.
+TORCH_FLOP_FORMULAS: dict = {
+    op: formula
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward_flops),
+    )
+    if (op := getattr(torch.ops.aten, name, None)) is not None and op not in flop_counter.flop_registry
+}
+"""Formulas for ``FlopCounterMode(custom_mapping=...)``: the ops torch's table lacks that the trainers run on a CPU."""
 
-    @flop_counter.register_flop_formula(_CPU_ATTENTION)
-    def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
-
-if _CPU_ATTENTION_BACKWARD is not None and _CPU_ATTENTION_BACKWARD not in flop_counter.flop_registry:
-
-    @flop_counter.register_flop_formula(_CPU_ATTENTION_BACKWARD)
-    def _cpu_attention_backward_flops(
-        grad_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
-    ):
-        return flop_counter.sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+def torch_flop_counter(**kwargs) -> flop_counter.FlopCounterMode:
+    """torch's ``FlopCounterMode(**kwargs)`` with :data:`TORCH_FLOP_FORMULAS`: the reference these closed forms are
+    checked against, counting attention on a CPU too."""
+    return flop_counter.FlopCounterMode(custom_mapping={**TORCH_FLOP_FORMULAS, **kwargs.pop("custom_mapping", {})},
+                                        **kwargs)  # fmt: skip

@@ -123,8 +123,14 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
 
 def fitted_media(values: list[Any], height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
     """Images as (B, 3, H, W) float32 in [-1, 1], or with ``num_frames`` videos as (B, F, 3, H, W) of their first F
-    frames: each resized (bilinear) to cover ``height`` × ``width``, then centre-cropped. ValueError naming the first
-    value that is missing or too short."""
+    frames: each resized (bilinear) to cover ``height`` × ``width``, then centre-cropped (diffusers'
+    ``VaeImageProcessor.preprocess(resize_mode="crop")``). ValueError naming the first value that is missing or too
+    short."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    processor = VaeImageProcessor(
+        vae_scale_factor=1, resample="bilinear", do_convert_rgb=True
+    )  # (8 rounds sizes down)
     batch = []
     for i, value in enumerate(values):
         if num_frames is None:
@@ -135,14 +141,8 @@ def fitted_media(values: list[Any], height: int, width: int, num_frames: int | N
             raise ValueError(f"value {i}: the {'video' if num_frames else 'image'} {describe_missing(value)}")
         if num_frames is not None and len(frames) < num_frames:
             raise ValueError(f"value {i}: the video has {len(frames)} frames, fewer than num_frames={num_frames}")
-        tensors = []
-        for frame in frames[: num_frames or 1]:
-            scale = max(width / frame.width, height / frame.height)
-            size = max(width, round(frame.width * scale)), max(height, round(frame.height * scale))
-            left, top = (size[0] - width) // 2, (size[1] - height) // 2
-            frame = frame.resize(size, Image.BILINEAR).crop((left, top, left + width, top + height))
-            tensors.append(to_tensor(frame))
-        batch.append(torch.stack(tensors) if num_frames is not None else tensors[0])
+        fitted = processor.preprocess(frames[: num_frames or 1], height, width, resize_mode="crop")
+        batch.append(fitted if num_frames is not None else fitted[0])
     return torch.stack(batch)
 
 

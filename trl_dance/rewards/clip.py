@@ -58,7 +58,10 @@ class CLIPReward(RewardModel):
     def image_embeddings(self, images: torch.Tensor, exact: bool) -> torch.Tensor:
         """(B, D) unit-norm image embeddings (:attr:`compute_dtype`) of images (B, 3, H, W) in [0, 1]."""
         size = self.model.config.vision_config.image_size
-        pixels = (reference_pixels if exact else tensor_pixels)(images.to(self.device), size, self.geometry)
+        # (the published scores of these models come through transformers' CLIPProcessor, which floors a crop's offset)
+        pixels = (reference_pixels if exact else tensor_pixels)(
+            images.to(self.device), size, self.geometry, offset="floor"
+        )
         features = _pooled(self.model.get_image_features(pixel_values=pixels.to(self.dtype))).to(self.compute_dtype)
         return features / features.norm(dim=-1, keepdim=True)
 

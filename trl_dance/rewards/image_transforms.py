@@ -2,7 +2,10 @@
 
 Two geometries: ``"crop"`` (shortest side to ``size``, centre crop; CLIP, PickScore, ImageReward, LAION aesthetic)
 and ``"pad"`` (longest side to ``size``, centre on a black square; open_clip's ``ResizeMaxSize``, HPS v2). For
-square images both are a plain resize.
+square images both are a plain resize. A centre crop's offset is rounded as the scorer's own code rounds it:
+``"round"`` as torchvision's ``CenterCrop`` (ImageReward's BLIP transforms), ``"floor"`` as transformers'
+``CLIPImageProcessor`` (PickScore, CLIP score and the LAION aesthetic score go through it); they differ by a pixel
+where the resized long side minus ``size`` is odd (832×1216, 1216×832).
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ def _resized_size(height: int, width: int, size: int, mode: str) -> tuple[int, i
     return round(height * scale), round(width * scale)
 
 
-def _place(array: np.ndarray | torch.Tensor, size: int, mode: str):
-    """Centre crop (torchvision's rounding) or centre pad with zeros to ``size × size``; array (..., H, W)."""
+def _place(array: np.ndarray | torch.Tensor, size: int, mode: str, offset: str = "round"):
+    """Centre crop (offset rounded as ``offset`` says) or centre pad with zeros to ``size × size``; array (..., H, W)."""
     height, width = array.shape[-2:]
     if mode == "crop":
-        top, left = int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
+        if offset == "floor":  # transformers' center_crop
+            top, left = (height - size) // 2, (width - size) // 2
+        else:  # torchvision's CenterCrop
+            top, left = int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
         return array[..., top : top + size, left : left + size]
     top, left = (size - height) // 2, (size - width) // 2
     padding = (left, size - width - left, top, size - height - top)
@@ -68,8 +74,10 @@ def reference_pixels(
     mode: str = "crop",
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
+    offset: str = "round",
 ) -> torch.Tensor:
-    """The scorers' own preprocessing: 8-bit RGB, PIL bicubic resize, crop or pad, ``/255``, normalise.
+    """The scorers' own preprocessing: 8-bit RGB, PIL bicubic resize, crop (its ``offset`` rounded ``"round"`` or
+    ``"floor"``, see the module) or pad, ``/255``, normalise.
 
     Returns:
         (B, 3, size, size) float32 on ``images.device``.
@@ -80,7 +88,7 @@ def reference_pixels(
         new_height, new_width = _resized_size(height, width, size, mode)
         if (new_height, new_width) != (height, width):
             array = np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC))
-        out.append(_place(array.transpose(2, 0, 1), size, mode))
+        out.append(_place(array.transpose(2, 0, 1), size, mode, offset))
     pixels = torch.from_numpy(np.stack(out)).to(images.device, torch.float32) / 255
     return _normalize(pixels, mean, std)
 
@@ -91,6 +99,7 @@ def tensor_pixels(
     mode: str = "crop",
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
+    offset: str = "round",
 ) -> torch.Tensor:
     """Differentiable counterpart of :func:`reference_pixels` (antialiased bicubic, no 8-bit rounding)."""
     height, width = images.shape[-2:]
@@ -98,7 +107,7 @@ def tensor_pixels(
     pixels = images.to(torch.promote_types(images.dtype, torch.float32))  # float64 stays float64
     if new_size != (height, width):
         pixels = F.interpolate(pixels, size=new_size, mode="bicubic", align_corners=False, antialias=True)
-    return _normalize(_place(pixels, size, mode), mean, std)
+    return _normalize(_place(pixels, size, mode, offset), mean, std)
 
 
 def _normalize(pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

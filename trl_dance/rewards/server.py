@@ -17,14 +17,13 @@ TOKEN``, compared in constant time. It speaks plain HTTP: for TLS put it behind 
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,14 +38,19 @@ TOKEN_ENV = "TRL_DANCE_REWARD_TOKEN"
 
 @dataclass
 class ServerLimits:
-    """What one request may hold (defaults: a batch of 64 images of up to 16.7 MP, or videos of up to 256 frames)."""
+    """What one request may hold (defaults: a batch of 64 images of up to 16.7 MP, or videos of up to 256 frames).
+    Each field is also ``trl-dance serve-reward``'s option of that name (``HfArgumentParser``: one default)."""
 
-    max_body_bytes: int = 256 * 2**20
-    max_images: int = 64
-    max_pixels: int = 4096 * 4096  # per image or video frame, read from its header before decoding
-    max_frames: int = 256
-    max_prompt_chars: int = 4096
-    max_queue: int = 32  # requests in flight (reading, decoding, waiting for or being scored); more get 503
+    max_body_mb: float = field(default=256.0, metadata={"help": "request body size in MiB"})
+    max_images: int = field(default=64, metadata={"help": "images per request"})
+    max_pixels: int = field(default=4096 * 4096, metadata={"help": "pixels per image or frame (read from its header)"})
+    max_frames: int = field(default=256, metadata={"help": "frames per video"})
+    max_prompt_chars: int = field(default=4096, metadata={"help": "characters per prompt"})
+    max_queue: int = field(default=32, metadata={"help": "requests in flight; more get 503"})
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
 
 
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], torch.Tensor, dict[str, list]]:
@@ -196,7 +200,11 @@ def served_reward(spec: str, reward_kwargs: str | None) -> RewardFunc:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        ServerLimits,
+        allow_abbrev=False,
         prog="trl-dance serve-reward",
         description="Any reward of trl-dance (a registered name or module:function) behind its HTTP protocol "
         '(trl_dance.rewards.remote), on Starlette and uvicorn: pip install "trl-dance[serve]".',
@@ -211,19 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--token", default=None, help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
-    defaults = ServerLimits()
-    parser.add_argument("--max_body_mb", type=float, default=defaults.max_body_bytes / 2**20)
-    parser.add_argument("--max_images", type=int, default=defaults.max_images, help="images per request")
-    parser.add_argument("--max_pixels", type=int, default=defaults.max_pixels, help="pixels per image or frame")
-    parser.add_argument("--max_frames", type=int, default=defaults.max_frames, help="frames per video")
-    parser.add_argument("--max_prompt_chars", type=int, default=defaults.max_prompt_chars)
-    parser.add_argument("--max_queue", type=int, default=defaults.max_queue, help="requests in flight; more get 503")
     parser.add_argument(
         "--skip_test_score",
         action="store_true",
         help="listen without scoring a test image first (rewards that need a column)",
     )
-    args = parser.parse_args(argv)
+    limits, args = parser.parse_args_into_dataclasses(argv)
     try:
         import starlette  # noqa: F401  (build_app's)
         import uvicorn
@@ -232,10 +233,6 @@ def main(argv: list[str] | None = None) -> None:
             f"serve-reward needs the 'serve' extra ({error.name} is missing): pip install 'trl-dance[serve]'"
         ) from error
 
-    limits = ServerLimits(
-        int(args.max_body_mb * 2**20), args.max_images, args.max_pixels, args.max_frames, args.max_prompt_chars,
-        args.max_queue,
-    )  # fmt: skip
     reward = served_reward(args.reward, args.reward_kwargs)
     name, start, tested = reward_name(reward), time.perf_counter(), ""
     if not args.skip_test_score:

@@ -13,10 +13,11 @@ front with a reverse proxy).
 
 from __future__ import annotations
 
-import argparse
+import inspect
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,23 +79,38 @@ def build_app(worker: RolloutWorker, token: str | None = None, max_body_bytes: i
     )
 
 
+@dataclass
+class RolloutWorkerArguments:
+    """``trl-dance serve-rollouts``' options (``HfArgumentParser``, as the other commands)."""
+
+    model: str = field(metadata={"help": "the base pipeline: a local folder or Hub id, as the trainer's"})
+    pipeline_class: str | None = field(default=None, metadata={"help": "as the training config's pipeline_class"})
+    dtype: str | None = field(
+        default=None, metadata={"help": "as the training config's model_init_kwargs dtype (bfloat16)"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "interface to listen on (0.0.0.0: every interface)"})
+    port: int = 8100
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    max_versions: int = field(
+        default=inspect.signature(RolloutWorker).parameters["max_versions"].default,  # the worker's own default
+        metadata={"help": "weight versions held (max_staleness + 2)"},
+    )
+    token: str | None = field(
+        default=None, metadata={"help": f"require 'Authorization: Bearer TOKEN' (default: ${ROLLOUT_TOKEN_ENV})"}
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        RolloutWorkerArguments,
+        allow_abbrev=False,
         prog="trl-dance serve-rollouts",
         description="A rollout worker: the base pipeline sampling the trainer's chunks with the LoRA versions it "
         "publishes (rollout_server_urls in the training config). Needs the 'serve' extra.",
     )
-    parser.add_argument("--model", required=True, help="the base pipeline: a local folder or Hub id, as the trainer's")
-    parser.add_argument("--pipeline_class", default=None, help="as the training config's pipeline_class")
-    parser.add_argument("--dtype", default=None, help="as the training config's model_init_kwargs dtype (bfloat16)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max_versions", type=int, default=4, help="weight versions held (max_staleness + 2)")
-    parser.add_argument(
-        "--token", default=None, help=f"require 'Authorization: Bearer TOKEN' (default: ${ROLLOUT_TOKEN_ENV})"
-    )
-    args = parser.parse_args(argv)
+    (args,) = parser.parse_args_into_dataclasses(argv)
     try:
         import uvicorn
     except ImportError as error:

@@ -48,7 +48,7 @@ from .evaluation import SAMPLING_FILE, sampling_call_code
 from .gradient_surgery import install_audio_to_video_surgery
 from .media import log_rollout_media, use_diffusers_callbacks
 from .memory_advice import named_out_of_memory
-from .performance import PerformanceLog
+from .performance import PerformanceLog, mixed_precision_dtype
 from .preemption import PreemptionHandler, any_process
 from .speed import apply_speed_options, resolve_torch_compile
 
@@ -183,6 +183,21 @@ def merge_lora(pipeline: DiffusionPipeline, folder: str, name: str) -> None:
 MAX_SHARD_SIZE = "10GB"  # diffusers' save_pretrained default
 _PROCESS_STATE = "trl_dance_state_{}.pt"
 _SHARD_PATTERN = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+
+
+def tracking_links() -> dict[str, str]:
+    """The current run's pages on the trackers TRL's model cards link (W&B run, Trackio space, Comet experiment),
+    by tracker name; only those with a run in this process (TRL's helpers)."""
+    from transformers import is_wandb_available
+    from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
+
+    wandb_url = None
+    if is_wandb_available():
+        import wandb
+
+        wandb_url = wandb.run.url if wandb.run is not None else None
+    links = {"W&B run": wandb_url, "Trackio": get_trackio_space_url(), "Comet experiment": get_comet_experiment_url()}
+    return {name: url for name, url in links.items() if url}
 
 
 def base_model_license(base_model: str | None) -> dict[str, str]:
@@ -331,7 +346,7 @@ class DiffusionTrainer(_BaseTrainer):
             compile_models=resolve_torch_compile(args.torch_compile, self.accelerator.device, self.parameter_sharding),
             likelihood_ratio=type(self).__name__ if self.uses_likelihood_ratio else None,
         )
-        self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops)
+        self.performance = PerformanceLog(self.accelerator.device, args.peak_tflops, mixed_precision_dtype(args))
         self.flops = None  # the FLOPs of their calls, by the phase they run in
         if policy.flop_layout is not None:
             self.flops = DenoiserFlops(policy.flop_layout, policy.flop_tokens, 1 / args.context_parallel_size)
@@ -447,6 +462,12 @@ class DiffusionTrainer(_BaseTrainer):
         denoiser = self.accelerator.unwrap_model(self.model)
         lora, denoiser_class = has_lora(denoiser), type(denoiser).__name__
         task = self.policy.pipeline_tag or ("text-to-video" if self.policy.is_video else "text-to-image")
+        links = tracking_links()
+        # TRL's tags: a run on Hugging Face Jobs, and the Trackio space (one "trackio:<url>" tag, the current run's).
+        if "Trackio" in links:
+            tags = [tag for tag in tags if not tag.startswith("trackio:")] + [f"trackio:{links['Trackio']}"]
+        if "JOB_ID" in os.environ:
+            tags.append("hf_jobs")
         card_tags = sorted({*self._tag_names, task, *tags, "lora" if lora else "full-finetune"})
         data = ModelCardData(
             base_model=hub_base,
@@ -496,6 +517,8 @@ class DiffusionTrainer(_BaseTrainer):
             "",
             *[f"- {key}: {value}" for key, value in details.items()],
         ]
+        if links:  # where TRL's cards link the run
+            lines += ["", *[f"- {name}: [{url}]({url})" for name, url in links.items()]]
         if os.path.isfile(os.path.join(folder, "samples.png")):
             lines += ["", "![samples: before (top) and after (bottom) training](samples.png)"]
         if self._paper.get("citation"):

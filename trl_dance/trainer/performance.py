@@ -12,28 +12,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-PEAK_TFLOPS: dict[str, float] = {
-    # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s per device, by a substring of torch's device name; the
-    # first match wins, so the more specific names come first.
-    "GB200": 2500.0,
-    "B200": 2250.0,
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,  # SXM
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "MI300X": 1307.0,
-    "MI325X": 1307.0,
-}
+
+def peak_tflops(device_name: str, dtype: str = "bfloat16") -> float | None:
+    """Dense peak TFLOP/s of the accelerator named ``device_name`` (``torch.cuda.get_device_name()``) for matrix
+    multiplications in ``dtype`` ("bfloat16", "float16"), or None where TRL's table has no figure (CPUs, float32,
+    unknown devices). TRL's own lookup (``trl.trainer.utils.get_peak_flops``: whole-word names, per dtype), which its
+    MFU metrics use, so that ``perf/mfu`` and TRL's ``mfu`` agree on one device."""
+    from trl.trainer.utils import get_peak_flops
+
+    peak = get_peak_flops(device_name, dtype)
+    return None if peak is None else peak / 1e12
 
 
-def peak_tflops(device_name: str) -> float | None:
-    """Dense bf16 peak TFLOP/s of the accelerator named ``device_name`` (``torch.cuda.get_device_name()``), or None
-    for one not in :data:`PEAK_TFLOPS`."""
-    return next((peak for name, peak in PEAK_TFLOPS.items() if name in device_name), None)
+def mixed_precision_dtype(args) -> str:
+    """The dtype name of a config's matrix multiplications ("bfloat16", "float16" or "float32"), as TRL names it."""
+    return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
 
 
 @dataclass
@@ -43,8 +36,9 @@ class PerformanceArguments:
 
     Parameters:
         peak_tflops (`float` or `None`, defaults to `None`): the accelerator's peak TFLOP/s for `perf/mfu`; by default
-            looked up by device name in `trl_dance.trainer.performance.PEAK_TFLOPS` (dense bf16: H100/H200/B200/
-            A100/L40S/MI300X, ...). No MFU is logged without one (CPUs, unknown devices).
+            TRL's dense peak for the device's name and the run's precision (`trl.trainer.utils.get_peak_flops`:
+            H100/H200 SXM, PCIe and NVL, B200, A100, L40S, L4, MI300X, ... in bf16 or fp16). No MFU is logged
+            without one (CPUs, float32, unknown devices).
 
     Logged metrics: `perf/denoiser_tflops` (the denoiser's TFLOPs over all processes since the previous log: forwards of
     rollouts, old/reference and training calls, their backwards and activation-checkpointing recomputation, counted in
@@ -64,10 +58,10 @@ class PerformanceLog:
 
     PHASES = ("rollout", "reward", "training")
 
-    def __init__(self, device: torch.device, peak: float | None):
+    def __init__(self, device: torch.device, peak: float | None, dtype: str = "bfloat16"):
         self.device = device
         if peak is None and device.type == "cuda":
-            peak = peak_tflops(torch.cuda.get_device_name(device))
+            peak = peak_tflops(torch.cuda.get_device_name(device), dtype)
         self.peak = peak
         self._cuda = device.type == "cuda"
         self.reset(time.perf_counter())
