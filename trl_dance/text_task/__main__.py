@@ -18,8 +18,14 @@ def main(argv: list[str] | None = None) -> dict:
     build.add_argument("output")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--vae_steps", type=int, default=700)
-    build.add_argument("--sft_steps", type=int, default=3000)
+    build.add_argument("--sft_steps", type=int, default=3750)
     build.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    build.add_argument(
+        "--snapshot_steps", type=int, default=0, help="also save the pipeline every this many SFT steps"
+    )
+    build.add_argument(
+        "--work_dir", default=None, help="the VAE and snapshots (default OUTPUT.build; a VAE there is reused)"
+    )
     evaluate = commands.add_parser("evaluate", help="held-out accuracy of a model (and a LoRA) by both engines")
     evaluate.add_argument("model", nargs="?", default=None, help="a pipeline folder (default: the shipped model)")
     evaluate.add_argument("--lora", default=None, help="a folder with pytorch_lora_weights.safetensors")
@@ -34,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     from .model import SAMPLING, TEXT_MODEL_DIR, build_text_model
 
     if args.command == "build":
-        build_text_model(args.output, args.seed, args.vae_steps, args.sft_steps)
+        build_text_model(args.output, args.seed, args.vae_steps, args.sft_steps, args.work_dir, args.snapshot_steps)
         return {}
     from diffusers import StableDiffusion3Pipeline
 
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     pipeline.set_progress_bar_config(disable=True)
     if args.lora:
         pipeline.load_lora_weights(args.lora)
-    words = word_split()[args.split == "train"][: args.num_words]
+    train, held_out = word_split()
+    words = (held_out if args.split == "held_out" else train)[: args.num_words]
     images = sample_words(pipeline_generator(pipeline, **SAMPLING), words, args.samples_per_word, args.seed)
     targets = [word for word in words for _ in range(args.samples_per_word)]
     result = judge_images(images.flatten(0, 1), targets, args.engines)

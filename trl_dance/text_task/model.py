@@ -174,7 +174,7 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()
 
 
-def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 3000,
+def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 3750,
                      work_dir: str | None = None, snapshot_steps: int = 0) -> StableDiffusion3Pipeline:  # fmt: skip
     """Build the text task's pipeline from scratch and ``save_pretrained`` it to ``output`` (with its sampling
     settings beside, as a tiny pipeline's): VAE, then transformer, on the training words only. Deterministic for a
