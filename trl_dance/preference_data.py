@@ -128,9 +128,8 @@ def fitted_media(values: list[Any], height: int, width: int, num_frames: int | N
     short."""
     from diffusers.image_processor import VaeImageProcessor
 
-    processor = VaeImageProcessor(
-        vae_scale_factor=1, resample="bilinear", do_convert_rgb=True
-    )  # (8 rounds sizes down)
+    # vae_scale_factor 1: its default, 8, would round height and width down to multiples of 8
+    processor = VaeImageProcessor(vae_scale_factor=1, resample="bilinear", do_convert_rgb=True)
     batch = []
     for i, value in enumerate(values):
         if num_frames is None:

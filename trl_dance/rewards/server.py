@@ -145,7 +145,7 @@ def build_app(reward: Any, device: str = "cpu", limits: ServerLimits | None = No
     from starlette.routing import Route
 
     name, limits = reward_name(reward), limits or ServerLimits()
-    body_limit = f"limit --max_body_mb {limits.max_body_bytes / 2**20:g}"
+    body_limit = f"limit --max_body_mb {limits.max_body_mb:g}"
     in_flight = 0  # one event loop: no lock needed between the check and the increment
 
     def refuse(status: int, message: str, headers: dict[str, str] | None = None):

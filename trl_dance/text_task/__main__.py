@@ -12,13 +12,15 @@ import torch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from .model import SAMPLING, SFT_STEPS, TEXT_MODEL_DIR, VAE_STEPS, build_text_model
+
     parser = argparse.ArgumentParser(prog="python -m trl_dance.text_task", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="train the text model from scratch and save it")
     build.add_argument("output")
     build.add_argument("--seed", type=int, default=0)
-    build.add_argument("--vae_steps", type=int, default=700)
-    build.add_argument("--sft_steps", type=int, default=3750)
+    build.add_argument("--vae_steps", type=int, default=VAE_STEPS)
+    build.add_argument("--sft_steps", type=int, default=SFT_STEPS)
     build.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
     build.add_argument(
         "--snapshot_steps", type=int, default=0, help="also save the pipeline every this many SFT steps"
@@ -37,7 +39,6 @@ def main(argv: list[str] | None = None) -> dict:
     evaluate.add_argument("--grid", default=None, help="write a PNG grid of the first 32 words' first samples")
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", torch.get_num_threads()))
-    from .model import SAMPLING, TEXT_MODEL_DIR, build_text_model
 
     if args.command == "build":
         build_text_model(args.output, args.seed, args.vae_steps, args.sft_steps, args.work_dir, args.snapshot_steps)

@@ -35,6 +35,10 @@ SAMPLING = {"height": IMAGE_SIZE, "width": IMAGE_SIZE, "num_inference_steps": 10
             "max_sequence_length": 32}  # fmt: skip
 """How the task samples: Flow-GRPO's OCR setting (10 steps, CFG 4.5) at the model's 64 px."""
 
+VAE_STEPS = 700
+SFT_STEPS = 3750
+"""The build's stage lengths: the shipped model is step 3,750 of a constant-rate SFT run (docs/text-task.md)."""
+
 _CHARS = ALPHABET + "\"'.,!?-"
 """The tokenizers' characters (one token each): the letters and the double quote the prompts hold."""
 _CLIP_DIM = 32
@@ -174,7 +178,7 @@ def pretrain_transformer(pipeline: StableDiffusion3Pipeline, words: list[str], o
     pipeline.transformer = trainer.accelerator.unwrap_model(trainer.model).eval()
 
 
-def build_text_model(output: str, seed: int = 0, vae_steps: int = 700, sft_steps: int = 3750,
+def build_text_model(output: str, seed: int = 0, vae_steps: int = VAE_STEPS, sft_steps: int = SFT_STEPS,
                      work_dir: str | None = None, snapshot_steps: int = 0) -> StableDiffusion3Pipeline:  # fmt: skip
     """Build the text task's pipeline from scratch and ``save_pretrained`` it to ``output`` (with its sampling
     settings beside, as a tiny pipeline's): VAE, then transformer, on the training words only. Deterministic for a
