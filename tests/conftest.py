@@ -228,14 +228,23 @@ def train_and_assert_reward_rose(trainer, metric: str, margin: float) -> None:
 
 
 def train_and_resume(make_trainer, output_dir, **overrides):
-    """Train 3 steps checkpointing every step, then train again from ``checkpoint-1``; assert both runs end with
-    bit-identical model weights and return (full, resumed) for the caller's own state comparisons.
+    """Train 3 optimizer updates checkpointing after each, then train again from ``checkpoint-1``; assert both runs
+    end with bit-identical model weights and return (full, resumed) for the caller's own state comparisons. An update
+    per micro-batch (``gradient_accumulation_steps=1``, unless overridden) puts ``checkpoint-1`` inside a round of
+    several updates (asserted): the round's rollout must travel with the checkpoint.
     ``make_trainer(output_dir, **overrides)`` builds a trainer."""
-    overrides = {"max_steps": 3, "save_strategy": "steps", "save_steps": 1} | overrides
+    overrides = {
+        "max_steps": 3,
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "gradient_accumulation_steps": 1,
+    } | overrides
     full = make_trainer(output_dir, **overrides)
+    if overrides["gradient_accumulation_steps"] == 1:
+        assert full.args.optimizer_updates_per_round > 1, "checkpoint-1 would be a round boundary"
     full.train()
     resumed = make_trainer(output_dir, **overrides)
-    resumed.train(resume_from_checkpoint=str(output_dir / "checkpoint-1"))
+    resumed.train(resume_from_checkpoint=os.path.join(full.args.output_dir, "checkpoint-1"))
     for (name, value), other in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(value, other), name
     return full, resumed

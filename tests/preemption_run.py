@@ -1,6 +1,7 @@
-"""Run by tests/test_preemption.py, as one process or under `accelerate launch`: a tiny FLUX LoRA GRPO run of 6 rounds
-(Adam, one update per round) three times in one process: uninterrupted; signalled (`argv[3]`, e.g. SIGTERM) during
-its 3rd update on rank 0 only (so the ranks must agree to stop), twice at once as a launcher forwarding it would;
+"""Run by tests/test_preemption.py, as one process or under `accelerate launch`: a tiny FLUX LoRA GRPO run of 6
+updates (Adam, an update per micro-batch: 5 updates a round, so the 6 span two rounds) three times in one process:
+uninterrupted; signalled (`argv[3]`, e.g. SIGTERM) during its 3rd update, inside the first round, on rank 0 only (so
+the ranks must agree to stop), twice at once as a launcher forwarding it would;
 resumed from the latest checkpoint. The main process
 writes the trained parameters of the first and the last (full.pt, resumed.pt) and the step the signalled run stopped at
 and the checkpoints it left (result.json) to argv[2]. With argv[4] == "twice", a second signal follows after the repeat
@@ -43,9 +44,9 @@ class SignalDuringStep(TrainerCallback):
 
 
 def trainer(name: str, **overrides) -> DanceGRPOTrainer:
-    args = tiny_grpo_config(  # one update per round: 5 micro-batches of 8 // world transitions
-        os.path.join(output_dir, name), per_device_train_batch_size=8 // world, max_steps=6, learning_rate=1e-2,
-        logging_steps=10, seed=5, **overrides,
+    args = tiny_grpo_config(  # 5 micro-batches of 8 // world transitions a round, an update each
+        os.path.join(output_dir, name), per_device_train_batch_size=8 // world, gradient_accumulation_steps=1,
+        max_steps=6, learning_rate=1e-2, logging_steps=10, seed=5, **overrides,
     )  # fmt: skip
     peft = LoraConfig(
         r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights="gaussian"

@@ -1,9 +1,18 @@
 """DiffusionART (``DiffusionNFTConfig(loss_type="art")``): the guidance and loss closed forms, the recorded ODE states,
 zero gradient where the rewards tie, the two update windows, bad input, learning."""
 
+import functools
+
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, family_overrides, train_and_assert_reward_rose
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    family_overrides,
+    train_and_assert_reward_rose,
+    train_and_resume,
+)
 from datasets import Dataset
 from peft import LoraConfig
 from test_diffusion_nft import ROWS, nft_config
@@ -199,3 +208,11 @@ def test_the_progress_bar_counts_rounds_with_updates_beside(tiny_model_dir, tmp_
     assert rounds == [0, 1, 1, 2, 3] and bar.training_bar.total == 3
     assert bar.training_bar.postfix == "updates 5/5"
     bar.on_train_end(trainer.args, state, None)
+
+
+def test_resume_between_the_windows_is_exact(tiny_model_dir, tmp_path):
+    """checkpoint-1 lies between a round's two windows (an update each): resumed, bit-identical."""
+    full, _ = train_and_resume(
+        functools.partial(_trainer, tiny_model_dir), tmp_path / "run", gradient_accumulation_steps=None
+    )
+    assert full.args.optimizer_updates_per_round == 2

@@ -1,10 +1,18 @@
 """Online Diffusion-DPO (AI feedback): pair selection, ln 2 at initialisation, the margin mask, bad input, learning."""
 
+import functools
 import math
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, tiny_online_values, train_and_assert_reward_rose
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    tiny_online_values,
+    train_and_assert_reward_rose,
+    train_and_resume,
+)
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -98,3 +106,8 @@ def test_online_dpo_raises_a_known_reward(tiny_model_dir, tmp_path, kind, margin
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
     )
     train_and_assert_reward_rose(trainer, "brightness", margin)
+
+
+def test_resume_inside_a_round_is_exact(tiny_model_dir, tmp_path):
+    """One pair a micro-batch and an update each (2 a round): resumed after the first, bit-identical."""
+    train_and_resume(functools.partial(_trainer, tiny_model_dir), tmp_path / "run", per_device_train_batch_size=1)

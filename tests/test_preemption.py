@@ -34,9 +34,9 @@ def _run(model_dir, tmp_path, processes: int, signal_name: str, *extra: str) -> 
 
 @pytest.mark.parametrize(("processes", "signal_name"), [(1, "SIGTERM"), (1, "SIGINT"), (2, "SIGUSR1")])
 def test_a_signal_saves_a_checkpoint_that_resumes_exactly(tiny_model_dir, tmp_path, processes, signal_name):
-    """Signalled during its 3rd update (on rank 0 only, with two processes: the ranks agree to stop together), the
-    run stops after that update with checkpoint-3, exits 0, and its resumption ends bit-identical to the run that
-    was never signalled."""
+    """Signalled during its 3rd update, inside a round of 5 (on rank 0 only, with two processes: the ranks agree to
+    stop together), the run stops after that update with checkpoint-3, exits 0, and its resumption ends bit-identical
+    to the run that was never signalled (the rest of the round trains on the rollout the checkpoint carries)."""
     completed = _run(tiny_model_dir("flux"), tmp_path, processes, signal_name)
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert f"{signal_name} received: finishing the current optimizer update" in completed.stderr

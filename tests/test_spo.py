@@ -1,10 +1,18 @@
 """SPO: the loss by hand, pools from one x_t, log-ratio 0 at initialisation, the threshold, bad input, learning."""
 
+import functools
 import math
 
 import pytest
 import torch
-from conftest import LEARNING_SEED, LORA_TARGETS, PROMPTS, tiny_online_values, train_and_assert_reward_rose
+from conftest import (
+    LEARNING_SEED,
+    LORA_TARGETS,
+    PROMPTS,
+    tiny_online_values,
+    train_and_assert_reward_rose,
+    train_and_resume,
+)
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -158,3 +166,8 @@ def test_spo_raises_the_reward_behind_the_scorer(tiny_model_dir, tmp_path, kind,
         peft_config=LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS),
     )
     train_and_assert_reward_rose(trainer, "brightness", margin)
+
+
+def test_resume_inside_a_round_is_exact(tiny_model_dir, tmp_path):
+    """4 pairs a micro-batch and an update each (2 a round): resumed after the first, bit-identical."""
+    train_and_resume(functools.partial(_trainer, tiny_model_dir), tmp_path / "run", per_device_train_batch_size=4)

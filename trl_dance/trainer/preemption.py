@@ -37,7 +37,7 @@ class PreemptionArguments:
             update, save a checkpoint at it (as `save_strategy` would, with the same files, manifest and Hub push),
             and end training; a second signal more than 5 s after the first stops at once (one sooner is the same
             request, forwarded by a launcher). Resuming from that checkpoint reproduces the
-            uninterrupted run exactly when it falls at a round boundary (one optimizer update per round).
+            uninterrupted run exactly, inside a round of several updates too (the checkpoint carries its rollout).
         preemption_signals (`list[str]`, defaults to `["SIGTERM", "SIGUSR1", "SIGINT"]`): the signals that ask for it
             (SLURM sends SIGTERM at preemption and `--signal=USR1@90` before the time limit; Kubernetes SIGTERM before
             its grace period; SIGINT is Ctrl-C).

@@ -999,9 +999,9 @@ class RolloutTrainer(DiffusionTrainer):
 
     def _resume_state(self) -> dict[str, Any]:
         # The round counter (it seeds the sampling noise), the micro-step counter, the generator of timestep choice and
-        # shuffling, and DDPO's per-prompt statistics. At a round boundary, resuming reproduces the uninterrupted run
-        # exactly; a checkpoint inside a round regenerates that round's rollout. With max_staleness, the rounds in flight
-        # (their rewards awaited first) and, inside a round, the round being trained travel too: resuming is exact.
+        # shuffling, and DDPO's per-prompt statistics; inside a round (several optimizer updates a round), the round
+        # being trained: its rollout and micro-batch plan, which the weights that sampled it can no longer regenerate;
+        # with max_staleness, the rounds in flight (their rewards awaited first). Resuming from any update is exact.
         state = {"generation_round": self._generation_round, "step": self._step}
         state["cpu_generator"] = self._cpu_generator.get_state()
         if self.stat_tracker is not None:
@@ -1012,8 +1012,8 @@ class RolloutTrainer(DiffusionTrainer):
                 record.wait()
                 self._audit(record, self._round_inputs(record.rows)[3])
             state["in_flight"] = [record.state_dict() for record in self._in_flight]
-            if self._rollout is not None and self._step % self.args.round_micro_steps:
-                state["round_state"] = self._round_state()
+        if self._rollout is not None and self._step % self.args.round_micro_steps:
+            state["round_state"] = self._round_state()
         return state
 
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
@@ -1041,7 +1041,7 @@ class RolloutTrainer(DiffusionTrainer):
             self._restore_round_state(state["round_state"])
 
     def _round_state(self) -> dict[str, Any]:
-        """What training the rest of the current round needs (checkpoints inside a round, with max_staleness)."""
+        """What training the rest of the current round needs (a checkpoint inside a round)."""
         return {"rollout": self._rollout, "microbatches": self._microbatches, "staleness": self._round_staleness}
 
     def _restore_round_state(self, state: dict[str, Any]) -> None:
