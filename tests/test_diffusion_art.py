@@ -136,6 +136,9 @@ def test_bad_art_input_fails_at_construction(tmp_path):
     assert art_config(tmp_path, gradient_accumulation_steps=2).optimizer_updates_per_round == 2
     with pytest.raises(ValueError, match="art_step_size must be > 0"):
         art_config(tmp_path, art_step_size=0.0)
+    for breaks in ({"old_policy_decay": "linear"}, {"max_staleness": 1}):  # targets not from θ at the round's start
+        with pytest.raises(ValueError, match="old_policy_decay must be 'none' and max_staleness 0"):
+            art_config(tmp_path, **breaks)
 
 
 def pairwise_brightness(prompts, images, **_):

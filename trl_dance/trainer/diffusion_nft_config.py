@@ -233,6 +233,12 @@ class DiffusionNFTConfig(RolloutConfig):
                 "every window trains an equal part of every group"
             )
         self._check_whole_groups("loss_type='art' aggregates each prompt's guidance over")
+        if self.old_policy_decay != "none" or self.max_staleness:
+            raise ValueError(
+                "loss_type='art' freezes its targets from the predictions of θ at the round's start, which its "
+                f"rollout records: old_policy_decay must be 'none' and max_staleness 0 (a lagging old policy or an "
+                f"older round's rollout gives other targets), got {self.old_policy_decay!r} and {self.max_staleness}"
+            )
         if self.rollout_solver != "ode":
             raise ValueError(
                 f"loss_type='art' regresses on the states the policy's own deterministic steps visit, with the "

@@ -61,8 +61,13 @@ class DMDConfig(RolloutConfig):
             × DMD's loss and the reward tilt; the fake score trains as AC-DMD's at that step). With `"ac_dmd"` and
             `"rtdmd"` the student samples with CPS transitions (`cps_eta`), as RTDMD's does. At the last step (σ_s =
             0) the DMD losses are the same.
-        distribution_matching_weight (`float`, defaults to `1.0`): the weight of DMD's generator loss in the student's
-            loss (RTDMD's stage 2: 1e-3 beside its policy gradient).
+        distribution_matching_weight (`float` or `None`, defaults to `None`): the weight of DMD's generator loss in the
+            student's loss. `None`: 1e-3 with `"rtdmd"` (RTDMD's stage 2, beside its policy gradient: at 1 the
+            teacher's pull drowns the PPO term), 1 otherwise.
+        scale_rewards (`str` or `None`, defaults to `None`): the advantages' statistics (RolloutConfig's). `None`:
+            `"group"` with `"rtdmd"`, whose PPO term trains on them (raw reward differences, `"none"`, are ~1e-3 on
+            a tiny model and let DMD's term dominate: the reward fell 67-109 first-round stds in 24 rounds, #76);
+            `"none"` otherwise, where they only monitor.
         policy_gradient_steps (`int`, defaults to `2`): with `"rtdmd"`, the stochastic steps (of the first N − 1)
             trained by PPO each round, drawn per round from (`seed`, round), the same for every sample and process
             (RTDMD's "SubGRPO": 2 of the 3 of a 4-step student).
@@ -96,7 +101,10 @@ class DMDConfig(RolloutConfig):
     num_generations: int = field(default=1, metadata={"help": "Samples per prompt per round."})
     num_inference_steps: int = field(default=4, metadata={"help": "The student's steps."})
     guidance_scale: float = field(default=1.0, metadata={"help": "The student's guidance (1: CFG-free)."})
-    scale_rewards: str = field(default="none", metadata={"help": "Advantages (monitoring only)."})
+    scale_rewards: str | None = field(
+        default=None,
+        metadata={"help": "Advantage statistics (None: 'group' for rtdmd, else 'none': monitoring only)."},
+    )
 
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "A teacher from another checkpoint (default: the trained model's base)."}
@@ -117,7 +125,9 @@ class DMDConfig(RolloutConfig):
             "choices": LOSS_TYPES,
         },
     )
-    distribution_matching_weight: float = field(default=1.0, metadata={"help": "DMD's generator loss weight."})
+    distribution_matching_weight: float | None = field(
+        default=None, metadata={"help": "DMD's generator loss weight (None: 1e-3 for rtdmd, else 1)."}
+    )
     policy_gradient_steps: int = field(default=2, metadata={"help": "rtdmd: CPS steps trained by PPO per round."})
     epsilon: float = field(default=1e-5, metadata={"help": "rtdmd: PPO clip range."})
     consistency_weight: float = field(default=0.01, metadata={"help": "AC-DMD's consistency term weight."})
@@ -128,6 +138,16 @@ class DMDConfig(RolloutConfig):
     dataset_image_field: str | None = field(
         default=None, metadata={"help": "With the GAN: the real images' column (default image, or video)."}
     )
+
+    def __post_init__(self):
+        # Defaults per loss type, resolved before RolloutConfig checks them (a default right for DMD's monitoring-only
+        # advantages silently fails RTDMD's policy gradient).
+        rtdmd = self.loss_type == "rtdmd"
+        if self.scale_rewards is None:
+            self.scale_rewards = "group" if rtdmd else "none"
+        if self.distribution_matching_weight is None:
+            self.distribution_matching_weight = 1e-3 if rtdmd else 1.0
+        super().__post_init__()
 
     def _check_method(self) -> None:
         if self.num_iterations != 1:
