@@ -195,3 +195,64 @@ def test_trl_dance_waits_for_the_checkpoint_and_says_how_to_resume(tiny_model_di
     assert not os.path.exists(out / "pytorch_lora_weights.safetensors")
     with open(out / checkpoint / "README.md") as handle:
         assert "of 200: unfinished" in handle.read()
+
+
+@pytest.mark.parametrize("where", ["reward", "optimizer step"])
+def test_a_crash_writes_a_checkpoint_where_the_state_is_whole(tiny_model_dir, tmp_path, caplog, where):
+    """A reward that raises in the 3rd round (one update a round) leaves checkpoint-2, the state after update 2, and
+    the error propagates; the resumed run ends bit-identical to an uninterrupted one (this crash came before
+    anything of the round was trained). An error inside the 3rd optimizer step leaves no checkpoint: the state there
+    is not whole."""
+    from conftest import PROMPTS, tiny_grpo_config
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from trl_dance import DanceGRPOTrainer
+    from trl_dance.rewards import brightness
+
+    failing = {"on": False}
+
+    def reward(prompts, images, **kwargs):
+        if failing["on"]:
+            raise ConnectionError("reward server down")
+        return brightness(prompts, images)
+
+    class FailAtUpdate3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            failing["on"] = state.global_step == 2
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            def fail(*_):
+                if failing["on"]:
+                    raise RuntimeError("optimizer blew up")
+
+            optimizer.optimizer.register_step_pre_hook(fail)
+
+    def trainer(output_dir, crash: bool):
+        run = DanceGRPOTrainer(
+            tiny_model_dir("flux"),
+            reward if where == "reward" else "brightness",
+            args=tiny_grpo_config(output_dir, max_steps=4, learning_rate=1e-2),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )
+        if crash:
+            run.add_callback(FailAtUpdate3())
+        return run
+
+    full = trainer(tmp_path / "full", crash=False)
+    full.train()
+    with pytest.raises(Exception, match="reward server down" if where == "reward" else "optimizer blew up"):
+        trainer(tmp_path / "crashed", crash=True).train()
+    checkpoints = sorted(p.name for p in (tmp_path / "crashed").glob("checkpoint-*"))
+    if where == "optimizer step":
+        assert checkpoints == []
+        assert "no checkpoint written: it came inside optimizer update 3, where the state is not whole" in caplog.text
+        return
+    assert checkpoints == ["checkpoint-2"] and (tmp_path / "crashed" / "checkpoint-2" / "trl_dance_checkpoint.json")
+    assert "checkpoint-2 holds the state after update 2: resume with --resume_from_checkpoint true" in caplog.text
+    failing["on"] = False
+    resumed = trainer(tmp_path / "crashed", crash=False)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name

@@ -172,6 +172,8 @@ class DatasetTrainer(DiffusionTrainer):
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
         self._noise_generator.set_state(state["noise_generator"])
 
+    _update_boundary_state, _restore_update_boundary_state = _resume_state, _restore_resume_state
+
     def _get_train_sampler(self, dataset=None):
         dp = self.data_parallel
         if dp.group == 1:

@@ -37,7 +37,7 @@ from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loadin
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from ..tiny_folders import MODULAR_INDEX, is_tiny_folder, load_modular_pipeline, load_tiny_pipeline
-from .checkpoints import named_save_failure, resolve_checkpoint, write_manifest
+from .checkpoints import checkpoint_problem, named_save_failure, resolve_checkpoint, write_manifest
 from .context_parallel import (
     DataParallel,
     check_context_parallel,
@@ -49,7 +49,7 @@ from .gradient_surgery import install_audio_to_video_surgery
 from .media import log_rollout_media, use_diffusers_callbacks
 from .memory_advice import named_out_of_memory
 from .performance import PerformanceLog, mixed_precision_dtype
-from .preemption import PreemptionHandler, any_process
+from .preemption import PreemptionHandler, UpdateBoundary, any_process
 from .speed import apply_speed_options, resolve_torch_compile
 
 logger = logging.getLogger(__name__)
@@ -376,6 +376,9 @@ class DiffusionTrainer(_BaseTrainer):
             agree = functools.partial(any_process, self.accelerator)
             self._preemption = PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s)
             self.add_callback(self._preemption)
+        self._update_boundary = UpdateBoundary(self._update_boundary_state) if args.save_on_crash else None
+        if self._update_boundary is not None:
+            self.add_callback(self._update_boundary)
 
     @property
     def stopped_by(self) -> str | None:
@@ -702,6 +705,42 @@ class DiffusionTrainer(_BaseTrainer):
     def _restore_resume_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`_resume_state`'s ``state``."""
 
+    def _update_boundary_state(self) -> dict[str, Any]:
+        """The counters and generators that move inside an optimizer update, as they are between updates (small: taken
+        at every end of step). A crash checkpoint puts them back (:meth:`_restore_update_boundary_state`)."""
+        return {}
+
+    def _restore_update_boundary_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`_update_boundary_state`'s ``state``."""
+
+    def _save_after_crash(self, error: BaseException) -> None:
+        """``save_on_crash``: write ``checkpoint-N`` at the last complete update N where the state is whole."""
+        boundary, step = self._update_boundary, self.state.global_step
+        boundary.remove()
+        raised = f"training raised {type(error).__name__} at step {step} of {self.state.max_steps}"
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.accelerator.num_processes > 1:
+            why = f"with {self.accelerator.num_processes} processes the others cannot join the save"
+        elif boundary.inside or not boundary.hooked:
+            why = f"it came inside optimizer update {step + 1}, where the state is not whole"
+        elif step == 0:
+            why = "no optimizer update had finished"
+        elif checkpoint_problem(folder) is None:
+            return logger.error("%s; %s holds that update (resume with --resume_from_checkpoint true)", raised, folder)
+        elif os.path.isdir(folder):
+            why = f"it came while {folder} was written"  # (a full disk: the save's own error says so)
+        else:
+            why = None
+        if why is not None:
+            return logger.error("%s; no checkpoint written: %s", raised, why)
+        self._restore_update_boundary_state(boundary.state)
+        try:
+            self._save_checkpoint(self.model, trial=None)
+        except Exception as failure:  # the original error is the one that propagates
+            return logger.error("%s; its checkpoint failed too: %s", raised, failure)
+        logger.error("%s; %s holds the state after update %d: resume with --resume_from_checkpoint true", raised,
+                     folder, step)  # fmt: skip
+
     def _get_train_sampler(self, dataset=None):
         # A new random order every epoch, drawn from seed + epoch so that a resumed run draws it again (see
         # EpochSeededRepeatSampler); GRPO repeats each prompt num_generations times.
@@ -742,9 +781,14 @@ class DiffusionTrainer(_BaseTrainer):
             self._restore_resume_state(state)
         self.performance.reset(time.perf_counter())  # the first log's wall time starts here, not at construction
         self._logged_step = self.state.global_step
-        return super().train(
-            resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        try:
+            return super().train(
+                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        except Exception as error:
+            if self._update_boundary is not None:
+                self._save_after_crash(error)
+            raise
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # The Trainer's loader knows transformers/PEFT files only; ours are diffusers-format.

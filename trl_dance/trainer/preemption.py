@@ -6,6 +6,10 @@ by a launcher).
 Under several processes a signal may reach one rank only, or the ranks at different moments: after each optimizer
 update they agree on whether any rank was signalled (a one-element all-reduce, microseconds beside a diffusion step),
 so every rank stops after the same update and writes its share of the same checkpoint.
+
+A run that raises (a reward's error, an out-of-memory, a non-finite loss) writes a checkpoint too where its state is
+whole: one process, and the error outside an optimizer update (from its optimizer step to its end of step the weights,
+optimizer, scheduler and step counter may disagree). The checkpoint holds the state after the last complete update.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ class PreemptionArguments:
             number), as a second signal would, without a checkpoint. Set it below the scheduler's own grace
             (Kubernetes' `terminationGracePeriodSeconds`, 30 by default) so that a slow update ends in a clean exit
             rather than a SIGKILL; None waits for the update however long it takes.
+        save_on_crash (`bool`, defaults to `True`): when training raises (a reward's error, out of memory, a
+            non-finite loss), write `checkpoint-N` at the last complete optimizer update N before the error propagates,
+            unless one is there: on one process, and where the error came outside an optimizer update (from its
+            optimizer step to its end of step the state is not whole, and nothing is written). The trainer's counters
+            and generators go back to their values at update N; the round's rollout, reward statistics and any
+            auxiliary model (DMD's fake score) are as the error left them, so resuming continues from a valid state
+            but is not promised bit-identical (a preemption or a scheduled save is). With several processes nothing
+            is written: the other ranks cannot join the save (the launcher stops them).
     """
 
     save_on_preemption: bool = field(
@@ -57,6 +69,10 @@ class PreemptionArguments:
     preemption_grace_s: float | None = field(
         default=None,
         metadata={"help": "Seconds after a preemption signal by which training must have stopped (None: no limit)."},
+    )
+    save_on_crash: bool = field(
+        default=True,
+        metadata={"help": "When training raises: a checkpoint at the last complete optimizer update (one process)."},
     )
 
     def _check_preemption(self) -> None:
@@ -150,4 +166,35 @@ def any_process(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(value, "sum").item() > 0)
 
 
-__all__ = ["PreemptionArguments", "PreemptionHandler", "any_process"]
+class UpdateBoundary(TrainerCallback):
+    """Whether the trained state is whole (``inside`` False: between an update's end of step and the next optimizer
+    step) and ``state``, the trainer's ``snapshot()`` taken at the last end of step (its counters and generators)."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+        self.inside, self.hooked, self.state = False, False, {}
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.inside, self.state = False, self.snapshot()
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+        self.hooked = isinstance(inner, torch.optim.Optimizer)
+        if self.hooked:
+            self._hook = inner.register_step_pre_hook(self._entering)
+
+    def _entering(self, optimizer, args, kwargs) -> None:
+        self.inside = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.inside, self.state = False, self.snapshot()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.remove()
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+__all__ = ["PreemptionArguments", "PreemptionHandler", "UpdateBoundary", "any_process"]

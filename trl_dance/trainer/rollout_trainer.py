@@ -1040,6 +1040,14 @@ class RolloutTrainer(DiffusionTrainer):
         if "round_state" in state:
             self._restore_round_state(state["round_state"])
 
+    def _update_boundary_state(self) -> dict[str, Any]:
+        generator = self._cpu_generator.get_state()
+        return {"generation_round": self._generation_round, "step": self._step, "cpu_generator": generator}
+
+    def _restore_update_boundary_state(self, state: dict[str, Any]) -> None:
+        self._generation_round, self._step = state["generation_round"], state["step"]
+        self._cpu_generator.set_state(state["cpu_generator"])
+
     def _round_state(self) -> dict[str, Any]:
         """What training the rest of the current round needs (a checkpoint inside a round)."""
         return {"rollout": self._rollout, "microbatches": self._microbatches, "staleness": self._round_staleness}
