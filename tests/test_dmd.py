@@ -472,7 +472,7 @@ def _rtdmd(tiny_model_dir, tmp_path, **overrides) -> DMDTrainer:
 def test_rtdmd_trains_each_sample_on_the_rounds_ppo_steps_and_its_last_step_on_policy(tiny_model_dir, tmp_path):
     """RTDMD's stage 2: each sample is an item at its deterministic last step (DMD) and at each of the round's PPO
     steps, which are the same for every sample and drawn from (seed, round), in micro-batches of one kind; the PPO
-    items' recomputed CPS log-probabilities equal the rollout's (ratio 1 on-policy), and a PPO micro-batch's gradient
+    items' recomputed CPS log-probabilities (RTDMD's pseudo log-probability) equal the rollout's (ratio 1 on-policy), and a PPO micro-batch's gradient
     is exactly 0 at zero advantages (whatever the DMD weight), not with the round's."""
     trainer = _rtdmd(tiny_model_dir, tmp_path, policy_gradient_steps=1)
     rows = [{"prompt": p} for p in PROMPTS[:4] for _ in range(4)]
@@ -497,6 +497,9 @@ def test_rtdmd_trains_each_sample_on_the_rounds_ppo_steps_and_its_last_step_on_p
             v = trainer.policy.predict(trainer.model, inputs["state"], inputs["cond"], at=inputs["step"])
             step = trainer.policy.step(v, inputs["state"], inputs["step"], prev_sample=inputs["next_state"])
         assert (step.log_prob - inputs["old_log_prob"]).abs().max() < 1e-5
+        # RTDMD's pseudo log-probability −mean((x′ − μ)²), not the Gaussian's (no 1/(2·std²), no normaliser)
+        pseudo = -((inputs["next_state"].float() - step.mean) ** 2).flatten(1).mean(1)
+        torch.testing.assert_close(step.log_prob, pseudo, rtol=0, atol=0)
 
     inputs = ppo[0]
 
@@ -543,6 +546,27 @@ def test_defaults_follow_the_loss_type(tmp_path):
     assert (dmd.scale_rewards, dmd.distribution_matching_weight) == ("none", 1.0)
     chosen = dmd_config(tmp_path, loss_type="rtdmd", scale_rewards="batch", distribution_matching_weight=0.5, **values)
     assert (chosen.scale_rewards, chosen.distribution_matching_weight) == ("batch", 0.5)
+
+
+def test_the_fake_score_learns_on_its_own_sigma_range(tiny_model_dir, tmp_path):
+    """fake_score_sigma_min/max (DMD2's full range, or any): the fake score's forwards see σ only there; unset, the
+    DMD range."""
+    default = dmd_config(tmp_path)
+    assert (default.fake_score_sigma_min, default.fake_score_sigma_max) == (0.02, 0.98)
+    with pytest.raises(ValueError, match="need 0 <= fake_score_sigma_min < fake_score_sigma_max <= 1"):
+        dmd_config(tmp_path, fake_score_sigma_min=0.5, fake_score_sigma_max=0.5)
+    trainer = _trainer(tiny_model_dir, tmp_path, fake_score_sigma_min=0.0, fake_score_sigma_max=0.1)
+    trainer._generate_and_score([{"prompt": p} for p in PROMPTS[:8] for _ in range(2)])
+    seen, predict = [], trainer.policy.predict
+
+    def recording(model, latents, cond, at):
+        seen.append(at.detach().clone())
+        return predict(model, latents, cond, at=at)
+
+    trainer.policy.predict = recording
+    trainer._update_fake_score()
+    seen = torch.cat(seen)
+    assert len(seen) == 16 and seen.min() >= 0 and seen.max() <= 0.1
 
 
 def test_bad_rtdmd_input_fails_at_construction(tmp_path):

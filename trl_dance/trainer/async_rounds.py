@@ -38,8 +38,9 @@ class AsyncRoundsArguments:
             w = exp(log π_prox − log μ) of π_prox over the sampling weights μ (truncated, detached). `False`: the
             ratio against μ ("bypass"), which a tight `epsilon` clips to zero gradient.
         importance_sampling_mode (`str`, defaults to `"truncate"`): `"truncate"`: w capped to
-            [`importance_sampling_clip_min`, `importance_sampling_clip_max`]; `"mask"`: transitions with w outside
-            dropped.
+            [`importance_sampling_clip_min`, `importance_sampling_clip_max`] (ours: every transition keeps a bounded
+            gradient); `"mask"`: transitions with w outside dropped (AReaL's decoupled PPO, arXiv 2505.24298, masks
+            above its cap, 5 in its newer default: `"mask"` with `importance_sampling_clip_max` 5).
         importance_sampling_clip_max (`float`, defaults to `2.0`), importance_sampling_clip_min (`float` or `None`,
             defaults to `None`): the bounds of w (`None`: 0).
         rollout_server_urls (`list[str]` or `None`, defaults to `None`): `trl-dance serve-rollouts` workers that sample

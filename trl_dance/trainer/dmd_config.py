@@ -44,7 +44,12 @@ class DMDConfig(RolloutConfig):
         fake_score_learning_rate (`float`, defaults to `2e-5`): the fake score's AdamW learning rate (its betas,
             epsilon, weight decay and gradient clip are the student's).
         dmd_sigma_min, dmd_sigma_max (`float`, defaults to `0.02`, `0.98`): the noise levels σ ~ U[min, max] at which
-            the teacher and the fake score judge the student's samples (both losses).
+            the teacher and the fake score judge the student's samples (the student's loss), and, unless the next two
+            are set, at which the fake score learns them.
+        fake_score_sigma_min, fake_score_sigma_max (`float` or `None`, defaults to `None`): the noise levels of the
+            fake score's own loss (flow matching on the student's samples; AC-DMD's re-noising above σ_s). `None`: the
+            DMD range above, as the flow ports (verl-omni, Flow-Factory) draw it; DMD2's own recipes train the fake
+            score on the full range (its t ~ U[0, 1000)): `0.0` and `1.0`.
         reward_tilt (`float`, defaults to `0.0`): RTDMD's reward term: the student's loss subtracts `reward_tilt` ×
             the weighted sum of the rewards of its decoded clean sample, differentiated through the VAE decoder (the
             rewards must have a differentiable `score`, as `DirectRewardTrainer`'s). 0: plain DMD.
@@ -114,6 +119,12 @@ class DMDConfig(RolloutConfig):
     fake_score_learning_rate: float = field(default=2e-5, metadata={"help": "The fake score's learning rate."})
     dmd_sigma_min: float = field(default=0.02, metadata={"help": "Lowest σ of the DMD and fake-score losses."})
     dmd_sigma_max: float = field(default=0.98, metadata={"help": "Highest σ of the DMD and fake-score losses."})
+    fake_score_sigma_min: float | None = field(
+        default=None, metadata={"help": "Lowest σ of the fake score's loss (None: dmd_sigma_min; DMD2's: 0)."}
+    )
+    fake_score_sigma_max: float | None = field(
+        default=None, metadata={"help": "Highest σ of the fake score's loss (None: dmd_sigma_max; DMD2's: 1)."}
+    )
     reward_tilt: float = field(default=0.0, metadata={"help": "RTDMD: weight of the differentiable reward term."})
     reward_tilt_margin: float | None = field(
         default=None, metadata={"help": "RTDMD's hinge relu(margin - reward) for the reward term (None: linear)."}
@@ -147,6 +158,10 @@ class DMDConfig(RolloutConfig):
             self.scale_rewards = "group" if rtdmd else "none"
         if self.distribution_matching_weight is None:
             self.distribution_matching_weight = 1e-3 if rtdmd else 1.0
+        if self.fake_score_sigma_min is None:
+            self.fake_score_sigma_min = self.dmd_sigma_min
+        if self.fake_score_sigma_max is None:
+            self.fake_score_sigma_max = self.dmd_sigma_max
         super().__post_init__()
 
     def _check_method(self) -> None:
@@ -162,6 +177,11 @@ class DMDConfig(RolloutConfig):
         if not 0 < self.dmd_sigma_min < self.dmd_sigma_max <= 1:
             raise ValueError(
                 f"need 0 < dmd_sigma_min < dmd_sigma_max <= 1, got {self.dmd_sigma_min}, {self.dmd_sigma_max}"
+            )
+        if not 0 <= self.fake_score_sigma_min < self.fake_score_sigma_max <= 1:
+            raise ValueError(
+                f"need 0 <= fake_score_sigma_min < fake_score_sigma_max <= 1, got {self.fake_score_sigma_min}, "
+                f"{self.fake_score_sigma_max}"
             )
         for name in ("fake_score_learning_rate", "teacher_guidance_scale"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):

@@ -127,11 +127,12 @@ class DMDTrainer(RolloutTrainer):
                 f"{type(self.policy.pipeline).__name__}: it runs no CFG (a step-distilled checkpoint) and has no "
                 "guidance embedding; set teacher_guidance_scale to 1"
             )
-        if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < args.dmd_sigma_max:
-            raise ValueError(
-                f"AC-DMD re-noises each step's next level σ_s up to σ_t in (σ_s, dmd_sigma_max]: dmd_sigma_max "
-                f"({args.dmd_sigma_max}) must exceed the grid's second level ({self.process.sigma_values[1]:.4f})"
-            )
+        for name in ("dmd_sigma_max", "fake_score_sigma_max"):
+            if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < getattr(args, name):
+                raise ValueError(
+                    f"AC-DMD re-noises each step's next level σ_s up to σ_t in (σ_s, {name}]: {name} "
+                    f"({getattr(args, name)}) must exceed the grid's second level ({self.process.sigma_values[1]:.4f})"
+                )
         self.gan_head = self.gan_tap = None
         if args.gan_generator_weight > 0:
             self._real_field = self._check_real_images(args)
@@ -276,23 +277,28 @@ class DMDTrainer(RolloutTrainer):
             compute_log_prob=False,
         ).prev_sample  # fmt: skip
 
-    def _above(self, sigma: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    def _sigma_range(self, fake: bool) -> tuple[float, float]:
+        """[σ_min, σ_max] of the student's loss, or (``fake``) of the fake score's."""
+        args = self.args
+        if fake:
+            return args.fake_score_sigma_min, args.fake_score_sigma_max
+        return args.dmd_sigma_min, args.dmd_sigma_max
+
+    def _above(self, sigma: torch.Tensor, floor: torch.Tensor, fake: bool = False) -> torch.Tensor:
         """σ (B,) drawn in [σ_min, σ_max] mapped affinely onto [max(σ_min, floor), σ_max]: AC-DMD's σ_t above σ_s
         (the identity where σ_s <= σ_min)."""
-        args = self.args
-        low, high = floor.clamp_min(args.dmd_sigma_min), args.dmd_sigma_max
-        return low + (sigma - args.dmd_sigma_min) / (high - args.dmd_sigma_min) * (high - low)
+        least, high = self._sigma_range(fake)
+        low = floor.clamp_min(least)
+        return low + (sigma - least) / (high - least) * (high - low)
 
-    def _draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per sample: a step index (of the recorded ones; ``"rtdmd"``: the last), a noise level in [σ_min, σ_max] and a
-        noise seed (host)."""
-        args, generator = self.args, self._cpu_generator
+    def _draw(self, count: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Per sample: a step index (of the recorded ones; ``"rtdmd"``: the last), a noise level in [σ_min, σ_max] (of
+        the student's loss, or ``fake``: of the fake score's) and a noise seed (host)."""
+        generator, (low, high) = self._cpu_generator, self._sigma_range(fake)
         steps = torch.randint(self.policy.num_steps, (count,), generator=generator)
-        if args.loss_type == "rtdmd":
+        if self.args.loss_type == "rtdmd":
             steps = torch.full_like(steps, self.policy.num_steps - 1)
-        sigmas = args.dmd_sigma_min + (args.dmd_sigma_max - args.dmd_sigma_min) * torch.rand(
-            count, generator=generator
-        )
+        sigmas = low + (high - low) * torch.rand(count, generator=generator)
         return steps, sigmas, torch.randint(2**62, (count,), generator=generator).tolist()
 
     def _consume_round(self, record, rows: list[dict[str, Any]]) -> None:
@@ -360,10 +366,10 @@ class DMDTrainer(RolloutTrainer):
         rollout, device, args = self._rollout, self.accelerator.device, self.args
         clean_table = rollout["visited_clean"]
         count, size = clean_table.shape[0], args.per_device_train_batch_size
-        steps, sigmas, seeds = self._draw(count)
+        steps, sigmas, seeds = self._draw(count, fake=True)
         gan, ac = self.gan_head is not None, args.loss_type != "dmd"  # (rtdmd: AC-DMD's at the last step)
         if gan:
-            _, real_sigmas, real_seeds = self._draw(count)
+            _, real_sigmas, real_seeds = self._draw(count, fake=True)
         losses = []
         for start in range(0, count, size):
             part = slice(start, min(start + size, count))
@@ -380,7 +386,7 @@ class DMDTrainer(RolloutTrainer):
                 x_s = self._cps(
                     (state.float() - x0) / per_sample(level, x0), state, level, sigma_s, _noise(seeds[part], x0, 1)
                 )
-                sigma = self._above(sigma, sigma_s)
+                sigma = self._above(sigma, sigma_s, fake=True)
                 noisy, target, sigma_ts = renoise_interval(x_s, noise, sigma_s, sigma)
             else:
                 noisy = self.process.add_noise(x0, noise, sigma)
@@ -497,8 +503,8 @@ class DMDTrainer(RolloutTrainer):
         return (loss, velocity) if return_outputs else loss
 
     def _policy_gradient_loss(self, velocity: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
-        """RTDMD's PPO term (B,): the clipped surrogate of the CPS step's exact Gaussian log-probability ratio to the
-        rollout's, with the sample's group advantage."""
+        """RTDMD's PPO term (B,): the clipped surrogate of the CPS step's log-probability ratio to the rollout's, with
+        the sample's group advantage; the log-probability is RTDMD's (and CPS's) pseudo one, −mean((x′ − μ)²)."""
         args = self.args
         step = self.policy.step(velocity, inputs["state"], inputs["step"], prev_sample=inputs["next_state"])
         log_ratio = step.log_prob - inputs["old_log_prob"]
@@ -580,6 +586,11 @@ class DMDTrainer(RolloutTrainer):
             "DMD": (f"teacher {self._teacher_name()}, " if self._teacher_source is not None else "")
             + f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "
             f"student update (lr {args.fake_score_learning_rate}), σ ~ U[{args.dmd_sigma_min}, {args.dmd_sigma_max}]"
+            + (
+                f" (fake score U[{args.fake_score_sigma_min}, {args.fake_score_sigma_max}])"
+                if (args.fake_score_sigma_min, args.fake_score_sigma_max) != (args.dmd_sigma_min, args.dmd_sigma_max)
+                else ""
+            )
             + (f", reward tilt {args.reward_tilt}" if args.reward_tilt else "")
             + (
                 f" (hinge at {args.reward_tilt_margin})"
