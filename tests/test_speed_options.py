@@ -201,7 +201,7 @@ def test_spinning_openmp_threads_are_named_once_with_the_fix(monkeypatch, caplog
     import trl_dance
     from trl_dance.trainer import diffusion_trainer
 
-    monkeypatch.setattr(trl_dance, "OMP_SPINS", True)
+    monkeypatch.setattr(trl_dance._threads, "OMP_SPINS", True)
     monkeypatch.delattr(diffusion_trainer.warn_if_threads_spin, "said", raising=False)
     with caplog.at_level("WARNING", logger="trl_dance.trainer.diffusion_trainer"):
         diffusion_trainer.warn_if_threads_spin()

@@ -8,14 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-# OpenMP's default wait keeps torch's idle threads spinning after each parallel region, against the other threads of
-# this program (reward scoring, data loading) and every other process on the cores: the README's example ran 36x
-# slower on a loaded 2-core machine. libgomp reads the policy once, when torch loads it: set here if torch is not
-# loaded yet (the user's own setting wins); otherwise a CPU trainer says how to set it (trainer.diffusion_trainer.warn_if_threads_spin).
-OMP_SPINS = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
-"""Whether torch loaded OpenMP before this import without ``OMP_WAIT_POLICY`` (its threads then spin)."""
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# First: OpenMP's wait policy, before anything loads torch (see _threads.py).
+from ._threads import OMP_SPINS  # noqa: F401
 from ._torchvision import install_import_hook  # noqa: E402
 
 install_import_hook()  # an installed torchvision is fixed up when first imported (by transformers, say), not here

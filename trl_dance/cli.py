@@ -36,6 +36,7 @@ import sys
 # does where torch is not loaded yet; a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from .launch_env import CLI_ARGV_ENV, CLI_ENV, DEBUG_ENV, user_error  # noqa: E402
 from .methods import METHODS  # noqa: E402
 
 OTHER_COMMANDS = {
@@ -331,17 +332,6 @@ def _usage() -> str:
     width = max(map(len, commands)) + 2
     lines = [f"  {name:<{width}}{help_text}" for name, help_text in commands.items()]
     return "usage: trl-dance {" + ",".join(commands) + "} ...\n\ncommands:\n" + "\n".join(lines)
-
-
-DEBUG_ENV = "TRL_DANCE_DEBUG"
-CLI_ENV = "TRL_DANCE_CLI_COMMAND"
-CLI_ARGV_ENV = "TRL_DANCE_CLI_ARGV"
-
-
-def user_error(command: str, error: Exception) -> str:
-    """How ``trl-dance COMMAND`` reports a user error (by itself or in the script it launched): one line, and how to
-    see the traceback."""
-    return f"trl-dance {command}: error: {error}\n({DEBUG_ENV}=1 shows the traceback)"
 
 
 def main(argv: list[str] | None = None) -> int:

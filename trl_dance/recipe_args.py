@@ -88,7 +88,7 @@ def stopped_early(trainer) -> bool:
     if trainer.accelerator.is_main_process:
         import shlex
 
-        from .cli import CLI_ARGV_ENV
+        from .launch_env import CLI_ARGV_ENV
 
         args, step = trainer.args, trainer.state.global_step
         # The command as typed (trl-dance's, launcher options included), else this script's.

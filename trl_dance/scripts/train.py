@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, script: str | None = None):
 
 
 if __name__ == "__main__":
-    from trl_dance.cli import CLI_ENV, DEBUG_ENV, user_error
+    from trl_dance.launch_env import CLI_ENV, DEBUG_ENV, user_error
 
     try:
         main()

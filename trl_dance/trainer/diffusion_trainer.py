@@ -247,9 +247,9 @@ class EpochSeededRepeatSampler(RepeatSampler):
 def warn_if_threads_spin() -> None:
     """Say, once, how to stop torch's OpenMP threads spinning when torch was loaded before ``trl_dance`` without
     ``OMP_WAIT_POLICY`` (see ``trl_dance/__init__.py``): on a CPU they slow training many-fold on shared cores."""
-    import trl_dance
+    from .. import _threads
 
-    if trl_dance.OMP_SPINS and not getattr(warn_if_threads_spin, "said", False):
+    if _threads.OMP_SPINS and not getattr(warn_if_threads_spin, "said", False):
         warn_if_threads_spin.said = True
         logger.warning(
             "torch was imported before trl_dance without OMP_WAIT_POLICY: its OpenMP threads spin between operations "
