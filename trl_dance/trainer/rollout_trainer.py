@@ -7,11 +7,9 @@ how it splits it into micro-batches (:meth:`RolloutTrainer._plan_round`), and th
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,19 +29,18 @@ from ..data import text_prompts
 from ..policies import DiffusionPolicy, SamplerSettings, make_policy
 from ..rewards import RewardFunc, resolve_reward_funcs, reward_name, score_images, weighted_reward_sum
 from ..rewards.base import RewardError, reward_modality
-from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, sampling_identity, trainable_tensors
-from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators, step_noise
+from ..rollout_service import trainable_tensors
+from ..sampling import RolloutPlan, generate, group_generators, mix_seed, sample_generators
 from .async_rounds import RoundRecord, RoundRows, rounds_in_run
 from .context_parallel import STREAMING_WITH_CONTEXT_PARALLEL, GroupReplicatedSampler
 from .diffusion_trainer import DiffusionTrainer, EpochSeededRepeatSampler, load_pipeline
 from .evaluation import evaluation_policy, sampling_record
 from .media import log_rollout_media
 from .memory_advice import named_out_of_memory
-from .old_policy import _Proxy
 from .progress import use_round_progress
 from .reward_metrics import RewardMetricLog
 from .rollout_config import RolloutConfig
-from .rollout_workers import RolloutWorkerError, RolloutWorkers, audit_positions
+from .rollout_workers import RemoteRollouts
 from .training_signal import TrainingSignal
 
 
@@ -214,15 +211,11 @@ class RolloutTrainer(DiffusionTrainer):
         self._in_flight: collections.deque[RoundRecord] = collections.deque()  # launched, not yet consumed
         self._next_launch = 0
         self._round_staleness = 0  # of the round being trained: rounds its sampling weights lag the trained ones
-        self._workers: RolloutWorkers | None = None
-        self._versions: dict[int, dict[str, torch.Tensor]] = {}  # published rollout weights, for the audits
-        if args.rollout_server_urls:
-            token = args.rollout_server_token or os.environ.get(ROLLOUT_TOKEN_ENV) or None
-            self._workers = RolloutWorkers(
-                args.rollout_server_urls, token, args.rollout_request_timeout, args.rollout_server_timeout
+        self._workers: RemoteRollouts | None = None
+        if args.rollout_server_urls:  # probed now, as remote rewards are
+            self._workers = RemoteRollouts(
+                self.policy, args, self.accelerator.device, self.compute_loss_context_manager
             )
-            # Probed now, as remote rewards are: a dead or mismatched worker is named before the first round.
-            self._workers.handshake(self._worker_handshake())
             if self.accelerator.is_main_process:
                 print(f"rollouts sampled by the workers {', '.join(self._workers.urls)}", flush=True)
         self._round_rows = None
@@ -617,7 +610,7 @@ class RolloutTrainer(DiffusionTrainer):
         chunk = args.rollout_batch_size or batch
         record = RoundRecord(round_index, self._generation_round, rows, plan, cond_table, {}, [], 0)
         if self._workers is not None:
-            self._publish_version(record.version)
+            self._workers.publish(record.version, self._rollout_weights())
         parts, differentiable = [], []
         # One move each way of an offloaded frozen expert per round, not per chunk.
         with self.policy.sampling():
@@ -637,12 +630,8 @@ class RolloutTrainer(DiffusionTrainer):
                         "groups": None if groups is None else groups[part], "keep_means": self._keep_means(),
                         "decode_audio": self._decode_audio,
                     }  # fmt: skip
-                    tensors = {f"cond.{key}": value for key, value in cond.items()} | {
-                        "initial_noise": initial_noise,
-                        "generator_states": torch.stack([g.get_state() for g in generators[part]]),
-                    }
-                    then = functools.partial(self._worker_chunk, scorer, record, tensors["generator_states"])
-                    record.chunks.append(self._workers.submit(tensors, request, then))
+                    score = functools.partial(self._score_in_reward_worker, scorer, record)
+                    record.chunks.append(self._workers.submit(request, cond, initial_noise, generators[part], score))
                     continue
                 parts.append(
                     self.sample(
@@ -699,82 +688,13 @@ class RolloutTrainer(DiffusionTrainer):
         except RewardError as error:
             raise error.at(f"round {round_index}, samples from {first_index}: ") from error.error
 
-    def _worker_chunk(
-        self, scorer, record: RoundRecord, generator_states: torch.Tensor, rollout: dict, answer: dict
-    ) -> tuple[dict, dict, torch.Tensor]:
-        """A worker's verified chunk (client thread): its tensors on the device, scored by the reward worker; the
-        answer keeps the chunk's generator states for the audit."""
-        rollout = {key: value.to(self.accelerator.device) for key, value in rollout.items()}
-        scores = self._reward_executor.submit(_timed, functools.partial(scorer, rollout), record.reward_seconds)
-        return rollout, answer | {"generator_states": generator_states}, scores.result()
+    def _score_in_reward_worker(self, scorer, record: RoundRecord, rollout: dict) -> torch.Tensor:
+        """A worker's verified chunk scored by the reward worker (from a client thread), timed into the round's."""
+        return self._reward_executor.submit(_timed, functools.partial(scorer, rollout), record.reward_seconds).result()
 
     def _rollout_weights(self) -> dict[str, torch.Tensor]:
         """The trained tensors rollouts sample with (the LoRA), by the denoiser's parameter names."""
         return trainable_tensors(self.policy.denoiser)
-
-    def _publish_version(self, version: int) -> None:
-        """Send the rollout weights as ``version`` to the workers (once) and keep a copy for the audits of the rounds
-        it samples."""
-        if version in self._workers.published:
-            return
-        tensors = {name: value.detach().clone() for name, value in self._rollout_weights().items()}
-        self._workers.publish(version, tensors)
-        self._versions[version] = tensors
-        for old in [v for v in self._versions if v < version - self.args.max_staleness - 1]:
-            del self._versions[old]
-
-    def _worker_handshake(self) -> dict[str, Any]:
-        return {
-            "settings": dataclasses.asdict(self.policy.settings),
-            "condition_columns": list(self.policy.condition_columns),  # (optional ones change the policy's layout)
-            "lora": lora_description(self.policy.denoiser.peft_config["default"]),
-            "mixed_precision": self.args.mixed_precision,
-            **sampling_identity(self.policy),
-        }
-
-    @torch.no_grad()
-    def _audit(self, record: RoundRecord, prompt_index: torch.Tensor) -> None:
-        """Recompute ``rollout_audit_transitions`` stored transitions of each worker chunk of ``record`` under its
-        version's weights: with the step's noise drawn again from the chunk's generator states, the stored next
-        state must be the recomputed step's mean plus its std times that noise; an element off by more than
-        ``rollout_audit_tolerance`` stds stops training."""
-        args, rollout = self.args, record.rollout
-        if record.audited or not record.answers:
-            return
-        record.audited = True
-        log_probs = rollout.get("log_probs")
-        if not args.rollout_audit_transitions or log_probs is None or log_probs.shape[1] == 0:
-            return  # (deterministic rollouts store no transition: the hash check stands alone)
-        tolerance = args.rollout_audit_tolerance
-        if tolerance is None:
-            tolerance = 1e-3 if args.mixed_precision == "no" else 0.1
-        model = _Proxy(self.policy.denoiser, self._versions[record.version])
-        latents, batch, device = rollout["latents"], log_probs.shape[0], self.accelerator.device
-        starts, first_index = record.plan.starts(batch), self.data_parallel.rank * batch
-        for answer in record.answers:
-            start, count = answer["chunk_start"], answer["count"]
-            seed = mix_seed(args.seed, record.round, first_index + start, 0xA0D17)
-            for sample, stored in audit_positions(seed, args.rollout_audit_transitions, count, log_probs.shape[1]):
-                row, i = start + sample, int(starts[start + sample]) + stored
-                generator = torch.Generator()
-                generator.set_state(answer["generator_states"][sample].clone())
-                group = (first_index + row) // args.num_generations
-                noise = step_noise(record.plan, [generator], latents.shape[2:], [group])[i, 0]
-                x, step = latents[row : row + 1, stored], torch.tensor([i], device=device)
-                cond = {key: value[prompt_index[row : row + 1]] for key, value in record.cond.items()}
-                with self.compute_loss_context_manager():
-                    output = self.policy.predict(model, x, cond, at=step)
-                    again = self.policy.step(output, x, step, prev_sample=latents[row : row + 1, stored + 1])
-                implied = (latents[row, stored + 1].float() - again.mean[0].float()) / again.std
-                off = (implied - noise.to(device)).abs().max().item()
-                if not off <= tolerance:
-                    raise RolloutWorkerError(
-                        f"audit of rollout worker {answer['worker']}, round {record.round}, version {record.version} "
-                        f"(live LoRA SHA-256 {answer['sha256']}): sample {first_index + row}, step {i}: its next state "
-                        f"is {off:.3g} stds from the step recomputed under the version with its own noise "
-                        f"(rollout_audit_tolerance {tolerance:g}); the worker does not sample with the weights it "
-                        "hashed (an adapter bound to nothing, another base, schedule or guidance)"
-                    )
 
     def _consume_round(self, record: RoundRecord, rows: list[dict[str, Any]]) -> None:
         """Await round ``record``'s rewards, gather them, turn them into advantages and plan its micro-batches
@@ -794,7 +714,8 @@ class RolloutTrainer(DiffusionTrainer):
         with self.performance.phase("reward"), named_out_of_memory("reward", args):
             rewards = record.wait()
         rollout = record.rollout
-        self._audit(record, prompt_index)
+        if self._workers is not None:
+            self._workers.audit(record, prompt_index, first_index)
         if args.max_staleness:
             self._log_async_metrics(record, time.perf_counter() - waited)
         self._round_staleness = record.staleness
@@ -1008,9 +929,11 @@ class RolloutTrainer(DiffusionTrainer):
             state["stat_tracker"] = self.stat_tracker.state_dict()
         if self.args.max_staleness:
             state["max_staleness"] = self.args.max_staleness
+            first_index = self.data_parallel.rank * self.args.per_device_generation_batch_size
             for record in self._in_flight:  # verified while its version's weights are here
                 record.wait()
-                self._audit(record, self._round_inputs(record.rows)[3])
+                if self._workers is not None:
+                    self._workers.audit(record, self._round_inputs(record.rows)[3], first_index)
             state["in_flight"] = [record.state_dict() for record in self._in_flight]
         if self._rollout is not None and self._step % self.args.round_micro_steps:
             state["round_state"] = self._round_state()

@@ -11,6 +11,9 @@ is an error naming them.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +22,9 @@ from typing import Any
 import torch
 
 from ..rewards.remote import RemoteRewardError, post_with_retries
-from ..rollout_service import pack, tensor_digest, unpack
+from ..rollout_service import ROLLOUT_TOKEN_ENV, lora_description, pack, sampling_identity, tensor_digest, unpack
+from ..sampling import mix_seed, step_noise
+from .old_policy import _Proxy
 
 
 class RolloutWorkerError(RuntimeError):
@@ -182,4 +187,116 @@ def audit_positions(seed: int, count: int, batch: int, stored: int) -> list[tupl
     return [(int(p) // stored, int(p) % stored) for p in picks]
 
 
-__all__ = ["RolloutWorkerError", "RolloutWorkers", "audit_positions"]
+class RemoteRollouts:
+    """A run's rollouts sampled by its workers, one training process's side: the handshake (at construction, so that
+    a dead or mismatched worker is named before the first round), each version of the rollout weights published once
+    and kept while a round it sampled may still be consumed, the chunks dispatched, and each answered round audited.
+
+    Args:
+        policy: the trained policy (its settings, LoRA and sampling identity are what the workers must match).
+        args: the run's config (``rollout_server_*``, ``rollout_audit_*``, ``seed``, ``num_generations``,
+            ``max_staleness``, ``mixed_precision``).
+        device: where the answered tensors go.
+        autocast: the trainer's compute context (its mixed precision), around the audit's forwards.
+    """
+
+    def __init__(self, policy, args, device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager]):
+        self.policy, self.args, self.device, self.autocast = policy, args, device, autocast
+        token = args.rollout_server_token or os.environ.get(ROLLOUT_TOKEN_ENV) or None
+        self.workers = RolloutWorkers(
+            args.rollout_server_urls, token, args.rollout_request_timeout, args.rollout_server_timeout
+        )
+        self.workers.handshake(
+            {
+                "settings": dataclasses.asdict(policy.settings),
+                "condition_columns": list(policy.condition_columns),  # (optional ones change the policy's layout)
+                "lora": lora_description(policy.denoiser.peft_config["default"]),
+                "mixed_precision": args.mixed_precision,
+                **sampling_identity(policy),
+            }
+        )
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # published rollout weights, for the audits
+
+    @property
+    def urls(self) -> list[str]:
+        return self.workers.urls
+
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Send ``weights`` (the trained tensors rollouts sample with, by parameter name) as ``version`` to the
+        workers, once, and keep a copy for the audits of the rounds it samples."""
+        if version in self.workers.published:
+            return
+        tensors = {name: value.detach().clone() for name, value in weights.items()}
+        self.workers.publish(version, tensors)
+        self.versions[version] = tensors
+        for old in [v for v in self.versions if v < version - self.args.max_staleness - 1]:
+            del self.versions[old]
+
+    def submit(
+        self,
+        request: dict[str, Any],
+        cond: dict[str, torch.Tensor],
+        initial_noise: torch.Tensor,
+        generators: list[torch.Generator],
+        score: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    ) -> Future:
+        """Dispatch one chunk (``request``: its version, round, indices and plan); the future gives the verified
+        chunk's tensors on the device, its answer (with the chunk's generator states, for the audit) and
+        ``score(tensors)``, all in a client thread."""
+        states = torch.stack([g.get_state() for g in generators])
+        tensors = {f"cond.{key}": value for key, value in cond.items()}
+        tensors |= {"initial_noise": initial_noise, "generator_states": states}
+
+        def verified(rollout: dict, answer: dict) -> tuple[dict, dict, torch.Tensor]:
+            rollout = {key: value.to(self.device) for key, value in rollout.items()}
+            return rollout, answer | {"generator_states": states}, score(rollout)
+
+        return self.workers.submit(tensors, request, verified)
+
+    @torch.no_grad()
+    def audit(self, record, prompt_index: torch.Tensor, first_index: int) -> None:
+        """Recompute ``rollout_audit_transitions`` stored transitions of each worker chunk of ``record`` (a
+        :class:`~trl_dance.trainer.async_rounds.RoundRecord`; ``prompt_index`` (B,) its rows' prompts, its first
+        sample at global index ``first_index``) under its version's weights: with the step's noise drawn again from
+        the chunk's generator states, the stored next state must be the recomputed step's mean plus its std times
+        that noise; an element off by more than ``rollout_audit_tolerance`` stds stops training."""
+        args, rollout, policy = self.args, record.rollout, self.policy
+        if record.audited or not record.answers:
+            return
+        record.audited = True
+        log_probs = rollout.get("log_probs")
+        if not args.rollout_audit_transitions or log_probs is None or log_probs.shape[1] == 0:
+            return  # (deterministic rollouts store no transition: the hash check stands alone)
+        tolerance = args.rollout_audit_tolerance
+        if tolerance is None:
+            tolerance = 1e-3 if args.mixed_precision == "no" else 0.1
+        model = _Proxy(policy.denoiser, self.versions[record.version])
+        latents, batch = rollout["latents"], log_probs.shape[0]
+        starts = record.plan.starts(batch)
+        for answer in record.answers:
+            start, count = answer["chunk_start"], answer["count"]
+            seed = mix_seed(args.seed, record.round, first_index + start, 0xA0D17)
+            for sample, stored in audit_positions(seed, args.rollout_audit_transitions, count, log_probs.shape[1]):
+                row, i = start + sample, int(starts[start + sample]) + stored
+                generator = torch.Generator()
+                generator.set_state(answer["generator_states"][sample].clone())
+                group = (first_index + row) // args.num_generations
+                noise = step_noise(record.plan, [generator], latents.shape[2:], [group])[i, 0]
+                x, step = latents[row : row + 1, stored], torch.tensor([i], device=self.device)
+                cond = {key: value[prompt_index[row : row + 1]] for key, value in record.cond.items()}
+                with self.autocast():
+                    output = policy.predict(model, x, cond, at=step)
+                    again = policy.step(output, x, step, prev_sample=latents[row : row + 1, stored + 1])
+                implied = (latents[row, stored + 1].float() - again.mean[0].float()) / again.std
+                off = (implied - noise.to(self.device)).abs().max().item()
+                if not off <= tolerance:
+                    raise RolloutWorkerError(
+                        f"audit of rollout worker {answer['worker']}, round {record.round}, version {record.version} "
+                        f"(live LoRA SHA-256 {answer['sha256']}): sample {first_index + row}, step {i}: its next state "
+                        f"is {off:.3g} stds from the step recomputed under the version with its own noise "
+                        f"(rollout_audit_tolerance {tolerance:g}); the worker does not sample with the weights it "
+                        "hashed (an adapter bound to nothing, another base, schedule or guidance)"
+                    )
+
+
+__all__ = ["RemoteRollouts", "RolloutWorkerError", "RolloutWorkers", "audit_positions"]
