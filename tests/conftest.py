@@ -23,6 +23,19 @@ torch.set_num_threads(int(os.environ.get("TRL_DANCE_TEST_THREADS", "1")))
 LEARNING_SEED = int(os.environ.get("TRL_DANCE_TEST_SEED", "42"))
 
 
+# The fast tier, -m "not slow": the learning tests carry the marker themselves, and the tests a measured whole-suite run
+# found heavy (tests/heavy_tests.txt, written by benchmarks/suite_tiers.py) get it here.
+HEAVY_TESTS = os.path.join(os.path.dirname(__file__), "heavy_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    with open(HEAVY_TESTS) as handle:
+        heavy = {line.strip() for line in handle if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in heavy:
+            item.add_marker(pytest.mark.slow)
+
+
 PROMPTS = ["a cat", "a dog", "a red house", "blue sky", "green tree", "old car", "big ship", "sun set"]
 # Attention plus output projections (FLUX proj_mlp, UNet conv_out); names a family lacks are skipped by peft.
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out", "proj_mlp", "conv_out"]
