@@ -721,7 +721,9 @@ class DiffusionTrainer(_BaseTrainer):
         folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if self.accelerator.num_processes > 1:
             why = f"with {self.accelerator.num_processes} processes the others cannot join the save"
-        elif boundary.inside or not boundary.hooked:
+        elif not boundary.hooked:  # (DeepSpeed's optimizer: no torch step hook tells an update's inside)
+            why = f"{type(self.optimizer).__name__} cannot say whether the error came inside an optimizer update"
+        elif boundary.inside:
             why = f"it came inside optimizer update {step + 1}, where the state is not whole"
         elif step == 0:
             why = "no optimizer update had finished"
