@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(tests/\S+)$")
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(tests/.+?)\s*$")  # (parameter ids may hold spaces)
 
 
 def main() -> None:

@@ -127,8 +127,8 @@ class DMDTrainer(RolloutTrainer):
                 f"{type(self.policy.pipeline).__name__}: it runs no CFG (a step-distilled checkpoint) and has no "
                 "guidance embedding; set teacher_guidance_scale to 1"
             )
-        for name in ("dmd_sigma_max", "fake_score_sigma_max"):
-            if args.loss_type == "ac_dmd" and not self.process.sigma_values[1] < getattr(args, name):
+        for name in ("dmd_sigma_max", "fake_score_sigma_max") if args.loss_type == "ac_dmd" else ():
+            if not self.process.sigma_values[1] < getattr(args, name):
                 raise ValueError(
                     f"AC-DMD re-noises each step's next level σ_s up to σ_t in (σ_s, {name}]: {name} "
                     f"({getattr(args, name)}) must exceed the grid's second level ({self.process.sigma_values[1]:.4f})"
