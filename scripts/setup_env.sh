@@ -46,6 +46,16 @@ if [ "$covered" != 1 ]; then
     # torch's OpenMP threads sleep between operations in every program of this environment (their default spin
     # made the README's Python example 36x slower on a loaded 2-core machine; see docs/faq.md); a user's setting wins.
     echo "import os; os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')" > "$site/trl_dance_threads.pth"
+    case ",$extras," in *,dev,*)
+        # The reward adapters are tested against the packages users score with (tests/reference_packages.py). hpsv2
+        # and image-reward pin 2023 releases of pytest, timm and protobuf that would replace this environment's, so
+        # they and the two small packages their imports need go in without their requirements (the rest is here).
+        "$venv/bin/pip" install -q --no-deps --no-build-isolation hpsv2==1.2.0 image-reward==1.5 fairscale==0.4.13 \
+            clint==0.5.1 2> >(grep -v "^WARNING: Location" >&2)
+        # hpsv2 1.2.0's wheel lacks its tokenizer's BPE table; open_clip_torch (a dev requirement) ships that file.
+        cp "$site/open_clip/bpe_simple_vocab_16e6.txt.gz" "$site/hpsv2/src/open_clip/"
+        ;;
+    esac
     "$venv/bin/python" -c "import transformers, torch, trl, diffusers, trl_dance" # fail loudly if the install did not work
     case ",$extras," in *,deepspeed,*)
         # DeepSpeed compiles its CPU shared-memory collectives on first use (about a minute): once, at install.

@@ -80,6 +80,44 @@ def save_clip_tokenizer(directory: str) -> str:
     return directory
 
 
+# HPS v2's package builds open_clip's text tower with its own tokenizer (CLIP's 49,408-token BPE) and a fixed MLP
+# ratio of 4: the architecture its scoring function can be checked on.
+TINY_HPS = {
+    **TINY_OPEN_CLIP,
+    "text_config": {**TINY_OPEN_CLIP["text_config"], "vocab_size": 49408, "intermediate_size": 96},
+}
+
+
+# ImageReward's package builds its BLIP at 224 px (patches of 32 here: 49 tokens).
+TINY_IMAGE_REWARD = {**TINY_BLIP, "vision_config": {**TINY_BLIP["vision_config"], "image_size": 224, "patch_size": 32}}
+
+
+def save_open_clip_bpe_tokenizer(directory: str, pad_token: str = "!") -> str:
+    """transformers' ``CLIPTokenizer`` files written from open_clip's own BPE table: the vocabulary every CLIP
+    checkpoint uses; pad token ``"!"`` as ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``'s, ``"<|endoftext|>"`` as
+    ``openai/clip-vit-large-patch14``'s."""
+    import gzip
+    import json
+
+    from open_clip.tokenizer import bytes_to_unicode, default_bpe
+
+    with gzip.open(default_bpe()) as handle:
+        merges = handle.read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]  # open_clip's SimpleTokenizer
+    tokens = list(bytes_to_unicode().values())
+    tokens += [token + "</w>" for token in tokens] + ["".join(merge.split()) for merge in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "vocab.json"), "w") as handle:
+        json.dump({token: index for index, token in enumerate(tokens)}, handle)
+    with open(os.path.join(directory, "merges.txt"), "w") as handle:
+        handle.write("#version: 0.2\n" + "\n".join(merges) + "\n")
+    tokenizer = CLIPTokenizer(
+        os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"), pad_token=pad_token
+    )
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def save_bert_tokenizer(directory: str) -> str:
     """A character-level uncased BERT tokenizer with BLIP's extra ``[DEC]`` and ``[ENC]`` tokens."""
     os.makedirs(directory, exist_ok=True)
@@ -230,7 +268,7 @@ def image_reward_state_dict(architecture: dict = TINY_BLIP, seed: int = 0) -> di
         _linear(sd, g, f"{p}.intermediate.dense", th, tw)
         _linear(sd, g, f"{p}.output.dense", tw, th)
         _layer_norm(sd, g, f"{p}.output.LayerNorm", tw)
-    _linear(sd, g, "blip.vision_proj", 8, width)  # BLIP pre-training leftovers the score does not use
+    _linear(sd, g, "blip.vision_proj", 256, width)  # BLIP pre-training leftovers the score does not use
     for index, (fan_out, fan_in) in zip((0, 2, 4, 6, 7), ((1024, tw), (128, 1024), (64, 128), (16, 64), (1, 16))):
         _linear(sd, g, f"mlp.layers.{index}", fan_out, fan_in)
     return sd

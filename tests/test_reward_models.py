@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_packages import hpsv2_package_model, load_image_reward_package
 from reward_checkpoints import (
     TINY_BLIP,
+    TINY_HPS,
+    TINY_IMAGE_REWARD,
     TINY_OPEN_CLIP,
     aesthetic_head_state_dict,
     image_reward_raw,
@@ -15,6 +18,7 @@ from reward_checkpoints import (
     open_clip_text_features,
     save_bert_tokenizer,
     save_clip_tokenizer,
+    save_open_clip_bpe_tokenizer,
     save_tiny_clip,
 )
 from transformers import AutoTokenizer, CLIPModel
@@ -79,8 +83,8 @@ def test_hpsv2_matches_open_clip_forward(checkpoints):
     images = _images()
     scores = torch.tensor(_build("hpsv2", checkpoints)(PROMPTS, images))
 
-    # HPSv2's preprocess_val: longest side to 32, centred on black; open_clip tokenize pads to 77.
-    pixels = reference_pixels(images, 32, "pad")
+    # HPSv2's preprocess_val: longest side to 32 (on the float tensor), centred on black; open_clip pads to 77.
+    pixels = reference_pixels(images, 32, "pad", resample="tensor")
     tokenizer = AutoTokenizer.from_pretrained(checkpoints["clip_tokenizer"])
     ids = tokenizer(PROMPTS, padding="max_length", max_length=77, return_tensors="pt")["input_ids"]
     state, arch = checkpoints["hps_state"], TINY_OPEN_CLIP
@@ -274,7 +278,7 @@ def test_open_clip_parity(checkpoints):
                   "heads": text["num_attention_heads"], "layers": text["num_hidden_layers"], "mlp_ratio": 2},
     )  # fmt: skip
     model.load_state_dict(checkpoints["hps_state"])
-    pixels = reference_pixels(_images(), 32, "pad")
+    pixels = reference_pixels(_images(), 32, "pad", resample="tensor")
     expected = open_clip_image_features(checkpoints["hps_state"], TINY_OPEN_CLIP, pixels)
     torch.testing.assert_close(model.encode_image(pixels), expected, atol=1e-5, rtol=0)
     tokenizer = AutoTokenizer.from_pretrained(checkpoints["clip_tokenizer"])
@@ -283,6 +287,98 @@ def test_open_clip_parity(checkpoints):
         image_features, text_features, _ = model.eval()(pixels, ids)  # open_clip's forward: L2-normalised features
     scores = torch.tensor(_build("hpsv2", checkpoints)(PROMPTS, _images()))
     torch.testing.assert_close(scores, torch.diagonal(image_features @ text_features.T), atol=1e-5, rtol=0)
+
+
+def test_hpsv2_scores_equal_the_hpsv2_package(tmp_path, monkeypatch):
+    """The ``hpsv2`` package's own ``img_score.score`` (installed by the dev set-up, see scripts/setup_env.sh) on a
+    tiny random checkpoint in its format, its own model class, transforms and open_clip tokenizer, PIL images of the
+    same pixels: the adapter's scores equal it to 1e-5. Prompts with "!" pin the tokenizer (transformers would cut
+    laion's pad token out of them) and a non-square image the package's float-tensor resize."""
+    monkeypatch.setenv("HPS_ROOT", str(tmp_path / "hps-root"))
+    from hpsv2 import img_score
+    from PIL import Image
+
+    state = open_clip_state_dict(TINY_HPS, seed=5)
+    checkpoint = tmp_path / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": state}, checkpoint)
+    model, preprocess_val = hpsv2_package_model(TINY_HPS, str(tmp_path))
+    monkeypatch.setattr(img_score, "model_dict", {"model": model, "preprocess_val": preprocess_val})
+    prompts = ["a cat", "blue sky, Sunset!", "an old car, parked", "wow!! <|endoftext|>", "sunset"]
+    images = _images(height=48, width=40)
+    package = [
+        float(img_score.score(Image.fromarray(array), prompt, cp=str(checkpoint))[0])
+        for array, prompt in zip(to_uint8(images), prompts)
+    ]
+    tokenizer = save_open_clip_bpe_tokenizer(str(tmp_path / "tokenizer"))
+    scores = HPSv2Reward(str(checkpoint), tokenizer=tokenizer, architecture=TINY_HPS)(prompts, images)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(package), atol=1e-5, rtol=0)
+    assert torch.tensor(package).std() > 0.01
+
+
+def test_image_reward_scores_equal_the_image_reward_package(tmp_path, monkeypatch):
+    """The image-reward package's own ``ImageReward.load(...).score(prompt, pil_image)`` (its BLIP, transforms and
+    tokenizer class; see reference_packages.py for the sizes and transformers 4 helpers set there) on a tiny random
+    ``ImageReward.pt``: the adapter's scores equal it to 1e-5, and every checkpoint tensor is one the package loads."""
+    from PIL import Image
+
+    state = image_reward_state_dict(TINY_IMAGE_REWARD, seed=6)
+    checkpoint = str(tmp_path / "ImageReward.pt")
+    torch.save(state, checkpoint)
+    tokenizer = save_bert_tokenizer(str(tmp_path / "bert"))
+    model = load_image_reward_package(monkeypatch, TINY_IMAGE_REWARD, checkpoint, tokenizer, str(tmp_path))
+    loaded = model.load_state_dict(state, strict=False)  # (the package loads non-strictly: check what it took)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"blip.text_proj.weight", "blip.text_proj.bias"}
+    images = _images(height=48, width=40)
+    with torch.no_grad():
+        package = [model.score(prompt, Image.fromarray(array)) for prompt, array in zip(PROMPTS, to_uint8(images))]
+    scores = ImageReward(checkpoint, tokenizer=tokenizer, architecture=TINY_IMAGE_REWARD)(PROMPTS, images)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(package), atol=1e-5, rtol=0)
+    assert torch.tensor(package).std() > 0.01
+
+
+def test_clip_score_equals_open_clip(tmp_path):
+    """The CLIP score of a tiny random OpenAI-architecture CLIP (quick GELU) as open_clip computes it (its model,
+    its OpenAI preprocessing of the PIL image, its tokenizer): the adapter, on the same weights in transformers'
+    layout, gives 100 · max(cos, 0) of open_clip's features to 1e-5 (and their cosine before the clamp)."""
+    import open_clip
+    from PIL import Image
+
+    from trl_dance.rewards.hps import clip_config, open_clip_to_transformers
+
+    quick = {"hidden_act": "quick_gelu"}
+    arch = {
+        **TINY_HPS,
+        "vision_config": {**TINY_HPS["vision_config"], **quick},
+        "text_config": {**TINY_HPS["text_config"], **quick},
+    }
+    state = open_clip_state_dict(arch, seed=7)
+    vision, text = arch["vision_config"], arch["text_config"]
+    model = open_clip.CLIP(
+        embed_dim=arch["projection_dim"],
+        vision_cfg={"width": vision["hidden_size"], "layers": vision["num_hidden_layers"], "head_width": 8,
+                    "patch_size": vision["patch_size"], "image_size": vision["image_size"], "mlp_ratio": 2},
+        text_cfg={"context_length": 77, "vocab_size": text["vocab_size"], "width": text["hidden_size"],
+                  "heads": text["num_attention_heads"], "layers": text["num_hidden_layers"], "mlp_ratio": 4},
+        quick_gelu=True,
+    )  # fmt: skip
+    model.load_state_dict(state)
+    preprocess = open_clip.image_transform(vision["image_size"], is_train=False)  # OpenAI's: resize, centre crop
+    prompts = ["a cat", "blue sky, Sunset!", "an old car, parked", "a red house by the sea", "sunset"]
+    images = _images(height=48, width=40)
+    pixels = torch.stack([preprocess(Image.fromarray(array)) for array in to_uint8(images)])
+    with torch.no_grad():
+        image_features, text_features, _ = model.eval()(pixels, open_clip.tokenize(prompts))
+    cosine = (image_features * text_features).sum(-1)
+    directory = str(tmp_path / "clip")
+    hf = CLIPModel(clip_config(arch))
+    hf.load_state_dict(open_clip_to_transformers(state))
+    hf.save_pretrained(directory)
+    save_open_clip_bpe_tokenizer(directory, pad_token="<|endoftext|>")
+    reward = CLIPScore(directory)
+    scores = torch.tensor(reward(prompts, images))
+    torch.testing.assert_close(scores, 100 * cosine.clamp(min=0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(reward.cosine(prompts, images, exact=True), cosine, atol=1e-6, rtol=0)  # unclamped
+    assert cosine.std() > 0.01
 
 
 def test_grpo_trains_against_model_rewards_from_names(tiny_model_dir, checkpoints, tmp_path):

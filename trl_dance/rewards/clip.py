@@ -24,6 +24,10 @@ class CLIPReward(RewardModel):
 
     default_model: str = ""
     needs_text: bool = True
+    resample: str = "pil"  # how the exact path resizes (see reference_pixels): the scorer's own preprocessing
+    # False: text that spells a special token becomes that token, as transformers' processors (PickScore's own
+    # scoring code) tokenize; True: every character is text, as open_clip's tokenizer reads it.
+    split_special_tokens: bool = False
 
     def __init__(
         self,
@@ -59,9 +63,11 @@ class CLIPReward(RewardModel):
         """(B, D) unit-norm image embeddings (:attr:`compute_dtype`) of images (B, 3, H, W) in [0, 1]."""
         size = self.model.config.vision_config.image_size
         # (the published scores of these models come through transformers' CLIPProcessor, which floors a crop's offset)
-        pixels = (reference_pixels if exact else tensor_pixels)(
-            images.to(self.device), size, self.geometry, offset="floor"
-        )
+        images = images.to(self.device)
+        if exact:
+            pixels = reference_pixels(images, size, self.geometry, offset="floor", resample=self.resample)
+        else:
+            pixels = tensor_pixels(images, size, self.geometry, offset="floor")
         features = _pooled(self.model.get_image_features(pixel_values=pixels.to(self.dtype))).to(self.compute_dtype)
         return features / features.norm(dim=-1, keepdim=True)
 
@@ -69,7 +75,14 @@ class CLIPReward(RewardModel):
         """(B, D) unit-norm text embeddings (:attr:`compute_dtype`); prompts truncated to the model's context (77
         tokens)."""
         max_length = self.model.config.text_config.max_position_embeddings
-        tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        tokens = self.tokenizer(
+            prompts,
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+            split_special_tokens=self.split_special_tokens,
+        )
         features = self.model.get_text_features(
             input_ids=tokens["input_ids"].to(self.device), attention_mask=tokens["attention_mask"].to(self.device)
         )

@@ -114,9 +114,11 @@ def open_clip_to_transformers(state_dict: dict[str, torch.Tensor]) -> dict[str, 
 class HPSv2Reward(CLIPReward):
     """HPS v2.1: cosine of the unit-norm image and prompt embeddings of the HPS checkpoint; typically 0.20–0.35.
 
-    Images are converted as HPSv2's ``preprocess_val`` does: 8-bit RGB, longest side to 224 (bicubic), centred on
-    a black square, CLIP normalisation. Prompts use the CLIP BPE tokenizer (open_clip's, as published in
-    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``).
+    Images are converted as the ``hpsv2`` package's ``preprocess_val`` does: 8-bit RGB to a float tensor, longest
+    side to 224 (antialiased bicubic on the tensor), centred on a black square, CLIP normalisation. Prompts use the
+    CLIP BPE tokenizer (open_clip's, as published in ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``) read as open_clip
+    reads them: that tokenizer's pad token is ``"!"``, which transformers would otherwise cut out of a prompt as a
+    special token (diffusers#4153), so ``"wow!"`` would not score as hpsv2 scores it.
 
     Args:
         checkpoint: the ``HPS_v2.1_compressed.pt`` file, a directory holding it, or a Hub repo id (``xswu/HPSv2``).
@@ -125,6 +127,8 @@ class HPSv2Reward(CLIPReward):
     """
 
     name = "hpsv2"
+    resample = "tensor"
+    split_special_tokens = True
 
     def __init__(
         self,

@@ -75,13 +75,26 @@ def reference_pixels(
     mean: Sequence[float] = CLIP_MEAN,
     std: Sequence[float] = CLIP_STD,
     offset: str = "round",
+    resample: str = "pil",
 ) -> torch.Tensor:
-    """The scorers' own preprocessing: 8-bit RGB, PIL bicubic resize, crop (its ``offset`` rounded ``"round"`` or
+    """The scorers' own preprocessing: 8-bit RGB, bicubic resize, crop (its ``offset`` rounded ``"round"`` or
     ``"floor"``, see the module) or pad, ``/255``, normalise.
+
+    ``resample="pil"`` resizes the 8-bit image with PIL (torchvision's ``Resize`` on a PIL image, transformers'
+    processors); ``"tensor"`` divides by 255 first and resizes the float tensor, antialiased (torchvision's ``Resize``
+    after ``ToTensor``: the ``hpsv2`` package's ``preprocess_val``).
 
     Returns:
         (B, 3, size, size) float32 on ``images.device``.
     """
+    if resample == "tensor":
+        pixels = torch.from_numpy(to_uint8(images)).permute(0, 3, 1, 2).to(images.device, torch.float32) / 255
+        new_size = _resized_size(*pixels.shape[-2:], size, mode)
+        if new_size != tuple(pixels.shape[-2:]):
+            pixels = F.interpolate(pixels, size=new_size, mode="bicubic", align_corners=False, antialias=True)
+        return _normalize(_place(pixels, size, mode, offset), mean, std)
+    if resample != "pil":
+        raise ValueError(f"resample must be 'pil' or 'tensor', got {resample!r}")
     out = []
     for array in to_uint8(images):
         height, width = array.shape[:2]
