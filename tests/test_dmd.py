@@ -745,3 +745,44 @@ def test_a_two_step_student_is_evaluated_and_shown_on_its_training_grid(tiny_mod
     assert f"2 steps, guidance 3.5, 32×32, dance σ grid {shown}" in capsys.readouterr().out
     evaluate.main([*arguments, "--checkpoints", trainer.args.output_dir, "--sampling", "pipeline"])
     assert "8 steps" in capsys.readouterr().out and SAMPLING_FILE  # the pipeline's (the tiny folder's) defaults
+
+
+@pytest.mark.parametrize("simulation", ["ode", "renoise"])
+def test_backward_simulation_renoises_each_clean_prediction_with_fresh_noise(
+    tiny_model_dir, tmp_path, capsys, simulation
+):
+    """DMD2's backward simulation: every visited state after the first is the previous state's clean prediction
+    re-noised with fresh noise, x_{k+1} = (1 − σ_{k+1})·x̂0_k + σ_{k+1}·ε with ε standard normal and unrelated to the
+    model's own noise estimate ε̂_k = (x_k − (1 − σ_k)·x̂0_k)/σ_k; on the deterministic (Euler) sampler ε is ε̂_k
+    exactly. The student is evaluated, recorded and shown in its card with the sampler it trains with."""
+    trainer = _trainer(tiny_model_dir, tmp_path, num_inference_steps=4, backward_simulation=simulation)
+    trainer._generate_and_score(ROWS)
+    visited, clean = trainer._rollout["visited"].float(), trainer._rollout["visited_clean"].float()
+    sigmas = trainer.policy.process.sigma_values
+    for k in range(3):  # the steps onto σ > 0
+        noise = (visited[:, k + 1] - (1 - sigmas[k + 1]) * clean[:, k]) / sigmas[k + 1]
+        estimate = (visited[:, k] - (1 - sigmas[k]) * clean[:, k]) / sigmas[k]
+        if simulation == "ode":
+            torch.testing.assert_close(noise, estimate, atol=1e-4, rtol=1e-4)
+            continue
+        correlation = torch.corrcoef(torch.stack([noise.flatten(), estimate.flatten()]))[0, 1]
+        assert abs(noise.mean()) < 0.05 and abs(noise.std() - 1) < 0.05 and abs(correlation) < 0.1, k
+    renoise = simulation == "renoise"
+    assert (trainer._eval_plan(trainer.policy).sde_end > 0) == renoise
+    assert trainer._sampling_record().get("stochastic_sampling", False) == renoise
+    from trl_dance.trainer.evaluation import sampling_call_code
+
+    code = sampling_call_code(trainer._sampling_record(), trainer.policy.pipeline)
+    assert ("stochastic_sampling=True" in code) == renoise
+    if renoise:
+        with pytest.raises(ValueError, match="set cps_eta=1 for fresh noise"):
+            dmd_config(tmp_path, loss_type="ac_dmd", backward_simulation="renoise")
+        from trl_dance.scripts import evaluate
+
+        trainer.save_model()  # `trl-dance eval` samples the saved student with fresh noise at each step too
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("a cat\n")
+        capsys.readouterr()
+        evaluate.main(["--model_name_or_path", tiny_model_dir("flux"), "--prompts_file", str(prompts),
+                       "--output_dir", str(tmp_path / "eval"), "--checkpoints", trainer.args.output_dir])  # fmt: skip
+        assert "'stochastic_sampling': True" in capsys.readouterr().out

@@ -111,9 +111,12 @@ def _weights_of(policy: DiffusionPolicy, checkpoint: str | None):
         setattr(pipeline, policy.denoiser_name, base)
 
 
-def _sample_and_score(policy, rows, funcs, args: EvalArguments, label: str) -> tuple[torch.Tensor, list]:
-    """(n, F) rewards of every row's sample and the images as PIL, each row sampled from its own seeded noise."""
-    plan = RolloutPlan.deterministic(policy.num_steps)
+def _sample_and_score(
+    policy, rows, funcs, args: EvalArguments, label: str, stochastic: bool = False
+) -> tuple[torch.Tensor, list]:
+    """(n, F) rewards of every row's sample and the images as PIL, each row sampled from its own seeded noise (and,
+    ``stochastic``, its own seeded noise at each step)."""
+    plan = RolloutPlan(policy.num_steps) if stochastic else RolloutPlan.deterministic(policy.num_steps)
     device_type = policy.device.type
     autocast = policy.denoiser.dtype != torch.float32
     scores, images = [], []
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     if recorded is not None:  # a few-step student samples on its own grid, not the pipeline's
         print(f"sampling as the checkpoints were trained to ({SAMPLING_FILE}; flags override): {recorded}")
         defaults |= {key: value for key, value in recorded.items() if value is not None and key != "sigmas"}
+    # DMD2's re-noising students sample with fresh noise at each step (CPS at η = 1), seeded as the starts are
+    stochastic = bool(recorded and recorded.get("stochastic_sampling"))
     given = {name: getattr(args, name) for name in ("num_inference_steps", "guidance_scale", "height", "width",
                                                     "num_frames", "negative_prompt", "max_sequence_length")}  # fmt: skip
     chosen = defaults | {name: value for name, value in given.items() if value is not None}
@@ -248,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         max_sequence_length=chosen["max_sequence_length"],
         num_frames=chosen.get("num_frames"),
         guidance_scale_2=chosen.get("guidance_scale_2"),
+        **({"sde_type": "cps", "eta": 1.0} if stochastic else {}),
     )
     policy = make_policy(pipeline, settings)
     policy.use_condition_columns(dataset.column_names)  # (Qwen-Image 2.1's optional condition image)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for label, checkpoint in labels.items():
             with _weights_of(policy, checkpoint):
-                scores, images = _sample_and_score(policy, rows, funcs, args, label)
+                scores, images = _sample_and_score(policy, rows, funcs, args, label, stochastic)
             results[label] = scores
             folder = os.path.join(args.output_dir, "images", label)
             os.makedirs(folder, exist_ok=True)

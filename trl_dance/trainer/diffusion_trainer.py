@@ -532,17 +532,22 @@ class DiffusionTrainer(_BaseTrainer):
 
     # Evaluation samples: the deterministic sampler, fixed noise, the EMA weights when kept (see evaluation.py).
 
+    def _eval_plan(self, policy: DiffusionPolicy) -> RolloutPlan:
+        """The evaluation's noise plan: the deterministic sampler (a trainer whose model samples otherwise, DMD2's
+        re-noising student, overrides it; its noise is then seeded as the starts are)."""
+        return RolloutPlan.deterministic(policy.num_steps)
+
     def _eval_samples(
         self, policy: DiffusionPolicy, rows: list[dict[str, Any]]
     ) -> Iterator[tuple[list, dict[str, torch.Tensor]]]:
         """Yield ``(chunk, samples)`` over this process's share of ``rows`` (dicts with ``prompt`` and the policy's
-        condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s deterministic samples from noise
+        condition columns) in chunks of ``per_device_eval_batch_size``: ``policy``'s samples (:meth:`_eval_plan`) from noise
         seeded by (``eval_seed``, row index), :func:`~trl_dance.sampling.generate`'s dict (``images`` (B, 3, H, W) in
         [0, 1], and ``audio`` where :attr:`_decode_audio`: rewards that score it). Shares are padded to equal length
         (the last row repeated: under ZeRO-3 and FSDP every process must take part in every forward), so gathered results are
         the rows in order followed by the padding. Call on every process and exhaust it."""
         args = self.args
-        plan = RolloutPlan.deterministic(policy.num_steps)
+        plan = self._eval_plan(policy)
         ema = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
         indices = list(range(len(rows)))
         with ema, self.data_parallel.split(indices) as mine:

@@ -77,6 +77,11 @@ class DMDConfig(RolloutConfig):
             trained by PPO each round, drawn per round from (`seed`, round), the same for every sample and process
             (RTDMD's "SubGRPO": 2 of the 3 of a 4-step student).
         epsilon (`float`, defaults to `1e-5`): with `"rtdmd"`, PPO's clip range (TRL's name; RTDMD's 1e-5).
+        backward_simulation (`str`, defaults to `"ode"`): with `"dmd"`, how the student's few-step sampler moves
+            between its steps, in its rollouts and its evaluation: `"ode"` (ours) the deterministic Euler step;
+            `"renoise"` (DMD2's backward simulation, as Flow-Factory's) its clean prediction re-noised with fresh noise,
+            x' = (1 − σ')·x̂₀ + σ'·ε: CPS at η = 1, and the sampler of diffusers'
+            `FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)`, which a student trained this way needs.
         cps_eta (`float`, defaults to `0.9`): with `"ac_dmd"` and `"rtdmd"`, the CPS transitions' noise angle a (std
             = σ'·sin(aπ/2); RTDMD's η 0.9), in the student's sampler and in the teacher's and fake score's steps.
         consistency_weight (`float`, defaults to `0.01`): AC-DMD's consistency term in the fake score's loss
@@ -142,6 +147,13 @@ class DMDConfig(RolloutConfig):
     policy_gradient_steps: int = field(default=2, metadata={"help": "rtdmd: CPS steps trained by PPO per round."})
     epsilon: float = field(default=1e-5, metadata={"help": "rtdmd: PPO clip range."})
     consistency_weight: float = field(default=0.01, metadata={"help": "AC-DMD's consistency term weight."})
+    backward_simulation: str = field(
+        default="ode",
+        metadata={
+            "help": "dmd: the student's sampler, 'ode' (deterministic) or 'renoise' (DMD2's: fresh noise each step).",
+            "choices": ["ode", "renoise"],
+        },
+    )
     cps_eta: float = field(default=0.9, metadata={"help": "AC-DMD: the CPS transitions' noise angle."})
     gan_generator_weight: float = field(default=0.0, metadata={"help": "DMD2's GAN term in the student's loss."})
     gan_discriminator_weight: float = field(default=1e-2, metadata={"help": "The GAN classifier's loss weight."})
@@ -211,6 +223,13 @@ class DMDConfig(RolloutConfig):
             raise ValueError(f"reward_tilt_margin must be finite, got {self.reward_tilt_margin}")
         if not 0 < self.cps_eta <= 1:
             raise ValueError(f"cps_eta must be in (0, 1], got {self.cps_eta}")
+        if self.backward_simulation not in ("ode", "renoise"):
+            raise ValueError(f"backward_simulation must be 'ode' or 'renoise', got {self.backward_simulation!r}")
+        if self.backward_simulation == "renoise" and self.loss_type != "dmd":
+            raise ValueError(
+                f"backward_simulation='renoise' is DMD2's sampler for loss_type='dmd'; {self.loss_type!r} samples "
+                f"with CPS transitions at cps_eta ({self.cps_eta}): set cps_eta=1 for fresh noise at each step"
+            )
         weights = ("reward_tilt", "gan_generator_weight", "gan_discriminator_weight", "consistency_weight")
         for name in (*weights, "distribution_matching_weight"):
             if not 0 <= getattr(self, name) < math.inf:
@@ -219,7 +238,9 @@ class DMDConfig(RolloutConfig):
             raise ValueError("gan_generator_weight > 0 needs a trained classifier: gan_discriminator_weight > 0")
 
     def sde_settings(self) -> dict[str, Any]:
-        return {"sde_type": "cps", "eta": self.cps_eta} if self.loss_type != "dmd" else {}
+        if self.loss_type == "dmd":  # DMD2's re-noising is CPS at η = 1
+            return {"sde_type": "cps", "eta": 1.0} if self.backward_simulation == "renoise" else {}
+        return {"sde_type": "cps", "eta": self.cps_eta}
 
     def _round_items(self) -> tuple[int, str]:
         samples = self.per_device_generation_batch_size

@@ -265,9 +265,21 @@ class DMDTrainer(RolloutTrainer):
             return RolloutPlan(
                 steps, recorded_steps=tuple(range(steps)), group_noise_steps=shared or None, group_noise_seed=seed
             )
-        if args.loss_type == "ac_dmd":  # CPS transitions (the last, onto σ = 0, is deterministic)
+        if args.loss_type == "ac_dmd" or args.backward_simulation == "renoise":
+            # CPS transitions (η = 1: DMD2's re-noising); the last, onto σ = 0, is deterministic
             return RolloutPlan(steps, recorded_steps=tuple(range(steps)))
         return RolloutPlan.deterministic(steps, recorded_steps=tuple(range(steps)))
+
+    def _eval_plan(self, policy) -> RolloutPlan:
+        if self.args.backward_simulation == "renoise":  # the student is judged with the sampler it trains with
+            return RolloutPlan(policy.num_steps)
+        return super()._eval_plan(policy)
+
+    def _sampling_record(self) -> dict[str, Any]:
+        record = super()._sampling_record()
+        if self.args.backward_simulation == "renoise":
+            record["stochastic_sampling"] = True
+        return record
 
     def _cps(self, velocity: torch.Tensor, latents: torch.Tensor, sigma, sigma_next, noise: torch.Tensor):
         """AC-DMD's CPS transition (``cps_eta``) from σ to σ' < σ with the given standard normal ``noise`` (B, ...),
@@ -581,7 +593,9 @@ class DMDTrainer(RolloutTrainer):
     def _model_card_details(self) -> dict[str, str]:
         args = self.args
         return super()._model_card_details() | {
-            "sampling": f"{args.num_inference_steps} deterministic steps, guidance {args.guidance_scale}, "
+            "sampling": f"{args.num_inference_steps} "
+            + ("re-noised (DMD2's backward simulation)" if args.backward_simulation == "renoise" else "deterministic")
+            + f" steps, guidance {args.guidance_scale}, "
             f"{self._sample_size()}",
             "DMD": (f"teacher {self._teacher_name()}, " if self._teacher_source is not None else "")
             + f"teacher guidance {args.teacher_guidance_scale}, {args.fake_score_updates} fake-score updates per "

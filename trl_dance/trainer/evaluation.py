@@ -67,7 +67,8 @@ RECORDED_SETTINGS = ("num_inference_steps", "guidance_scale", "sigma_schedule", 
 def sampling_record(policy: DiffusionPolicy) -> dict[str, Any]:
     """How ``policy``'s deterministic sampler samples: the :data:`RECORDED_SETTINGS` and, for flow families, its
     σ grid (``sigmas``: the N noise levels the steps start from, 1 → 0 exclusive), so that a few-step student is
-    evaluated and used on the grid it was trained on."""
+    evaluated and used on the grid it was trained on. A trainer whose model samples with fresh noise at each step
+    (DMD2's backward simulation) adds ``stochastic_sampling: True``."""
     record = {name: getattr(policy.settings, name) for name in RECORDED_SETTINGS}
     if (sigmas := sigma_grid(policy)) is not None:
         record["sigmas"] = [round(value, 6) for value in sigmas[:-1]]
@@ -98,23 +99,32 @@ def read_sampling_record(folder: str) -> dict[str, Any] | None:
 def sampling_call_code(record: dict[str, Any], pipeline: DiffusionPipeline, prompt: str = "a photo of a cat") -> str:
     """The diffusers lines that sample as ``record`` says: steps and guidance, and, for a σ grid other than the
     scheduler's (``sigma_schedule="dance"``), that grid passed as ``sigmas`` to a scheduler that does not shift it
-    again (``shift=1``, no dynamic shifting)."""
+    again (``shift=1``, no dynamic shifting); ``stochastic_sampling`` (DMD2's re-noising sampler) switched on where the
+    record has it."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     arguments = [repr(prompt), f"num_inference_steps={record['num_inference_steps']}",
                  f"guidance_scale={record['guidance_scale']}"]  # fmt: skip
-    lines = []
+    lines, options, notes = [], [], []
     own_grid = record.get("sigma_schedule") == "dance" and record.get("sigmas")
-    if own_grid and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+    if isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+        if own_grid:
+            options.append("shift=1.0, use_dynamic_shifting=False")
+            notes.append("the σ grid of training, as it is: a scheduler that shifts nothing")
+            arguments[1] = f"sigmas={record['sigmas']}"
+        if record.get("stochastic_sampling"):
+            options.append("stochastic_sampling=True")
+            notes.append("fresh noise at each step, as the model was trained to sample")
+    if options:
+        note = "; ".join(notes)
         lines = [
             "from diffusers import FlowMatchEulerDiscreteScheduler",
             "",
-            "# The σ grid of training, as it is: a scheduler that shifts nothing",
+            f"# {note[0].upper()}{note[1:]}",
             "pipeline.scheduler = FlowMatchEulerDiscreteScheduler.from_config(",
-            "    pipeline.scheduler.config, shift=1.0, use_dynamic_shifting=False",
+            f"    pipeline.scheduler.config, {', '.join(options)}",
             ")",
         ]
-        arguments[1] = f"sigmas={record['sigmas']}"
     if record.get("negative_prompt"):
         arguments.append(f"negative_prompt={record['negative_prompt']!r}")
     output = "video = pipeline({}).frames[0]" if record.get("num_frames") else "image = pipeline({}).images[0]"
