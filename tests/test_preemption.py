@@ -87,6 +87,45 @@ def test_unknown_preemption_signals_are_refused(tmp_path):
         DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, preemption_signals=["SIGTERM", "SIGNOPE"])
     with pytest.raises(ValueError, match="preemption_grace_s must be > 0"):
         DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, preemption_grace_s=0)
+    with pytest.raises(ValueError, match="hang_report_s must be > 0"):
+        DanceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, hang_report_s=-1)
+
+
+def test_a_process_stuck_in_a_phase_names_its_rank_the_phase_and_where_it_is(tiny_model_dir, tmp_path, caplog):
+    """A reward that blocks for 1.5 s against hang_report_s 0.4: the process logs its rank, the phase (reward) and
+    its threads' innermost frames (the reward blocking in its worker thread) while it waits, after 0.4, 0.8 and
+    1.2 s; the watcher thread ends with training."""
+    import threading
+    import time
+
+    from conftest import PROMPTS, tiny_grpo_config
+    from datasets import Dataset
+
+    from trl_dance import DanceGRPOTrainer
+    from trl_dance.rewards import brightness
+
+    calls = []
+
+    def stalled_reward(prompts, images, **kwargs):
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            time.sleep(1.5)
+        return brightness(prompts, images)
+
+    trainer = DanceGRPOTrainer(
+        tiny_model_dir("flux"),
+        stalled_reward,
+        args=tiny_grpo_config(tmp_path, max_steps=1, hang_report_s=0.4),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
+    with caplog.at_level("WARNING", logger="trl_dance.trainer.hang_report"):
+        trainer.train()
+    messages = [record.getMessage() for record in caplog.records]
+    reports = [message for message in messages if "no progress for" in message and "in phase 'reward'" in message]
+    assert len(reports) >= 2, messages  # (3 where the watcher is scheduled on time; a loaded machine may merge them)
+    assert all("rank 0 of 1" in report and "after step 0 (hang_report_s 0.4)" in report for report in reports)
+    assert all("stalled_reward" in report and "time.sleep" in report for report in reports)
+    assert not any(thread.name == "trl-dance-hang-report" for thread in threading.enumerate())
 
 
 def test_a_full_disk_names_the_checkpoint_and_the_space_and_keeps_the_last_one(tiny_model_dir, tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ from .context_parallel import (
 from .ema import EMAUpdate, EMAWeights
 from .evaluation import SAMPLING_FILE, sampling_call_code
 from .gradient_surgery import install_audio_to_video_surgery
+from .hang_report import HangReport
 from .media import log_rollout_media, use_diffusers_callbacks
 from .memory_advice import named_out_of_memory
 from .performance import PerformanceLog, mixed_precision_dtype
@@ -376,6 +377,15 @@ class DiffusionTrainer(_BaseTrainer):
             agree = functools.partial(any_process, self.accelerator)
             self._preemption = PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s)
             self.add_callback(self._preemption)
+        if args.hang_report_s is not None:
+            self.add_callback(
+                HangReport(
+                    self.performance,
+                    self.accelerator.process_index,
+                    self.accelerator.num_processes,
+                    args.hang_report_s,
+                )
+            )
         self._update_boundary = UpdateBoundary(self._update_boundary_state) if args.save_on_crash else None
         if self._update_boundary is not None:
             self.add_callback(self._update_boundary)

@@ -64,6 +64,7 @@ class PerformanceLog:
             peak = peak_tflops(torch.cuda.get_device_name(device), dtype)
         self.peak = peak
         self._cuda = device.type == "cuda"
+        self.changed_at = time.monotonic()  # when a phase last began or ended (the hang report's progress)
         self.reset(time.perf_counter())
 
     def reset(self, now: float) -> None:
@@ -80,10 +81,12 @@ class PerformanceLog:
         """Time the block as phase ``name``; a phase inside another is taken out of the outer one's time."""
         self._spans.append([name, self._mark(), None, self._open[-1] if self._open else None])
         self._open.append(len(self._spans) - 1)
+        self.changed_at = time.monotonic()
         try:
             yield
         finally:
             self._spans[self._open.pop()][2] = self._mark()
+            self.changed_at = time.monotonic()
 
     def current_phase(self) -> str:
         """The innermost open phase (``"other"`` outside every phase): the phase a denoiser call's FLOPs belong to."""

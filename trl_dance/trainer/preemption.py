@@ -58,6 +58,12 @@ class PreemptionArguments:
             auxiliary model (DMD's fake score) are as the error left them, so resuming continues from a valid state
             but is not promised bit-identical (a preemption or a scheduled save is). With several processes nothing
             is written: the other ranks cannot join the save (the launcher stops them).
+        hang_report_s (`float` or `None`, defaults to `600`): a process that stays this long in one phase (rollout,
+            reward, training, or "other" between them: evaluation, saving, a collective) logs its rank, the phase, the
+            step and where its main thread is, again after each further interval
+            (:class:`~trl_dance.trainer.hang_report.HangReport`): a rank stuck in a reward or a collective is named long
+            before `ddp_timeout` (1800 s) ends the job. Set it above the longest phase a healthy run has (a large
+            evaluation); None: never.
     """
 
     save_on_preemption: bool = field(
@@ -70,6 +76,10 @@ class PreemptionArguments:
         default=None,
         metadata={"help": "Seconds after a preemption signal by which training must have stopped (None: no limit)."},
     )
+    hang_report_s: float | None = field(
+        default=600.0,
+        metadata={"help": "Seconds in one phase after which a process logs its rank, phase and stack (None: never)."},
+    )
     save_on_crash: bool = field(
         default=True,
         metadata={"help": "When training raises: a checkpoint at the last complete optimizer update (one process)."},
@@ -78,6 +88,8 @@ class PreemptionArguments:
     def _check_preemption(self) -> None:
         if self.preemption_grace_s is not None and not self.preemption_grace_s > 0:
             raise ValueError(f"preemption_grace_s must be > 0 seconds (or None), got {self.preemption_grace_s}")
+        if self.hang_report_s is not None and not self.hang_report_s > 0:
+            raise ValueError(f"hang_report_s must be > 0 seconds (or None), got {self.hang_report_s}")
         unknown = [name for name in self.preemption_signals if not hasattr(signal, name)]
         if unknown:
             raise ValueError(f"preemption_signals: {unknown} are not signals of this platform ({list(SIGNALS)}, ...)")
