@@ -6,8 +6,10 @@ resumed from the latest checkpoint. The main process
 writes the trained parameters of the first and the last (full.pt, resumed.pt) and the step the signalled run stopped at
 and the checkpoints it left (result.json) to argv[2]. With argv[4] == "twice", a second signal follows after the repeat
 window instead and the process is expected to die of it; with SIGKILL, rank 1 dies during the 2nd update; with argv[4] ==
-"grace", the signalled update takes longer than preemption_grace_s."""
+"grace", the signalled update takes longer than preemption_grace_s; with SAVEFAIL (no signal), rank 0's share of the first
+checkpoint fails as on a full disk."""
 
+import errno
 import json
 import os
 import signal
@@ -85,6 +87,17 @@ if len(sys.argv) > 4 and sys.argv[4] == "grace":  # an update slower than preemp
     slow.add_callback(SlowUpdate())
     slow.train()
     sys.exit(3)  # not reached: the grace's end exits
+
+if signal_name == "SAVEFAIL":  # rank 0's share of the first checkpoint fails (a full disk); rank 1's succeeds
+    failing = trainer("savefail", save_strategy="steps", save_steps=2)
+    if int(os.environ.get("RANK", "0")) == 0:
+
+        def full_disk(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        failing._write_weights = full_disk
+    failing.train()
+    sys.exit(3)  # not reached on either rank: both raise
 
 if twice:
     signalled = trainer("twice")

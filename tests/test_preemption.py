@@ -80,6 +80,19 @@ def test_a_dead_process_ends_the_run_naming_it(tiny_model_dir, tmp_path):
     assert "rank      : 1 (local_rank: 1)" in failure and "(SIGKILL)" in failure
 
 
+def test_a_save_that_fails_on_one_process_stops_them_all_naming_it(tiny_model_dir, tmp_path):
+    """Rank 0's share of a checkpoint fails (a full disk) while rank 1's succeeds: rank 0 raises the named full-disk
+    error, rank 1 raises one naming rank 0 and its message instead of waiting at the save's barrier until ddp_timeout,
+    and the launcher exits non-zero."""
+    import time
+
+    start = time.perf_counter()
+    completed = _run(tiny_model_dir("flux"), tmp_path, 2, "SAVEFAIL")
+    assert completed.returncode != 0 and time.perf_counter() - start < 120, completed.stderr[-3000:]
+    assert "No space left on device" in completed.stderr
+    assert "failed on rank 0 of 2, so this process (rank 1) stops too: OSError" in completed.stderr
+
+
 def test_unknown_preemption_signals_are_refused(tmp_path):
     from trl_dance import DanceGRPOConfig
 

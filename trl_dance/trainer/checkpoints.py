@@ -146,3 +146,25 @@ def named_save_failure(folder: str) -> Iterator[None]:
         named = OSError(save_failure(folder, error))
         named._trl_dance_named = True
         raise named from error
+
+
+def raise_if_any_failed(accelerator, error: BaseException | None, what: str) -> None:
+    """After a step that each process does on its own (its share of a save), before the barrier that follows it:
+    raise ``error`` where it is set, and on every other process an error naming the rank(s) where ``what`` failed and
+    the first message, so that no process waits at the barrier for one that is gone (until ``ddp_timeout``). One
+    gather of a short string per call; nothing to agree on with one process."""
+    if accelerator.num_processes == 1:
+        if error is not None:
+            raise error
+        return
+    from accelerate.utils import gather_object
+
+    messages = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+    failed = [rank for rank, message in enumerate(messages) if message is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"{what} failed on rank {', '.join(map(str, failed))} of {accelerator.num_processes}, so this process "
+            f"(rank {accelerator.process_index}) stops too: {messages[failed[0]]}"
+        )

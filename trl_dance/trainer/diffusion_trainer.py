@@ -37,7 +37,13 @@ from ..lora import LORA_WEIGHTS_NAME, add_lora, has_lora, load_lora, lora_loadin
 from ..policies import DiffusionPolicy
 from ..sampling import RolloutPlan, generate, sample_generators
 from ..tiny_folders import MODULAR_INDEX, is_tiny_folder, load_modular_pipeline, load_tiny_pipeline
-from .checkpoints import checkpoint_problem, named_save_failure, resolve_checkpoint, write_manifest
+from .checkpoints import (
+    checkpoint_problem,
+    named_save_failure,
+    raise_if_any_failed,
+    resolve_checkpoint,
+    write_manifest,
+)
 from .context_parallel import (
     DataParallel,
     check_context_parallel,
@@ -768,10 +774,15 @@ class DiffusionTrainer(_BaseTrainer):
 
     def _save_checkpoint(self, model, trial):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with named_save_failure(folder):  # a full disk: the path, the space left, what the last checkpoint takes
-            super()._save_checkpoint(model, trial)
-            state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
-            torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        error = None
+        try:
+            with named_save_failure(folder):  # a full disk: the path, the space left, what the last checkpoint takes
+                super()._save_checkpoint(model, trial)
+                state = self._resume_state() | ({"ema": self.ema.state_dict()} if self.ema is not None else {})
+                torch.save(state, os.path.join(folder, _PROCESS_STATE.format(self.accelerator.process_index)))
+        except Exception as caught:  # every process hears of it: the others would wait at the barrier below
+            error = caught
+        raise_if_any_failed(self.accelerator, error, f"saving {folder}")
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)
