@@ -663,7 +663,7 @@ def test_rollout_does_not_depend_on_rollout_batch_size(tiny_model_dir, tmp_path,
 @pytest.mark.parametrize(("prompts", "resume_at"), [(32, 2), (8, 3), (8, 4)])
 def test_resume_at_a_round_boundary_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, prompts, resume_at):
     """Interrupted and resumed at a round boundary: bit-identical parameters after 6 rounds to a run never
-    interrupted. 32 prompts: all 6 rounds in one epoch; 8 prompts (the demo's): 2 rounds per epoch, resumed in the
+    interrupted. 32 prompts: all 6 rounds in one epoch; 8 prompts (the tiny FLUX recipe's): 2 rounds per epoch, resumed in the
     middle of epoch 2 (after round 3) or at the end of epoch 2 (after round 4), so every epoch's prompt order must be
     reproduced."""
 
