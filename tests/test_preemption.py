@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -108,7 +109,6 @@ def test_a_process_stuck_in_a_phase_names_its_rank_the_phase_and_where_it_is(tin
     """A reward that blocks for 1.5 s against hang_report_s 0.4: the process logs its rank, the phase (reward) and
     its threads' innermost frames (the reward blocking in its worker thread) while it waits, after 0.4, 0.8 and
     1.2 s; the watcher thread ends with training."""
-    import threading
     import time
 
     from conftest import PROMPTS, tiny_grpo_config
@@ -218,7 +218,6 @@ def test_trl_dance_waits_for_the_checkpoint_and_says_how_to_resume(tiny_model_di
     """The signal sent to `trl-dance` alone (accelerate's launcher would SIGKILL the script 5 s after SIGTERM and exit
     143, and die of SIGUSR1): the script saves its checkpoint, the command exits 0 and prints the command that
     resumes; no final-looking LoRA at the run's root; the checkpoint's card says the run is unfinished."""
-    import threading
 
     out = tmp_path / "out"
     recipe = os.path.join(ROOT, "recipes", "configs", "grpo_flux_tiny.yaml")
@@ -295,6 +294,7 @@ def test_a_crash_writes_a_checkpoint_where_the_state_is_whole(tiny_model_dir, tm
     full.train()
     with pytest.raises(Exception, match="reward server down" if where == "reward" else "optimizer blew up"):
         trainer(tmp_path / "crashed", crash=True).train()
+    assert not any(thread.name == "trl-dance-hang-report" for thread in threading.enumerate())  # (stopped with it)
     checkpoints = sorted(p.name for p in (tmp_path / "crashed").glob("checkpoint-*"))
     if where == "optimizer step":
         assert checkpoints == []

@@ -383,15 +383,11 @@ class DiffusionTrainer(_BaseTrainer):
             agree = functools.partial(any_process, self.accelerator)
             self._preemption = PreemptionHandler(args.preemption_signals, agree, args.preemption_grace_s)
             self.add_callback(self._preemption)
+        self._hang_report = None
         if args.hang_report_s is not None:
-            self.add_callback(
-                HangReport(
-                    self.performance,
-                    self.accelerator.process_index,
-                    self.accelerator.num_processes,
-                    args.hang_report_s,
-                )
-            )
+            process, processes = self.accelerator.process_index, self.accelerator.num_processes
+            self._hang_report = HangReport(self.performance, process, processes, args.hang_report_s)
+            self.add_callback(self._hang_report)
         self._update_boundary = UpdateBoundary(self._update_boundary_state) if args.save_on_crash else None
         if self._update_boundary is not None:
             self.add_callback(self._update_boundary)
@@ -813,8 +809,10 @@ class DiffusionTrainer(_BaseTrainer):
             return super().train(
                 resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
-        except Exception as error:
-            if self._update_boundary is not None:
+        except BaseException as error:
+            if self._hang_report is not None:  # (its watcher would otherwise outlive the run that raised)
+                self._hang_report.stop()
+            if self._update_boundary is not None and isinstance(error, Exception):
                 self._save_after_crash(error)
             raise
 
