@@ -139,7 +139,9 @@ def read_text(images: torch.Tensor, engine: str = "rapidocr", min_side: int = 12
             # Recognition alone returns [[text, score]]; with detection [[box, text, score]] per box.
             readings.append("".join(line[-2] for line in result or []))
         else:
-            readings.append("".join(reader.readtext(pixels, detail=0)))
+            with warnings.catch_warnings():  # its recognizer's DataLoader pins memory, which a CPU cannot
+                warnings.filterwarnings("ignore", message=r".*pin_memory", category=UserWarning)
+                readings.append("".join(reader.readtext(pixels, detail=0)))
     return readings
 
 
