@@ -1,4 +1,5 @@
-"""The reward packages users score with (``hpsv2``, ``image-reward``), run on tiny random checkpoints, offline.
+"""The reward packages users score with (``hpsv2``, ``image-reward``, open_clip), run on tiny random checkpoints,
+offline.
 
 scripts/setup_env.sh installs them with the dev extra, without their requirements (they pin 2023 releases of pytest,
 timm and protobuf). What is changed here, and nothing else: the sizes their constructors hard-code (ViT-H-14,
@@ -67,6 +68,33 @@ def hpsv2_package_model(architecture: dict, directory: str):
         with_region_predictor=False,
     )
     return model, preprocess_val
+
+
+def open_clip_model(architecture: dict, quick_gelu: bool = False):
+    """open_clip's own ``CLIP`` for ``architecture`` (``TINY_OPEN_CLIP``'s layout), in eval mode, random weights."""
+    import open_clip
+
+    vision, text = architecture["vision_config"], architecture["text_config"]
+    return open_clip.CLIP(
+        embed_dim=architecture["projection_dim"],
+        vision_cfg={
+            "width": vision["hidden_size"],
+            "layers": vision["num_hidden_layers"],
+            "head_width": vision["hidden_size"] // vision["num_attention_heads"],
+            "patch_size": vision["patch_size"],
+            "image_size": vision["image_size"],
+            "mlp_ratio": vision["intermediate_size"] / vision["hidden_size"],
+        },
+        text_cfg={
+            "context_length": text["max_position_embeddings"],
+            "vocab_size": text["vocab_size"],
+            "width": text["hidden_size"],
+            "heads": text["num_attention_heads"],
+            "layers": text["num_hidden_layers"],
+            "mlp_ratio": text["intermediate_size"] / text["hidden_size"],
+        },
+        quick_gelu=quick_gelu,
+    ).eval()
 
 
 def _invert_attention_mask(self, mask: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_packages import hpsv2_package_model, load_image_reward_package
+from reference_packages import hpsv2_package_model, load_image_reward_package, open_clip_model
 from reward_checkpoints import (
     TINY_BLIP,
     TINY_HPS,
@@ -267,16 +267,8 @@ def test_open_clip_parity(checkpoints):
     """The tiny checkpoint loads into open_clip itself (installed with the dev extra) and gives the features the
     reference forward gives, and the HPSv2 adapter's scores are open_clip's: its CLIP forward's normalised features,
     the diagonal of image @ text, as hpsv2's img_score computes them."""
-    import open_clip
 
-    vision, text = TINY_OPEN_CLIP["vision_config"], TINY_OPEN_CLIP["text_config"]
-    model = open_clip.CLIP(
-        embed_dim=TINY_OPEN_CLIP["projection_dim"],
-        vision_cfg={"width": vision["hidden_size"], "layers": vision["num_hidden_layers"], "head_width": 8,
-                    "patch_size": vision["patch_size"], "image_size": vision["image_size"], "mlp_ratio": 2},
-        text_cfg={"context_length": 77, "vocab_size": text["vocab_size"], "width": text["hidden_size"],
-                  "heads": text["num_attention_heads"], "layers": text["num_hidden_layers"], "mlp_ratio": 2},
-    )  # fmt: skip
+    model = open_clip_model(TINY_OPEN_CLIP)
     model.load_state_dict(checkpoints["hps_state"])
     pixels = reference_pixels(_images(), 32, "pad", resample="tensor")
     expected = open_clip_image_features(checkpoints["hps_state"], TINY_OPEN_CLIP, pixels)
@@ -352,17 +344,10 @@ def test_clip_score_equals_open_clip(tmp_path):
         "text_config": {**TINY_HPS["text_config"], **quick},
     }
     state = open_clip_state_dict(arch, seed=7)
-    vision, text = arch["vision_config"], arch["text_config"]
-    model = open_clip.CLIP(
-        embed_dim=arch["projection_dim"],
-        vision_cfg={"width": vision["hidden_size"], "layers": vision["num_hidden_layers"], "head_width": 8,
-                    "patch_size": vision["patch_size"], "image_size": vision["image_size"], "mlp_ratio": 2},
-        text_cfg={"context_length": 77, "vocab_size": text["vocab_size"], "width": text["hidden_size"],
-                  "heads": text["num_attention_heads"], "layers": text["num_hidden_layers"], "mlp_ratio": 4},
-        quick_gelu=True,
-    )  # fmt: skip
+    model = open_clip_model(arch, quick_gelu=True)
     model.load_state_dict(state)
-    preprocess = open_clip.image_transform(vision["image_size"], is_train=False)  # OpenAI's: resize, centre crop
+    size = arch["vision_config"]["image_size"]
+    preprocess = open_clip.image_transform(size, is_train=False)  # OpenAI's: resize, centre crop
     prompts = ["a cat", "blue sky, Sunset!", "an old car, parked", "a red house by the sea", "sunset"]
     images = _images(height=48, width=40)
     pixels = torch.stack([preprocess(Image.fromarray(array)) for array in to_uint8(images)])
