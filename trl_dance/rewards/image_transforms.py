@@ -87,12 +87,9 @@ def reference_pixels(
     Returns:
         (B, 3, size, size) float32 on ``images.device``.
     """
-    if resample == "tensor":
+    if resample == "tensor":  # the differentiable path's resize, on the 8-bit pixels
         pixels = torch.from_numpy(to_uint8(images)).permute(0, 3, 1, 2).to(images.device, torch.float32) / 255
-        new_size = _resized_size(*pixels.shape[-2:], size, mode)
-        if new_size != tuple(pixels.shape[-2:]):
-            pixels = F.interpolate(pixels, size=new_size, mode="bicubic", align_corners=False, antialias=True)
-        return _normalize(_place(pixels, size, mode, offset), mean, std)
+        return tensor_pixels(pixels, size, mode, mean, std, offset)
     if resample != "pil":
         raise ValueError(f"resample must be 'pil' or 'tensor', got {resample!r}")
     out = []

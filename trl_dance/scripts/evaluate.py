@@ -34,7 +34,13 @@ from trl_dance.policies import DiffusionPolicy, SamplerSettings, make_policy
 from trl_dance.rewards import resolve_reward_funcs, reward_name, score_images
 from trl_dance.sampling import RolloutPlan, generate, mix_seed
 from trl_dance.trainer.diffusion_trainer import load_pipeline
-from trl_dance.trainer.evaluation import SAMPLING_FILE, pipeline_call_defaults, read_sampling_record, sigma_grid
+from trl_dance.trainer.evaluation import (
+    SAMPLING_FILE,
+    STOCHASTIC_SAMPLING_SDE,
+    pipeline_call_defaults,
+    read_sampling_record,
+    sigma_grid,
+)
 from trl_dance.visualization import to_pil
 
 
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     if recorded is not None:  # a few-step student samples on its own grid, not the pipeline's
         print(f"sampling as the checkpoints were trained to ({SAMPLING_FILE}; flags override): {recorded}")
         defaults |= {key: value for key, value in recorded.items() if value is not None and key != "sigmas"}
-    # DMD2's re-noising students sample with fresh noise at each step (CPS at η = 1), seeded as the starts are
+    # DMD2's re-noising students sample with fresh noise at each step, seeded as the starts are
     stochastic = bool(recorded and recorded.get("stochastic_sampling"))
     given = {name: getattr(args, name) for name in ("num_inference_steps", "guidance_scale", "height", "width",
                                                     "num_frames", "negative_prompt", "max_sequence_length")}  # fmt: skip
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
         max_sequence_length=chosen["max_sequence_length"],
         num_frames=chosen.get("num_frames"),
         guidance_scale_2=chosen.get("guidance_scale_2"),
-        **({"sde_type": "cps", "eta": 1.0} if stochastic else {}),
+        **(STOCHASTIC_SAMPLING_SDE if stochastic else {}),
     )
     policy = make_policy(pipeline, settings)
     policy.use_condition_columns(dataset.column_names)  # (Qwen-Image 2.1's optional condition image)

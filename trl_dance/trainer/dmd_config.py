@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .evaluation import STOCHASTIC_SAMPLING_SDE
 from .rollout_config import RolloutConfig
 
 LOSS_TYPES = ["dmd", "ac_dmd", "rtdmd"]
@@ -238,8 +239,8 @@ class DMDConfig(RolloutConfig):
             raise ValueError("gan_generator_weight > 0 needs a trained classifier: gan_discriminator_weight > 0")
 
     def sde_settings(self) -> dict[str, Any]:
-        if self.loss_type == "dmd":  # DMD2's re-noising is CPS at η = 1
-            return {"sde_type": "cps", "eta": 1.0} if self.backward_simulation == "renoise" else {}
+        if self.loss_type == "dmd":
+            return dict(STOCHASTIC_SAMPLING_SDE) if self.backward_simulation == "renoise" else {}
         return {"sde_type": "cps", "eta": self.cps_eta}
 
     def _round_items(self) -> tuple[int, str]:

@@ -57,6 +57,10 @@ def pipeline_call_defaults(pipeline: DiffusionPipeline) -> dict[str, Any]:
     }
 
 
+STOCHASTIC_SAMPLING_SDE = {"sde_type": "cps", "eta": 1.0}
+"""The sampler of a record with ``stochastic_sampling``: each clean prediction re-noised with fresh noise (CPS at η = 1,
+DMD2's backward simulation, diffusers' ``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)``)."""
+
 SAMPLING_FILE = "trl_dance_sampling.json"
 """Beside a run's saved weights: how the trained model samples (:func:`sampling_record`), read by ``trl-dance eval``."""
 

@@ -1,5 +1,5 @@
-"""A process that stops making progress says so: its rank, the phase it is in, for how long, and where its main thread
-is, long before a collective's ``ddp_timeout`` (30 minutes by default) ends the job with a message that names none.
+"""A process that stops making progress says so: its rank, the phase it is in, for how long, and where its threads
+are, long before a collective's ``ddp_timeout`` (30 minutes by default) ends the job with a message that names none.
 
 Progress is a change of phase (:meth:`~trl_dance.trainer.performance.PerformanceLog.phase`: rollout, reward,
 training, and "other" between them: evaluation, saving, collectives). Under several processes a rank stuck in a reward
@@ -30,7 +30,6 @@ class HangReport(TrainerCallback):
         self._thread: threading.Thread | None = None
         self._main = threading.main_thread()
         self._step = 0
-        self.reports = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._stop.clear()
@@ -74,7 +73,6 @@ class HangReport(TrainerCallback):
             self.interval_s,
             self._stacks(),
         )
-        self.reports += 1
 
     def _stacks(self, limit: int = 6) -> str:
         """The innermost ``limit`` frames of the training thread, then of every other thread (a reward's worker)."""
